@@ -1,0 +1,250 @@
+"""`oncegate`: serve | migrate | purge | demo-upstream (contract section 2).
+
+Flags win over `ONCEGATE_*` variables, which win over the config file (see `app.settings`).
+Configuration mistakes end the command with a message naming the field and exit status 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from app import errors, settings
+
+log = logging.getLogger("oncegate")
+
+EXIT_CONFIG = 2
+EXIT_STORE = 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    arguments = parser.parse_args(argv)
+    try:
+        result: int = arguments.run(arguments)
+    except errors.ConfigError as exc:
+        print(f"oncegate: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except errors.StoreUnavailable as exc:
+        print(f"oncegate: {exc.detail}", file=sys.stderr)
+        return EXIT_STORE
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oncegate",
+        description="An Idempotency-Key gateway: POST/PATCH calls happen at most once per key.",
+    )
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the gateway. Every flag also has an ONCEGATE_* variable "
+        "(--admin-port: ONCEGATE_ADMIN_PORT); flags win over variables, variables over the file. "
+        "Without ONCEGATE_DATABASE_URL an embedded PostgreSQL runs under ONCEGATE_DATA_DIR.",
+    )
+    serve.add_argument("--upstream", metavar="URL", help="one catch-all route named 'default'")
+    serve.add_argument("--config", metavar="FILE", help="YAML file with routes and settings")
+    serve.add_argument("--host", metavar="H", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="proxy port (default 8080)")
+    serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
+    serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
+    serve.add_argument("--data-dir", metavar="DIR", help="embedded PostgreSQL data (.oncegate)")
+    serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default text)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_serve)
+
+    migrate = commands.add_parser(
+        "migrate", help="apply the schema migrations to ONCEGATE_DATABASE_URL (idempotent)"
+    )
+    migrate.set_defaults(run=_migrate)
+
+    purge = commands.add_parser("purge", help="delete expired keys once, in batches")
+    purge.set_defaults(run=_purge)
+
+    demo = commands.add_parser(
+        "demo-upstream", help="a fake email/ticket/payment service for demos, the lab and tests"
+    )
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=9000)
+    demo.set_defaults(run=_demo_upstream)
+    return parser
+
+
+def _serve(arguments: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.http.app import create_app
+    from app.http.server import GracefulServer
+
+    flags = {
+        name: getattr(arguments, name)
+        for name in (
+            "upstream",
+            "config",
+            "host",
+            "port",
+            "admin_port",
+            "ttl",
+            "data_dir",
+            "log_format",
+            "log_level",
+        )
+    }
+    config = settings.load(flags)
+    _configure_logging(config.log_format, config.log_level)
+    with _database(config.database_url, config.data_dir) as database_url:
+        asyncio.run(_check_schema(database_url))
+        for route in config.routes:
+            log.info(
+                "route %s: %s -> %s (methods %s, key %s, ttl %gs, timeout %gs)",
+                route.name,
+                route.match,
+                route.upstream,
+                ",".join(sorted(route.methods)),
+                route.key,
+                route.ttl,
+                route.timeout,
+            )
+        server = GracefulServer(
+            uvicorn.Config(
+                create_app(config, database_url),
+                host=config.host,
+                port=config.port,
+                log_config=None,
+                access_log=False,
+                # Proxied answers carry the upstream's Server and Date headers, not ours.
+                server_header=False,
+                date_header=False,
+            )
+        )
+        server.run()
+    return 0 if server.started else 1
+
+
+def _migrate(arguments: argparse.Namespace) -> int:
+    from app import migrations
+
+    _configure_logging("text", "info")
+    url, data_dir = _database_settings()
+    with _database(url, data_dir) as database_url:
+        migrations.upgrade(database_url)
+    print(f"database is at schema revision {migrations.head()}")
+    return 0
+
+
+def _purge(arguments: argparse.Namespace) -> int:
+    from app import service
+    from app.store.postgres import PostgresStore
+
+    _configure_logging("text", "warning")
+    url, data_dir = _database_settings()
+
+    async def purge(database_url: str) -> int:
+        store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
+        try:
+            return await service.purge_expired(store)
+        finally:
+            await store.close()
+
+    with _database(url, data_dir) as database_url:
+        deleted = asyncio.run(purge(database_url))
+    print(f"purged {deleted} expired keys")
+    return 0
+
+
+def _demo_upstream(arguments: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.lab.demo_upstream import DemoUpstream
+
+    _configure_logging("text", "info")
+    uvicorn.run(
+        DemoUpstream(),
+        host=arguments.host,
+        port=arguments.port,
+        log_config=None,
+        access_log=False,
+    )
+    return 0
+
+
+def _database_settings() -> tuple[str | None, Path]:
+    """The database of `migrate` and `purge`: the variables alone, no routes needed."""
+    url = os.environ.get("ONCEGATE_DATABASE_URL") or None
+    if url is not None and not url.startswith(("postgresql://", "postgres://")):
+        raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
+    return url, Path(os.environ.get("ONCEGATE_DATA_DIR") or ".oncegate")
+
+
+@contextmanager
+def _database(url: str | None, data_dir: Path) -> Iterator[str]:
+    """The given database, or the embedded one, migrated, for as long as the block runs."""
+    if url is not None:
+        yield url
+        return
+    from app import embedded, migrations
+
+    server = embedded.start(data_dir)
+    try:
+        migrations.upgrade(server.url)
+        log.info("embedded PostgreSQL migrated to revision %s", migrations.head())
+        yield server.url
+    finally:
+        server.stop()
+
+
+async def _check_schema(url: str) -> None:
+    """Refuse to serve a database that was never migrated: every request would fail."""
+    from app import migrations
+    from app.store.postgres import PostgresStore
+
+    store = await PostgresStore.connect(url, min_size=1, max_size=1)
+    try:
+        revision = await store.schema_revision()
+    finally:
+        await store.close()
+    if revision != migrations.head():
+        raise errors.ConfigError(
+            f"the database is at schema revision {revision or 'none'}, this gateway needs "
+            f"{migrations.head()}: run `oncegate migrate` first"
+        )
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def _configure_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        _JsonFormatter()
+        if log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for noisy in ("pgserver", "alembic.runtime.plugins"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

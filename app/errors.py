@@ -1,0 +1,153 @@
+"""The gateway's errors: one class per problem name of the contract (section 4).
+
+Each class knows its HTTP status, its problem name (rendered as the RFC 9457 `type`
+`urn:oncegate:problem:<name>`), its title and the `outcome` label its request is counted under.
+The HTTP layer renders every `GatewayError` the same way; nothing else builds a problem body.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+PROBLEM_TYPE_PREFIX = "urn:oncegate:problem:"
+
+
+class GatewayError(Exception):
+    """An answer the gateway gives itself, instead of (or on behalf of) the upstream."""
+
+    status: ClassVar[int] = 500
+    name: ClassVar[str] = "internal-error"
+    title: ClassVar[str] = "Internal gateway error"
+    outcome: ClassVar[str] = "error"
+    # Set on errors that answer a retry of a known key without calling the upstream: the
+    # `reason` of oncegate_duplicates_blocked_total.
+    blocked: ClassVar[str | None] = None
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers or {}
+
+    @property
+    def status_code(self) -> int:
+        """The status sent to the client; a few errors choose it per instance."""
+        return self.status
+
+    @property
+    def blocked_reason(self) -> str | None:
+        return self.blocked
+
+    @property
+    def type_uri(self) -> str:
+        return PROBLEM_TYPE_PREFIX + self.name
+
+    def problem(self) -> dict[str, object]:
+        return {
+            "type": self.type_uri,
+            "title": self.title,
+            "status": self.status_code,
+            "detail": self.detail,
+        }
+
+
+class RouteNotFound(GatewayError):
+    status = 404
+    name = "route-not-found"
+    title = "No route matches this path"
+    outcome = "no_route"
+
+
+class MissingKey(GatewayError):
+    status = 400
+    name = "missing-key"
+    title = "Idempotency-Key header is required"
+    outcome = "missing_key"
+
+
+class InvalidKey(GatewayError):
+    status = 400
+    name = "invalid-key"
+    title = "Idempotency-Key header is malformed"
+    outcome = "invalid_key"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    name = "body-too-large"
+    title = "Request body is too large"
+    outcome = "body_too_large"
+
+
+class KeyReused(GatewayError):
+    status = 422
+    name = "key-reused"
+    title = "Idempotency-Key was already used for a different request"
+    outcome = "mismatch"
+
+
+class RequestInProgress(GatewayError):
+    status = 409
+    name = "request-in-progress"
+    title = "A request with this Idempotency-Key is still in progress"
+    outcome = "in_progress"
+    blocked = "in_progress"
+
+
+class ResponseNotStored(GatewayError):
+    """The first request completed, but its answer was over `max_stored_response`.
+
+    The contract says such answers reach the first caller and are not replayable; the request is
+    never forwarded a second time, so a retry learns the original status and nothing more.
+    """
+
+    status = 409
+    name = "response-not-stored"
+    title = "The original response was too large to store"
+    outcome = "replayed"
+    blocked = "replayed"
+
+
+class OutcomeUnknown(GatewayError):
+    """The request may have reached the upstream, but its answer was lost.
+
+    The first caller gets 504 (timed out) or 502 (connection broken); every retry gets 409 until
+    an operator resolves the key or it expires.
+    """
+
+    status = 409
+    name = "outcome-unknown"
+    title = "The outcome of the original request is unknown"
+    outcome = "unknown"
+
+    def __init__(
+        self, detail: str, *, status: int = 409, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail, headers=headers)
+        self._status = status
+
+    @property
+    def status_code(self) -> int:
+        return self._status
+
+    @property
+    def blocked_reason(self) -> str | None:
+        # The first caller's 504/502 did reach the upstream; only the 409 to a retry is a block.
+        return "unknown" if self._status == 409 else None
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 502
+    name = "upstream-unavailable"
+    title = "The upstream could not be reached"
+    outcome = "upstream_unavailable"
+
+
+class StoreUnavailable(GatewayError):
+    status = 503
+    name = "store-unavailable"
+    title = "The idempotency store is unavailable"
+    outcome = "store_unavailable"
+
+
+class ConfigError(Exception):
+    """Settings that cannot work; the message names the field. Raised before anything starts."""

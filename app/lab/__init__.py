@@ -1,0 +1,1 @@
+"""The demo upstream (and, later, the crash-recovery lab)."""

@@ -1,0 +1,165 @@
+"""`oncegate demo-upstream`: a small fake email, ticket and payment service.
+
+- `POST /emails`, `/tickets`, `/charges` perform an action (it is recorded at once) and answer
+  201 with a JSON receipt, a `Location` and an `ETag`.
+- `GET /actions` lists every action really performed, with the `Idempotency-Key` it came with
+  (`?key=K` filters); `DELETE /actions` forgets them all.
+- Any path under `/echo` answers 200 with what it received: method, path, query, headers, body.
+- Query parameters make a call misbehave: `?delay=SECONDS` answers late (the action is performed
+  first, as a slow real service would), `?status=CODE` answers that status (an error status
+  performs nothing), `?size=BYTES` pads the receipt to that many bytes, and
+  `?header=Name:Value` (repeatable) adds a response header. The headers `X-Demo-Delay` and
+  `X-Demo-Status` do what `delay` and `status` do without changing the request's fingerprint at
+  the gateway, so a retry of "the same request" can behave differently.
+
+A raw ASGI application with no framework: the demo upstream is also the benchmark's far end, and
+it should cost as little as possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import parse_qsl
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+KINDS = {"/emails": "email", "/tickets": "ticket", "/charges": "charge"}
+PREFIXES = {"email": "em", "ticket": "tk", "charge": "ch"}
+
+
+class DemoUpstream:
+    def __init__(self) -> None:
+        self.actions: list[dict[str, Any]] = []
+        self._ids = itertools.count(1)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        body = await _read_body(receive)
+        method, path = scope["method"], scope["path"]
+        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        params = dict(query)
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
+        if path.startswith("/echo"):
+            received = {
+                "method": method,
+                "path": path,
+                "query": scope["query_string"].decode("latin-1"),
+                "headers": [
+                    [n.decode("latin-1"), v.decode("latin-1")] for n, v in scope["headers"]
+                ],
+                "body": body.decode("utf-8", "replace"),
+            }
+            await _respond(send, 200, received, extra=_extra_headers(query))
+            return
+        if path == "/actions":
+            if method == "DELETE":
+                self.actions.clear()
+                await _respond(send, 204, None)
+                return
+            actions = self.actions
+            if "key" in params:
+                actions = [
+                    action for action in actions if action["idempotency_key"] == params["key"]
+                ]
+            await _respond(send, 200, {"actions": actions})
+            return
+        kind = KINDS.get(path)
+        if kind is None:
+            await _respond(send, 404, {"error": f"no such endpoint: {path}"})
+            return
+        if method != "POST":
+            await _respond(send, 405, {"error": f"{path} takes POST"}, extra=[("allow", "POST")])
+            return
+        try:
+            status = int(headers.get("x-demo-status") or params.get("status", 201))
+            delay = float(headers.get("x-demo-delay") or params.get("delay", 0))
+            size = int(params.get("size", 0))
+        except ValueError:
+            await _respond(send, 400, {"error": "status, delay and size take numbers"})
+            return
+        receipt: dict[str, Any] = {"status": status}
+        if status < 400:
+            receipt = self._perform(kind, path, headers.get("idempotency-key"), body)
+        if size:
+            receipt["padding"] = ""
+            receipt["padding"] = "x" * max(0, size - len(json.dumps(receipt)))
+        if delay:
+            await asyncio.sleep(delay)
+        extra = _extra_headers(query)
+        if status < 400:
+            extra += [("location", f"/actions/{receipt['id']}"), ("etag", f'"{receipt["id"]}"')]
+        await _respond(send, status, receipt, extra=extra)
+
+    def _perform(self, kind: str, path: str, key: str | None, body: bytes) -> dict[str, Any]:
+        action_id = f"{PREFIXES[kind]}_{next(self._ids):06d}"
+        try:
+            request = json.loads(body) if body else None
+        except ValueError:
+            request = body.decode("utf-8", "replace")
+        action = {
+            "id": action_id,
+            "kind": kind,
+            "path": path,
+            "idempotency_key": key,
+            "request": request,
+            "performed_at": time.time(),
+        }
+        self.actions.append(action)
+        return dict(action)
+
+
+def _extra_headers(query: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [
+        (name.strip().lower(), value.strip())
+        for key, spec in query
+        if key == "header" and ":" in spec
+        for name, value in [spec.split(":", 1)]
+    ]
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _respond(
+    send: Send, status: int, document: object, extra: list[tuple[str, str]] | None = None
+) -> None:
+    body = b"" if document is None else json.dumps(document).encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    if document is not None:
+        headers.append((b"content-type", b"application/json"))
+    headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra or []]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,87 @@
+"""Every Prometheus metric of the gateway, defined once (contract section 7).
+
+Label values are bounded: route names and the contract's words, never keys, paths or tenants.
+Counters are per process and start at zero, the Prometheus convention.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Outcomes of contract section 4, the values of the `outcome` label.
+OUTCOMES = (
+    "passthrough",
+    "unprotected",
+    "missing_key",
+    "invalid_key",
+    "body_too_large",
+    "forwarded",
+    "replayed",
+    "in_progress",
+    "mismatch",
+    "upstream_unavailable",
+    "released",
+    "unknown",
+    "store_unavailable",
+)
+# Why a request with a known key did not reach the upstream.
+BLOCK_REASONS = ("replayed", "in_progress", "unknown")
+
+# A store round trip on loopback takes well under a millisecond; an upstream call milliseconds
+# to the route's timeout. The buckets cover both ends.
+_STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+REQUESTS = Counter(
+    "oncegate_requests_total",
+    "Requests answered, by route, method and outcome.",
+    ["route", "method", "outcome"],
+)
+DUPLICATES_BLOCKED = Counter(
+    "oncegate_duplicates_blocked_total",
+    "Requests with a known Idempotency-Key that did not reach the upstream.",
+    ["route", "reason"],
+)
+UPSTREAM_REQUEST_DURATION = Histogram(
+    "oncegate_upstream_request_duration_seconds",
+    "Time from sending a request upstream to having its whole answer.",
+    ["route"],
+    buckets=_REQUEST_BUCKETS,
+)
+REQUEST_DURATION = Histogram(
+    "oncegate_request_duration_seconds",
+    "Time the gateway took to answer a request, by route and outcome.",
+    ["route", "outcome"],
+    buckets=_REQUEST_BUCKETS,
+)
+STORE_OPERATION_DURATION = Histogram(
+    "oncegate_store_operation_duration_seconds",
+    "Time of one store operation (one PostgreSQL round trip), by operation.",
+    ["operation"],
+    buckets=_STORE_BUCKETS,
+)
+INFLIGHT = Gauge(
+    "oncegate_inflight_requests",
+    "Requests being forwarded upstream right now.",
+    ["route"],
+)
+KEYS_PURGED = Counter(
+    "oncegate_keys_purged_total",
+    "Expired keys deleted by the purger.",
+)

@@ -1,0 +1,313 @@
+"""The gateway's state machine (contract sections 4 and 5): claim -> forward -> settle.
+
+Read `Gateway.handle` top to bottom:
+1. A method not under control, or a missing key on a `key: optional` route, is forwarded
+   untouched and nothing is stored.
+2. Otherwise the key is parsed, its scope and the request's fingerprint computed, and the key
+   claimed with one insert. The unique constraint decides who owns it.
+3. The owner forwards the request with no transaction open, then settles the key with its
+   fencing token: `completed` with the answer, released (row deleted) when nothing was sent or the
+   upstream asked for a retry, or `unknown` when the request may have been performed but the
+   answer was lost. A token that was superseded settles nothing.
+4. Anyone else reads the row: a different fingerprint is a reused key (422); a completed key is
+   replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim whose
+   lease ran out because its gateway died) is 409 until resolved, or with `on_unknown: forward`
+   is taken over with a new token and forwarded again. An expired row is claimed as new.
+
+The forward and its settlement run in a task of their own, shielded from the request: a client
+that hangs up does not cancel them, so its retry finds the answer stored. `drain` waits for
+every such task at shutdown. If PostgreSQL is unreachable at claim time the request is refused
+(503) and never forwarded; if it fails at settle time the caller still gets its answer and the
+key turns `unknown` when its lease runs out: the safe direction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+
+from app import errors, fingerprint, keys, metrics
+from app.settings import Route
+from app.store import Claim, Record, Store
+from app.upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
+
+log = logging.getLogger(__name__)
+
+REPLAYED_HEADER = ("idempotent-replayed", "true")
+# Never stored: credentials of one client must not be replayed to anyone.
+NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
+# What a client waiting on an in-flight key should wait before asking again. Short, because most
+# upstream calls take well under a second; clients back off further themselves.
+IN_PROGRESS_RETRY_AFTER = 1
+# Claim, read, claim again: the row can change between two statements (released, expired, taken
+# over). Each lap means another request made progress, so a few laps are plenty.
+CLAIM_ATTEMPTS = 5
+# The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
+# on the same table never wait behind it; the pause between batches leaves room for traffic.
+PURGE_BATCH_SIZE = 1000
+PURGE_PAUSE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    method: str
+    path: str  # as sent, still percent-encoded
+    query: str
+    headers: Sequence[tuple[str, str]]  # names in lower case, values as received
+    body: bytes
+
+    def header_values(self, name: str) -> list[str]:
+        return [value for header, value in self.headers if header == name]
+
+
+@dataclass(slots=True)
+class ProxyResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    outcome: str
+    # Set when the answer came from the store: the reason counted as a blocked duplicate.
+    blocked: str | None = None
+    upstream_seconds: float | None = field(default=None)
+
+
+class RouteTable:
+    """Longest matching prefix wins; a prefix matches whole path segments only, so `/pay`
+    matches `/pay` and `/pay/x` but not `/payments`."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self._routes = sorted(routes, key=lambda route: len(route.match), reverse=True)
+
+    def match(self, path: str) -> Route | None:
+        for route in self._routes:
+            prefix = route.match
+            within = prefix if prefix.endswith("/") else prefix + "/"
+            if path == prefix or path.startswith(within):
+                return route
+        return None
+
+
+def upstream_url(route: Route, path: str, query: str) -> str:
+    if route.strip_prefix:
+        path = path[len(route.match) :]
+        if not path.startswith("/"):
+            path = "/" + path
+    return route.upstream + path + ("?" + query if query else "")
+
+
+class Gateway:
+    def __init__(self, store: Store, upstream: Upstream) -> None:
+        self._store = store
+        self._upstream = upstream
+        self._inflight: set[asyncio.Task[ProxyResponse]] = set()
+
+    async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
+        if request.method not in route.methods:
+            return await self._forward_unprotected(route, request, "passthrough")
+        key = keys.parse(request.header_values(keys.HEADER))
+        if key is None:
+            if route.key == "optional":
+                return await self._forward_unprotected(route, request, "unprotected")
+            raise errors.MissingKey(
+                f"{request.method} requests on route {route.name!r} need an Idempotency-Key "
+                'header, e.g. Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"'
+            )
+        scope = keys.scope(
+            route.name, [request.header_values(name) for name in route.scope_headers]
+        )
+        digest = fingerprint.compute(
+            request.method,
+            request.path,
+            request.query,
+            next(iter(request.header_values("content-type")), None),
+            request.body,
+        )
+        for _ in range(CLAIM_ATTEMPTS):
+            claim = await self._store.claim(
+                route.name, scope, key, digest, route.lease_seconds, route.ttl
+            )
+            if claim is None:
+                record = await self._store.get(scope, key)
+                if record is None:
+                    continue  # released between our insert and our read: claim again
+                decision = await self._existing(route, record, digest)
+                if isinstance(decision, ProxyResponse):
+                    return decision
+                claim = decision
+            if claim is not None:
+                return await self._forward_protected(route, request, claim)
+        raise errors.RequestInProgress(
+            "this Idempotency-Key changed hands several times while we looked at it; retry",
+            headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+        )
+
+    async def _existing(
+        self, route: Route, record: Record, digest: bytes
+    ) -> Claim | ProxyResponse | None:
+        """Decide what to do with a key someone claimed before: the stored answer, a claim when
+        this request is to be forwarded after all, None to look again, or raise the answer."""
+        if record.expired:
+            return await self._store.reclaim_expired(
+                record, route.name, digest, route.lease_seconds, route.ttl
+            )
+        if record.fingerprint != digest:
+            raise errors.KeyReused(
+                "this Idempotency-Key was first used with a different request (method, path, "
+                "query or body); use a new key for a new request"
+            )
+        if record.state == "completed":
+            return replay(record)
+        if record.state == "in_progress":
+            raise errors.RequestInProgress(
+                "a request with this Idempotency-Key is still being processed; retry later",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+            )
+        if route.on_unknown == "forward":
+            return await self._store.take_over(record, route.lease_seconds)
+        raise errors.OutcomeUnknown(
+            "the request with this Idempotency-Key may have been performed, but its answer was "
+            "lost; an operator must resolve the key before it can be answered"
+        )
+
+    async def _forward_protected(
+        self, route: Route, request: ProxyRequest, claim: Claim
+    ) -> ProxyResponse:
+        task = asyncio.create_task(self._forward_and_settle(route, request, claim))
+        self._inflight.add(task)
+        task.add_done_callback(self._forget)
+        return await asyncio.shield(task)
+
+    def _forget(self, task: asyncio.Task[ProxyResponse]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled():
+            # Retrieve the result so an answer nobody waits for (the client hung up) is not
+            # reported as "never retrieved"; the store already holds what matters.
+            task.exception()
+
+    async def drain(self) -> None:
+        """Wait for every forward in flight to finish and be settled."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _forward_and_settle(
+        self, route: Route, request: ProxyRequest, claim: Claim
+    ) -> ProxyResponse:
+        try:
+            response = await self._send(route, request)
+        except NotSent as exc:
+            await self._settle("release", self._store.release(claim))
+            raise errors.UpstreamUnavailable(
+                f"the upstream of route {route.name!r} could not be reached ({exc}); nothing was "
+                "sent, the key was released, and a retry with the same key is safe"
+            ) from exc
+        except AnswerLost as exc:
+            await self._settle("mark_unknown", self._store.mark_unknown(claim))
+            raise errors.OutcomeUnknown(
+                f"the upstream of route {route.name!r} received the request but its answer was "
+                f"lost ({exc}); it may have been performed. Retries get 409 until an operator "
+                "resolves the key",
+                status=504 if exc.timed_out else 502,
+            ) from exc
+        if response.status in route.release_statuses:
+            await self._settle("release", self._store.release(claim))
+            return _answer(response, "released")
+        stored_headers = [pair for pair in response.headers if pair[0].lower() not in NOT_STORED]
+        body = response.body if len(response.body) <= route.max_stored_response else None
+        await self._settle(
+            "complete", self._store.complete(claim, response.status, stored_headers, body)
+        )
+        return _answer(response, "forwarded")
+
+    async def _forward_unprotected(
+        self, route: Route, request: ProxyRequest, outcome: str
+    ) -> ProxyResponse:
+        try:
+            response = await self._send(route, request)
+        except NotSent as exc:
+            raise errors.UpstreamUnavailable(
+                f"the upstream of route {route.name!r} could not be reached ({exc})"
+            ) from exc
+        except AnswerLost as exc:
+            raise errors.OutcomeUnknown(
+                f"the upstream of route {route.name!r} did not answer ({exc})",
+                status=504 if exc.timed_out else 502,
+            ) from exc
+        return _answer(response, outcome)
+
+    async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
+        inflight = metrics.INFLIGHT.labels(route.name)
+        inflight.inc()
+        try:
+            response = await self._upstream.send(
+                request.method,
+                upstream_url(route, request.path, request.query),
+                request.headers,
+                request.body,
+                route.timeout,
+            )
+        finally:
+            inflight.dec()
+        metrics.UPSTREAM_REQUEST_DURATION.labels(route.name).observe(response.duration)
+        return response
+
+    async def _settle(self, operation: str, settlement: Awaitable[bool]) -> None:
+        """Run a store write after the upstream answered. The caller gets the upstream's answer
+        whatever happens here: it was performed, and hiding it would only cause a retry."""
+        try:
+            settled = await settlement
+        except errors.StoreUnavailable:
+            log.error(
+                "could not %s a key after the upstream answered: the store is unavailable; "
+                "the key turns unknown when its lease runs out",
+                operation,
+            )
+            return
+        if not settled:
+            log.warning(
+                "could not %s a key: its claim was taken over (fencing token superseded)",
+                operation,
+            )
+
+
+def replay(record: Record) -> ProxyResponse:
+    assert record.status is not None
+    if not record.stored:
+        raise errors.ResponseNotStored(
+            f"the request with this Idempotency-Key completed with status {record.status}, but "
+            "its response was larger than max_stored_response and cannot be replayed; it was "
+            "not performed again"
+        )
+    assert record.headers is not None and record.body is not None
+    return ProxyResponse(
+        status=record.status,
+        headers=[*record.headers, REPLAYED_HEADER],
+        body=record.body,
+        outcome="replayed",
+        blocked="replayed",
+    )
+
+
+def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
+    return ProxyResponse(
+        status=response.status,
+        headers=response.headers,
+        body=response.body,
+        outcome=outcome,
+        upstream_seconds=response.duration,
+    )
+
+
+async def purge_expired(
+    store: Store, batch_size: int = PURGE_BATCH_SIZE, pause: float = PURGE_PAUSE
+) -> int:
+    """Delete every expired key, one bounded batch at a time; return how many."""
+    total = 0
+    while True:
+        deleted = await store.purge(batch_size)
+        total += deleted
+        metrics.KEYS_PURGED.inc(deleted)
+        if deleted < batch_size:
+            return total
+        await asyncio.sleep(pause)

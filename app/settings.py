@@ -1,0 +1,304 @@
+"""Settings: flags, then `ONCEGATE_*` variables, then the YAML file (contract sections 2 and 3).
+
+Built once at the edge (`load`) and passed down; nothing reads the environment after that.
+Every value is validated before anything starts, and a bad one raises `errors.ConfigError` with
+a message that names the field (`routes[1].ttl: ...`), never a traceback.
+
+Precedence is per field: a flag beats its variable, which beats the file. Route entries live only
+in the file; `ttl` at the top level (or `--ttl`) is the default for routes that set none.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from app import errors
+
+ENV_PREFIX = "ONCEGATE_"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_SIZE_UNITS = {
+    None: 1,
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+}
+
+
+def parse_duration(value: object) -> float:
+    """`90s`, `15m`, `24h`, `7d`, `250ms` or a number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or a string like 90s, 15m, 24h, 7d")
+    if isinstance(value, int | float):
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ValueError(
+            f"{value!r} is not a duration: use a number of seconds or 90s, 15m, 24h, 7d"
+        )
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def parse_size(value: object) -> int:
+    """`512KiB`, `10MiB` or a number of bytes -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("a size is a number of bytes or a string like 512KiB, 10MiB")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size: use a number of bytes or 512KiB, 10MiB")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+# Ten years: longer than any key should live, and far inside PostgreSQL's interval range.
+MAX_DURATION = 3650 * 86400.0
+Duration = Annotated[
+    float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)
+]
+Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+DEFAULT_TTL = 24 * 3600.0
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_BODY_LIMIT = 10 * 1024**2
+_METHOD = re.compile(r"^[A-Z]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _check_upstream(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{value!r}: an upstream URL takes no query or fragment")
+    return value.rstrip("/")
+
+
+class Route(BaseModel):
+    """One `routes:` entry. Defaults are the contract's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    match: str
+    upstream: str
+    strip_prefix: bool = False
+    methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    key: Literal["required", "optional"] = "required"
+    ttl: Duration = DEFAULT_TTL
+    timeout: Duration = DEFAULT_TIMEOUT
+    lease: Duration | None = None
+    max_body: Size = DEFAULT_BODY_LIMIT
+    max_stored_response: Size = DEFAULT_BODY_LIMIT
+    scope_headers: tuple[str, ...] = Field(("Authorization",), validate_default=True)
+    release_statuses: frozenset[int] = frozenset({429, 503})
+    on_unknown: Literal["reject", "forward"] = "reject"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                f"{value!r}: a route name is 1-64 letters, digits, '.', '_' or '-' "
+                "(it becomes a metric label)"
+            )
+        return value
+
+    @field_validator("match")
+    @classmethod
+    def _match(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r}: a path prefix starts with '/'")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str) -> str:
+        return _check_upstream(value)
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _methods(cls, value: object) -> object:
+        if isinstance(value, list | tuple | set | frozenset):
+            methods = [str(method).upper() for method in value]
+            for method in methods:
+                if not _METHOD.match(method):
+                    raise ValueError(f"{method!r} is not an HTTP method")
+            return frozenset(methods)
+        return value
+
+    @field_validator("scope_headers")
+    @classmethod
+    def _scope_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a header name")
+        return tuple(name.lower() for name in value)
+
+    @field_validator("release_statuses")
+    @classmethod
+    def _release_statuses(cls, value: frozenset[int]) -> frozenset[int]:
+        for status in value:
+            if not 100 <= status <= 599:
+                raise ValueError(f"{status} is not an HTTP status code")
+        return value
+
+    @model_validator(mode="after")
+    def _lease_and_ttl(self) -> Route:
+        if self.lease_seconds <= self.timeout:
+            raise ValueError(
+                f"lease ({self.lease_seconds:g}s) must exceed timeout ({self.timeout:g}s), or a "
+                "second request could be forwarded while the first is still in flight"
+            )
+        if self.ttl <= self.lease_seconds:
+            raise ValueError(
+                f"ttl ({self.ttl:g}s) must exceed lease ({self.lease_seconds:g}s): a key cannot "
+                "expire while its request is still in flight"
+            )
+        return self
+
+    @property
+    def lease_seconds(self) -> float:
+        """How long a claim is held. By default twice the timeout: an in-flight claim must
+        outlive the upstream call it guards, or a second gateway could take the key over while
+        the first is still waiting for the answer."""
+        return self.lease if self.lease is not None else 2 * self.timeout
+
+
+class Settings(BaseModel):
+    """Everything `serve` needs, validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    database_url: str | None = None
+    data_dir: Path = Path(".oncegate")
+    admin_token: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    admin_port: int = Field(8081, ge=0, le=65535)
+    ttl: Duration = DEFAULT_TTL
+    upstream: str | None = None
+    log_format: Literal["json", "text"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    purge_interval: Duration = 60.0
+    routes: tuple[Route, ...] = ()
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("postgresql", "postgres"):
+            raise ValueError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
+        return value or None
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str | None) -> str | None:
+        return _check_upstream(value) if value else None
+
+    @field_validator("routes")
+    @classmethod
+    def _unique_routes(cls, value: tuple[Route, ...]) -> tuple[Route, ...]:
+        names = [route.name for route in value]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two routes are named {name!r}")
+        matches = [route.match for route in value]
+        for match in matches:
+            if matches.count(match) > 1:
+                raise ValueError(f"two routes match {match!r}")
+        return value
+
+
+def load(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Settings:
+    """Build the settings from flags (given ones only), `ONCEGATE_*` variables and the file."""
+    flags = {name: value for name, value in (flags or {}).items() if value is not None}
+    environ = os.environ if environ is None else environ
+    path = config_file or flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = _read_file(Path(path)) if path else {}
+    fields = set(Settings.model_fields) - {"routes"}
+    for name in fields:
+        variable = ENV_PREFIX + name.upper()
+        if environ.get(variable):
+            merged[name] = environ[variable]
+    merged.update({name: value for name, value in flags.items() if name in fields})
+    default_ttl = merged.get("ttl", DEFAULT_TTL)
+    routes = merged.get("routes") or []
+    if not isinstance(routes, list):
+        raise errors.ConfigError(f"{path}: routes: must be a list of routes")
+    # A route that sets no ttl takes the top-level one; done before validation so the lease and
+    # ttl checks see the value that will be used.
+    merged["routes"] = [
+        {"ttl": default_ttl, **route} if isinstance(route, dict) else route for route in routes
+    ]
+    if merged.get("upstream"):
+        if any(isinstance(route, dict) and route.get("name") == "default" for route in routes):
+            raise errors.ConfigError("--upstream adds a route named 'default'; the file has one")
+        merged["routes"].append(
+            {"name": "default", "match": "/", "upstream": merged["upstream"], "ttl": default_ttl}
+        )
+    try:
+        settings = Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise errors.ConfigError(_describe(exc, path)) from None
+    if not settings.routes:
+        raise errors.ConfigError(
+            "no routes: give --upstream URL (one catch-all route) or --config FILE with routes"
+        )
+    return settings
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise errors.ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise errors.ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise errors.ConfigError(f"{path}: the top level must be a mapping (routes: ...)")
+    return document
+
+
+def _describe(exc: ValidationError, path: object) -> str:
+    lines = []
+    for error in exc.errors():
+        location = "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
+        ).lstrip(".")
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field (a typo?)"
+        lines.append(f"  {location or 'settings'}: {message}")
+    source = f" in {path}" if path else ""
+    return f"invalid configuration{source}:\n" + "\n".join(lines)

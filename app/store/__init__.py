@@ -1,0 +1,72 @@
+"""The key store: what the state machine needs from PostgreSQL, as a Protocol.
+
+`app.store.postgres.PostgresStore` is the implementation that runs everywhere, tests included.
+Only this package imports asyncpg; driver errors become `errors.StoreUnavailable` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+State = Literal["in_progress", "completed", "unknown"]
+Headers = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Ownership of a key: only the holder of the current fencing token may settle it."""
+
+    record_id: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A key that someone claimed earlier, as the store sees it now."""
+
+    id: int
+    token: int
+    fingerprint: bytes
+    state: State  # effective: an in-flight claim whose lease ran out reads as `unknown`
+    expired: bool  # past its TTL: treat as a new key
+    status: int | None
+    headers: Headers | None
+    body: bytes | None
+    stored: bool  # False when the answer was over `max_stored_response`
+
+    @property
+    def claim(self) -> Claim:
+        return Claim(self.id, self.token)
+
+
+class Store(Protocol):
+    async def claim(
+        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        """Insert the key; None when it exists already (read it with `get`)."""
+
+    async def get(self, scope: bytes, key: str) -> Record | None: ...
+
+    async def reclaim_expired(
+        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        """Take over a row past its TTL as a new claim; None if someone changed it meanwhile."""
+
+    async def take_over(self, record: Record, lease: float) -> Claim | None:
+        """Claim an `unknown` key again with a new fencing token; None if it changed meanwhile."""
+
+    async def complete(
+        self, claim: Claim, status: int, headers: Headers, body: bytes | None
+    ) -> bool:
+        """Store the answer (`body=None`: too large to store). False if the claim was lost."""
+
+    async def release(self, claim: Claim) -> bool:
+        """Delete the key so the next request is forwarded. False if the claim was lost."""
+
+    async def mark_unknown(self, claim: Claim) -> bool:
+        """The request may have reached the upstream and its answer is lost."""
+
+    async def purge(self, batch_size: int) -> int:
+        """Delete one batch of expired keys; return how many."""

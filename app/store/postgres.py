@@ -1,0 +1,158 @@
+"""The PostgreSQL store, on an asyncpg pool.
+
+Design rules:
+- One statement per operation, autocommitted: one round trip, no transaction held open.
+- The pool does not reset connections on release. Nothing here changes session state (no SET,
+  no LISTEN, no advisory locks, no open transaction), so asyncpg's reset query would only add a
+  round trip to every request.
+- asyncpg prepares each statement once per connection and reuses it (its statement cache).
+- Every driver or socket error becomes `errors.StoreUnavailable`: the gateway fails closed and
+  never forwards a request it could not claim. The pool replaces broken connections by itself,
+  so service resumes when PostgreSQL comes back, with no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from app import errors, metrics
+from app.store import Claim, Headers, Record
+from app.store.queries import QUERIES
+
+log = logging.getLogger(__name__)
+
+# Bounds on how long a request may wait for the store before it is answered 503: long enough
+# for a busy database, short enough that a dead one does not hold clients for a minute.
+CONNECT_TIMEOUT = 5.0
+COMMAND_TIMEOUT = 10.0
+ACQUIRE_TIMEOUT = 10.0
+
+_DRIVER_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+async def _no_reset(connection: asyncpg.Connection) -> None:
+    """See the module docstring: nothing to reset."""
+
+
+class PostgresStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 20) -> PostgresStore:
+        """A store on a new pool. Fails with `StoreUnavailable` if PostgreSQL cannot be reached."""
+        try:
+            pool = await asyncpg.create_pool(
+                url,
+                min_size=min_size,
+                max_size=max_size,
+                reset=_no_reset,
+                timeout=CONNECT_TIMEOUT,
+                command_timeout=COMMAND_TIMEOUT,
+            )
+        except _DRIVER_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    @asynccontextmanager
+    async def _connection(self, operation: str) -> AsyncIterator[asyncpg.Connection]:
+        started = time.perf_counter()
+        try:
+            async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+                yield connection
+        except _DRIVER_ERRORS as exc:
+            log.warning("store %s failed: %s: %s", operation, type(exc).__name__, exc)
+            raise errors.StoreUnavailable(
+                "the idempotency store (PostgreSQL) is unavailable; the request was not "
+                "forwarded. Retry with the same Idempotency-Key."
+            ) from exc
+        finally:
+            metrics.STORE_OPERATION_DURATION.labels(operation).observe(
+                time.perf_counter() - started
+            )
+
+    async def _fetchrow(self, operation: str, *args: Any) -> Any:
+        async with self._connection(operation) as connection:
+            return await connection.fetchrow(QUERIES[operation], *args)
+
+    async def claim(
+        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        row = await self._fetchrow("claim", route, scope, key, fingerprint, lease, ttl)
+        return Claim(row["id"], row["fencing_token"]) if row else None
+
+    async def get(self, scope: bytes, key: str) -> Record | None:
+        row = await self._fetchrow("get", scope, key)
+        if row is None:
+            return None
+        headers = row["response_headers"]
+        return Record(
+            id=row["id"],
+            token=row["fencing_token"],
+            fingerprint=row["fingerprint"],
+            state=row["state"],
+            expired=row["expired"],
+            status=row["response_status"],
+            headers=[(name, value) for name, value in json.loads(headers)] if headers else None,
+            body=row["response_body"],
+            stored=row["response_stored"],
+        )
+
+    async def reclaim_expired(
+        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        row = await self._fetchrow(
+            "reclaim_expired", record.id, record.token, route, fingerprint, lease, ttl
+        )
+        return Claim(row["id"], row["fencing_token"]) if row else None
+
+    async def take_over(self, record: Record, lease: float) -> Claim | None:
+        row = await self._fetchrow("take_over", record.id, record.token, lease)
+        return Claim(row["id"], row["fencing_token"]) if row else None
+
+    async def complete(
+        self, claim: Claim, status: int, headers: Headers, body: bytes | None
+    ) -> bool:
+        stored = body is not None
+        row = await self._fetchrow(
+            "complete",
+            claim.record_id,
+            claim.token,
+            status,
+            json.dumps([list(pair) for pair in headers]) if stored else None,
+            body,
+            stored,
+        )
+        return row is not None
+
+    async def release(self, claim: Claim) -> bool:
+        return await self._fetchrow("release", claim.record_id, claim.token) is not None
+
+    async def mark_unknown(self, claim: Claim) -> bool:
+        return await self._fetchrow("mark_unknown", claim.record_id, claim.token) is not None
+
+    async def purge(self, batch_size: int) -> int:
+        async with self._connection("purge") as connection:
+            status: str = await connection.execute(QUERIES["purge"], batch_size)
+        return int(status.rsplit(" ", 1)[1])
+
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at, or None before the first migration."""
+        async with self._connection("schema_revision") as connection:
+            exists = await connection.fetchval("SELECT to_regclass('alembic_version')")
+            if exists is None:
+                return None
+            revision: str | None = await connection.fetchval(
+                "SELECT version_num FROM alembic_version"
+            )
+            return revision

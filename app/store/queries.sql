@@ -1,0 +1,102 @@
+-- Every SQL statement of the gateway, one named query each (`-- name: NAME`).
+-- Each runs alone, autocommitted: one round trip, and no transaction is ever held open across
+-- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
+
+-- name: claim
+-- Take a new key. Returns nothing when the (scope, key) row already exists; the caller then
+-- reads that row. The unique constraint is the arbiter: of many concurrent claims, one wins.
+INSERT INTO oncegate_keys
+    (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
+VALUES
+    ($1, $2, $3, $4, 'in_progress', nextval('oncegate_fencing_token'),
+     now() + make_interval(secs => $5), now() + make_interval(secs => $6))
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING id, fencing_token;
+
+-- name: get
+-- The existing row, with its effective state: an in-flight claim whose lease ran out (its
+-- gateway died) is `unknown`.
+SELECT id,
+       fencing_token,
+       fingerprint,
+       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
+            ELSE state END AS state,
+       expires_at <= now() AS expired,
+       response_status,
+       response_headers,
+       response_body,
+       response_stored
+FROM oncegate_keys
+WHERE scope = $1 AND key = $2;
+
+-- name: reclaim_expired
+-- Take over a row past its TTL as a brand-new claim, only if nobody changed it since it was
+-- read (same fencing token) and no request of it can still be in flight.
+UPDATE oncegate_keys
+SET route = $3,
+    fingerprint = $4,
+    state = 'in_progress',
+    fencing_token = nextval('oncegate_fencing_token'),
+    lease_expires_at = now() + make_interval(secs => $5),
+    created_at = now(),
+    completed_at = NULL,
+    expires_at = now() + make_interval(secs => $6),
+    response_status = NULL,
+    response_headers = NULL,
+    response_body = NULL,
+    response_stored = false
+WHERE id = $1
+  AND fencing_token = $2
+  AND expires_at <= now()
+  AND (state <> 'in_progress' OR lease_expires_at <= now())
+RETURNING id, fencing_token;
+
+-- name: take_over
+-- `on_unknown: forward`: claim an `unknown` row again with a new fencing token, so the gateway
+-- that lost it can no longer complete or release it.
+UPDATE oncegate_keys
+SET state = 'in_progress',
+    fencing_token = nextval('oncegate_fencing_token'),
+    lease_expires_at = now() + make_interval(secs => $3)
+WHERE id = $1
+  AND fencing_token = $2
+  AND expires_at > now()
+  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+RETURNING id, fencing_token;
+
+-- name: complete
+UPDATE oncegate_keys
+SET state = 'completed',
+    response_status = $3,
+    response_headers = $4::jsonb,
+    response_body = $5,
+    response_stored = $6,
+    completed_at = now(),
+    lease_expires_at = NULL
+WHERE id = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+RETURNING id;
+
+-- name: release
+DELETE FROM oncegate_keys
+WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'
+RETURNING id;
+
+-- name: mark_unknown
+UPDATE oncegate_keys
+SET state = 'unknown',
+    lease_expires_at = NULL
+WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'
+RETURNING id;
+
+-- name: purge
+-- One bounded batch of expired rows. Rows locked by a concurrent reclaim are skipped, and a row
+-- still in flight is never deleted, whatever its TTL.
+DELETE FROM oncegate_keys
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid
+    FROM oncegate_keys
+    WHERE expires_at <= now()
+      AND (state <> 'in_progress' OR lease_expires_at <= now())
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+));

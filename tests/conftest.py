@@ -1,0 +1,136 @@
+"""Test fixtures: a real PostgreSQL for the session, a fresh database per test module.
+
+The session starts an embedded PostgreSQL (pgserver) of its own, or uses the server named by
+`ONCEGATE_TEST_DATABASE_URL`. It migrates a template database once; every module that asks for
+`database_url` gets its own copy (`CREATE DATABASE ... TEMPLATE`), so modules never see each
+other's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from app import migrations
+from app.store.postgres import PostgresStore
+
+TEMPLATE = "oncegate_test_template"
+_databases = itertools.count(1)
+
+
+def with_database(url: str, name: str) -> str:
+    """`url` pointing at database `name` instead."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+async def _admin(url: str, *statements: str) -> None:
+    connection = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+def start_embedded(directory: Path) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver.postgres_server import get_server
+
+    return get_server(directory, cleanup_mode="delete")
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A maintenance URL (database `postgres`) of the session's PostgreSQL server."""
+    given = os.environ.get("ONCEGATE_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    # Not under pytest's temporary tree: pytest makes its directories private (0700) as it goes,
+    # and the server runs as pgserver's own unprivileged user when the tests run as root.
+    directory = Path(tempfile.mkdtemp(prefix="oncegate-test-pg-"))
+    server = start_embedded(directory / "data")
+    try:
+        yield server.get_uri()  # type: ignore[attr-defined]
+    finally:
+        server.cleanup()  # type: ignore[attr-defined]
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def template_url(postgres_url: str) -> str:
+    asyncio.run(
+        _admin(
+            postgres_url,
+            f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)",
+            f"CREATE DATABASE {TEMPLATE}",
+        )
+    )
+    url = with_database(postgres_url, TEMPLATE)
+    migrations.upgrade(url)
+    return url
+
+
+def create_database(postgres_url: str, template: str, label: str) -> str:
+    suffix = re.sub(r"\W", "_", label)[-30:].lower()
+    name = f"oncegate_test_{os.getpid()}_{next(_databases)}_{suffix}"
+    asyncio.run(
+        _admin(
+            postgres_url,
+            f"DROP DATABASE IF EXISTS {name} WITH (FORCE)",
+            f"CREATE DATABASE {name} TEMPLATE {template}",
+        )
+    )
+    return with_database(postgres_url, name)
+
+
+@pytest.fixture(scope="module")
+def database_url(
+    postgres_url: str, template_url: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A migrated database of this module's own."""
+    url = create_database(postgres_url, TEMPLATE, request.module.__name__)
+    yield url
+    name = urlsplit(url).path.lstrip("/")
+    asyncio.run(_admin(postgres_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture
+def empty_database_url(postgres_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database with no schema at all (for migration tests)."""
+    url = create_database(postgres_url, "template0", request.node.name)
+    yield url
+    name = urlsplit(url).path.lstrip("/")
+    asyncio.run(_admin(postgres_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[PostgresStore]:
+    store = await PostgresStore.connect(database_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to this module's database, to look at what the store holds."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        yield connection
+    finally:
+        await connection.close()

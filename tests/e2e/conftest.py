@@ -1,0 +1,134 @@
+"""Real processes on real sockets: the demo upstream and gateways, started as `oncegate` would be.
+
+Every process is started by a fixture, logs to a file under the test's temporary directory, and
+is ended by its PID when the fixture finishes (SIGTERM, then SIGKILL if it lingers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+STARTUP_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Process:
+    """A started `oncegate` command."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self._log_file = log.open("ab")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", *args],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_listening(self, port: int, timeout: float = STARTUP_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited early:\n{self.output()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.args} did not listen on {port}:\n{self.output()}")
+
+    def signal(self, number: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, number)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+        self._log_file.close()
+
+
+class DemoUpstream:
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = Process(
+            ["demo-upstream", "--port", str(self.port)], directory / "demo-upstream.log"
+        )
+        self.process.wait_listening(self.port)
+
+    def actions(self, key: str | None = None) -> list[dict[str, Any]]:
+        params = {"key": key} if key is not None else {}
+        response = httpx.get(self.url + "/actions", params=params)
+        response.raise_for_status()
+        actions: list[dict[str, Any]] = response.json()["actions"]
+        return actions
+
+
+class Gateway:
+    def __init__(
+        self,
+        directory: Path,
+        database_url: str,
+        routes: list[dict[str, Any]],
+        name: str = "gateway",
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = directory / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({"routes": routes}))
+        self.process = Process(
+            ["serve", "--config", str(config), "--port", str(self.port)],
+            directory / f"{name}.log",
+            env={"ONCEGATE_DATABASE_URL": database_url},
+        )
+        self.process.wait_listening(self.port)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
+    demo = DemoUpstream(module_dir)
+    try:
+        yield demo
+    finally:
+        demo.process.stop()

@@ -1,0 +1,244 @@
+"""The PostgreSQL store on a real server: claims, fencing, leases, expiry, purge, constraints."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import uuid
+
+import asyncpg
+import pytest
+
+from app import errors, service
+from app.store import Claim
+from app.store.postgres import PostgresStore
+
+ROUTE = "payments"
+LEASE = 60.0
+TTL = 3600.0
+
+
+def digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+SCOPE = digest("tenant-a")
+FINGERPRINT = digest("POST /charges {}")
+
+
+async def claim(
+    store: PostgresStore, key: str, *, lease: float = LEASE, ttl: float = TTL
+) -> Claim | None:
+    return await store.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
+
+
+async def test_first_claim_wins_and_the_row_records_it(store: PostgresStore) -> None:
+    key = new_key()
+    first = await claim(store, key)
+    assert first is not None
+    assert await claim(store, key) is None
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    assert (record.id, record.token) == (first.record_id, first.token)
+    assert record.state == "in_progress"
+    assert record.fingerprint == FINGERPRINT
+    assert not record.expired
+
+
+async def test_same_key_in_another_scope_is_another_key(store: PostgresStore) -> None:
+    key = new_key()
+    assert await claim(store, key) is not None
+    other = await store.claim(ROUTE, digest("tenant-b"), key, FINGERPRINT, LEASE, TTL)
+    assert other is not None
+    assert await store.get(digest("tenant-c"), key) is None
+
+
+async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url: str) -> None:
+    racers = 40
+    store = await PostgresStore.connect(database_url, min_size=racers, max_size=racers)
+    try:
+        for _ in range(5):
+            key = new_key()
+            results = await asyncio.gather(*(claim(store, key) for _ in range(racers)))
+            winners = [result for result in results if result is not None]
+            assert len(winners) == 1
+    finally:
+        await store.close()
+
+
+async def test_complete_stores_the_answer_and_only_for_the_token_holder(
+    store: PostgresStore,
+) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert owner is not None
+    stale = Claim(owner.record_id, owner.token - 1)
+    assert not await store.complete(stale, 500, [], b"wrong")
+    headers = [("content-type", "application/json"), ("location", "/charges/1")]
+    assert await store.complete(owner, 201, headers, b'{"id": 1}')
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    assert record.state == "completed"
+    assert (record.status, list(record.headers or []), record.body) == (201, headers, b'{"id": 1}')
+    assert record.stored
+    # A completed key cannot be completed or released again, even by its owner.
+    assert not await store.complete(owner, 500, [], b"again")
+    assert not await store.release(owner)
+
+
+async def test_an_answer_too_large_to_store_keeps_only_its_status(store: PostgresStore) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert owner is not None
+    assert await store.complete(owner, 201, [("content-type", "text/plain")], None)
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    assert (record.state, record.status, record.stored) == ("completed", 201, False)
+    assert record.body is None and record.headers is None
+
+
+async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
+    store: PostgresStore,
+) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert owner is not None
+    assert not await store.release(Claim(owner.record_id, owner.token + 1))
+    assert await store.release(owner)
+    assert await store.get(SCOPE, key) is None
+    again = await claim(store, key)
+    assert again is not None and again.token > owner.token
+
+
+async def test_a_lease_that_runs_out_reads_as_unknown(store: PostgresStore) -> None:
+    key = new_key()
+    owner = await claim(store, key, lease=0.2)
+    assert owner is not None
+    await asyncio.sleep(0.4)
+    record = await store.get(SCOPE, key)
+    assert record is not None and record.state == "unknown"
+    # The late owner may still settle it: its answer is real information.
+    assert await store.complete(owner, 201, [], b"late")
+
+
+async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert owner is not None
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    # A live in-flight claim cannot be taken over.
+    assert await store.take_over(record, LEASE) is None
+    assert await store.mark_unknown(owner)
+    record = await store.get(SCOPE, key)
+    assert record is not None and record.state == "unknown"
+    successor = await store.take_over(record, LEASE)
+    assert successor is not None and successor.token > owner.token
+    # Only one of two gateways taking over the same unknown key succeeds.
+    assert await store.take_over(record, LEASE) is None
+    assert not await store.complete(owner, 500, [], b"from the lost owner")
+    assert not await store.release(owner)
+    assert await store.complete(successor, 201, [], b"from the new owner")
+    record = await store.get(SCOPE, key)
+    assert record is not None and record.body == b"from the new owner"
+
+
+async def test_an_expired_key_is_reclaimed_once_as_a_new_claim(store: PostgresStore) -> None:
+    key = new_key()
+    owner = await claim(store, key, lease=0.1, ttl=0.3)
+    assert owner is not None
+    assert await store.complete(owner, 201, [], b"old")
+    await asyncio.sleep(0.5)
+    record = await store.get(SCOPE, key)
+    assert record is not None and record.expired
+    new_fingerprint = digest("another request")
+    results = await asyncio.gather(
+        *(store.reclaim_expired(record, ROUTE, new_fingerprint, LEASE, TTL) for _ in range(5))
+    )
+    winners = [result for result in results if result is not None]
+    assert len(winners) == 1
+    fresh = await store.get(SCOPE, key)
+    assert fresh is not None
+    assert (fresh.state, fresh.expired, fresh.fingerprint) == (
+        "in_progress",
+        False,
+        new_fingerprint,
+    )
+    assert fresh.body is None and fresh.status is None
+    assert not await store.complete(owner, 201, [], b"stale")
+
+
+async def test_an_expired_key_still_in_flight_is_not_reclaimed(
+    store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    owner = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, 60.0, 60.0)
+    assert owner is not None
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    # Pretend the TTL passed while the lease still runs: the in-flight claim must survive.
+    await db.execute(
+        "UPDATE oncegate_keys SET created_at = now() - interval '2 hours',"
+        " expires_at = now() - interval '1 second' WHERE id = $1",
+        owner.record_id,
+    )
+    expired = dataclasses.replace(record, expired=True)
+    assert await store.reclaim_expired(expired, ROUTE, FINGERPRINT, LEASE, TTL) is None
+    assert await store.purge(100) == 0
+    assert await store.complete(owner, 201, [], b"done")
+
+
+async def test_store_errors_become_store_unavailable() -> None:
+    with pytest.raises(errors.StoreUnavailable):
+        await PostgresStore.connect("postgresql://nobody@127.0.0.1:1/none")
+
+
+async def test_constraints_refuse_what_the_gateway_never_writes(
+    db: asyncpg.Connection,
+) -> None:
+    insert = (
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+        " lease_expires_at, expires_at)"
+        " VALUES ($1, $2, $3, $4, $5, 1, now(), now() + interval '1h')"
+    )
+    good = (ROUTE, SCOPE, new_key(), FINGERPRINT, "in_progress")
+    bad_rows = [
+        (ROUTE, SCOPE, "k" * 256, FINGERPRINT, "in_progress"),  # key too long
+        (ROUTE, SCOPE, "", FINGERPRINT, "in_progress"),  # empty key
+        (ROUTE, SCOPE, new_key(), FINGERPRINT, "done"),  # unknown state
+        (ROUTE, b"short", new_key(), FINGERPRINT, "in_progress"),  # scope not a SHA-256
+        (ROUTE, SCOPE, new_key(), b"short", "in_progress"),  # fingerprint not a SHA-256
+        (ROUTE, SCOPE, new_key(), FINGERPRINT, "completed"),  # completed without a status
+    ]
+    for row in bad_rows:
+        with pytest.raises(asyncpg.CheckViolationError):
+            await db.execute(insert, *row)
+    await db.execute(insert, *good)
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await db.execute(insert, *good)
+
+
+async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(
+    store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    await db.execute("DELETE FROM oncegate_keys")
+    await db.execute(
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+        " response_status, created_at, expires_at)"
+        " SELECT $1, $2, 'expired-' || n, $3, 'completed', n, 201,"
+        " now() - interval '2 days', now() - interval '1 day'"
+        " FROM generate_series(1, 2500) AS n",
+        ROUTE,
+        SCOPE,
+        FINGERPRINT,
+    )
+    live = await claim(store, new_key())
+    assert live is not None
+    assert await service.purge_expired(store, batch_size=1000, pause=0) == 2500
+    assert await db.fetchval("SELECT count(*) FROM oncegate_keys") == 1
+    assert await service.purge_expired(store, batch_size=1000, pause=0) == 0

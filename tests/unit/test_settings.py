@@ -1,0 +1,583 @@
+"""app.settings (contract sections 2 and 3) and the route table of app.service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import errors, service, settings
+
+UPSTREAM = "http://127.0.0.1:9001"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "oncegate.yaml"
+    path.write_text(text)
+    return path
+
+
+def route(**fields: object) -> settings.Route:
+    return settings.Route.model_validate(
+        {"name": "r", "match": "/", "upstream": UPSTREAM, **fields}
+    )
+
+
+def load_error(
+    tmp_path: Path,
+    text: str | None = None,
+    *,
+    flags: dict[str, object] | None = None,
+    environ: dict[str, str] | None = None,
+) -> str:
+    path = write(tmp_path, text) if text is not None else None
+    with pytest.raises(errors.ConfigError) as caught:
+        settings.load(flags or {}, environ or {}, path)
+    return str(caught.value)
+
+
+# -- durations and sizes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90s", 90.0),
+        ("15m", 900.0),
+        ("24h", 86_400.0),
+        ("7d", 604_800.0),
+        ("250ms", 0.25),
+        ("1.5h", 5_400.0),
+        ("45", 45.0),
+        (" 10s ", 10.0),
+        (30, 30.0),
+        (2.5, 2.5),
+    ],
+)
+def test_parse_duration(text: object, seconds: float) -> None:
+    assert settings.parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "s", "10x", "ten seconds", "-5s", "5 hours", "1e3s", "10s5", "nan", True]
+)
+def test_bad_duration(text: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        settings.parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512KiB", 512 * 1024),
+        ("10MiB", 10 * 1024 * 1024),
+        ("1GiB", 1024**3),
+        ("4096", 4096),
+        ("100B", 100),
+        ("2KB", 2000),
+        (8192, 8192),
+    ],
+)
+def test_parse_size(text: object, size: int) -> None:
+    assert settings.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "1.5MiB", "10 parsecs", "-1", "10kib", False])
+def test_bad_size(text: object) -> None:
+    with pytest.raises(ValueError, match="size"):
+        settings.parse_size(text)
+
+
+# -- one route from --upstream ----------------------------------------------------------------
+
+
+def test_upstream_alone_is_one_catch_all_route_named_default() -> None:
+    loaded = settings.load({"upstream": UPSTREAM + "/"}, {}, None)
+    assert len(loaded.routes) == 1
+    (default,) = loaded.routes
+    assert default.name == "default"
+    assert default.match == "/"
+    assert default.upstream == UPSTREAM
+    table = service.RouteTable(loaded.routes)
+    assert table.match("/") is default
+    assert table.match("/anything/at/all") is default
+
+
+def test_upstream_from_a_variable_is_the_same() -> None:
+    loaded = settings.load({}, {"ONCEGATE_UPSTREAM": UPSTREAM}, None)
+    assert [(r.name, r.match, r.upstream) for r in loaded.routes] == [("default", "/", UPSTREAM)]
+
+
+def test_upstream_alongside_file_routes_adds_default(tmp_path: Path) -> None:
+    path = write(tmp_path, f"routes:\n  - name: pay\n    match: /pay\n    upstream: {UPSTREAM}\n")
+    loaded = settings.load({"upstream": "http://127.0.0.1:9002"}, {}, path)
+    assert sorted(r.name for r in loaded.routes) == ["default", "pay"]
+    table = service.RouteTable(loaded.routes)
+    assert table.match("/pay/x").name == "pay"  # type: ignore[union-attr]
+    assert table.match("/other").name == "default"  # type: ignore[union-attr]
+
+
+# -- route defaults ---------------------------------------------------------------------------
+
+
+def test_route_defaults_are_the_contracts() -> None:
+    default = settings.load({"upstream": UPSTREAM}, {}, None).routes[0]
+    assert default.methods == {"POST", "PATCH"}
+    assert default.key == "required"
+    assert default.ttl == 24 * 3600
+    assert default.timeout == 30
+    assert default.lease_seconds == 60
+    assert default.max_body == 10 * 1024 * 1024
+    assert default.max_stored_response == 10 * 1024 * 1024
+    assert default.release_statuses == {429, 503}
+    assert default.on_unknown == "reject"
+    assert [name.lower() for name in default.scope_headers] == ["authorization"]
+    assert default.strip_prefix is False
+
+
+def test_lease_defaults_to_twice_the_timeout() -> None:
+    assert route(timeout="45s").lease_seconds == 90
+    assert route(timeout="10s", lease="25s").lease_seconds == 25
+
+
+def test_route_fields_from_yaml(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        f"""
+routes:
+  - name: payments
+    match: /payments/
+    upstream: {UPSTREAM}
+    strip_prefix: true
+    methods: [post, PUT]
+    key: optional
+    ttl: 2h
+    timeout: 5s
+    lease: 20s
+    max_body: 512KiB
+    max_stored_response: 1MiB
+    scope_headers: [Authorization, X-Tenant]
+    release_statuses: [429, 500]
+    on_unknown: forward
+""",
+    )
+    (payments,) = settings.load({}, {}, path).routes
+    assert payments.name == "payments"
+    assert payments.match == "/payments/"
+    assert payments.strip_prefix is True
+    assert payments.methods == {"POST", "PUT"}
+    assert payments.key == "optional"
+    assert payments.ttl == 7200
+    assert payments.timeout == 5
+    assert payments.lease_seconds == 20
+    assert payments.max_body == 512 * 1024
+    assert payments.max_stored_response == 1024 * 1024
+    assert [name.lower() for name in payments.scope_headers] == ["authorization", "x-tenant"]
+    assert payments.release_statuses == {429, 500}
+    assert payments.on_unknown == "forward"
+
+
+def test_route_without_ttl_takes_the_top_level_ttl(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        f"""
+ttl: 2h
+routes:
+  - name: inherits
+    match: /a
+    upstream: {UPSTREAM}
+  - name: own
+    match: /b
+    upstream: {UPSTREAM}
+    ttl: 15m
+""",
+    )
+    loaded = settings.load({}, {}, path)
+    ttls = {r.name: r.ttl for r in loaded.routes}
+    assert ttls == {"inherits": 7200, "own": 900}
+
+
+def test_ttl_flag_is_the_default_ttl_of_routes(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, f"ttl: 2h\nroutes:\n  - name: a\n    match: /a\n    upstream: {UPSTREAM}\n"
+    )
+    loaded = settings.load({"ttl": "3h"}, {}, path)
+    assert loaded.ttl == 3 * 3600
+    assert loaded.routes[0].ttl == 3 * 3600
+    assert settings.load({"upstream": UPSTREAM, "ttl": "7d"}, {}, None).routes[0].ttl == 604_800
+
+
+# -- precedence: flags > ONCEGATE_* > file ----------------------------------------------------
+
+
+def _file_with_everything(tmp_path: Path) -> Path:
+    return write(
+        tmp_path,
+        f"""
+port: 1111
+admin_port: 2111
+ttl: 1h
+host: 10.0.0.1
+routes:
+  - name: a
+    match: /a
+    upstream: {UPSTREAM}
+""",
+    )
+
+
+def test_file_values_apply_when_nothing_else_is_given(tmp_path: Path) -> None:
+    loaded = settings.load({}, {}, _file_with_everything(tmp_path))
+    assert (loaded.port, loaded.admin_port, loaded.ttl, loaded.host) == (
+        1111,
+        2111,
+        3600,
+        "10.0.0.1",
+    )
+
+
+def test_variables_beat_the_file(tmp_path: Path) -> None:
+    environ = {"ONCEGATE_PORT": "1222", "ONCEGATE_TTL": "2h"}
+    loaded = settings.load({}, environ, _file_with_everything(tmp_path))
+    assert loaded.port == 1222
+    assert loaded.ttl == 7200
+    assert loaded.routes[0].ttl == 7200
+    assert loaded.admin_port == 2111  # not overridden: still the file's
+    assert loaded.host == "10.0.0.1"
+
+
+def test_flags_beat_variables_and_the_file(tmp_path: Path) -> None:
+    environ = {"ONCEGATE_PORT": "1222", "ONCEGATE_TTL": "2h", "ONCEGATE_ADMIN_PORT": "2222"}
+    flags = {"port": 1333, "ttl": "3h", "admin_port": None}
+    loaded = settings.load(flags, environ, _file_with_everything(tmp_path))
+    assert loaded.port == 1333
+    assert loaded.ttl == 3 * 3600
+    assert loaded.routes[0].ttl == 3 * 3600
+    assert loaded.admin_port == 2222  # a flag left unset (None) does not hide the variable
+
+
+def test_defaults_without_file_flags_or_variables() -> None:
+    loaded = settings.load({"upstream": UPSTREAM}, {}, None)
+    assert loaded.port == 8080
+    assert loaded.admin_port == 8081
+    assert loaded.host == "127.0.0.1"
+    assert loaded.database_url is None
+    assert loaded.admin_token is None
+
+
+def test_variables_for_database_and_admin_token() -> None:
+    environ = {
+        "ONCEGATE_DATABASE_URL": "postgresql://u@localhost/oncegate",
+        "ONCEGATE_ADMIN_TOKEN": "secret",
+        "ONCEGATE_DATA_DIR": "/var/lib/oncegate",
+    }
+    loaded = settings.load({"upstream": UPSTREAM}, environ, None)
+    assert loaded.database_url == "postgresql://u@localhost/oncegate"
+    assert loaded.admin_token == "secret"
+    assert loaded.data_dir == Path("/var/lib/oncegate")
+
+
+def test_config_file_from_variable(tmp_path: Path) -> None:
+    path = _file_with_everything(tmp_path)
+    loaded = settings.load({}, {"ONCEGATE_CONFIG": str(path)}, None)
+    assert [r.name for r in loaded.routes] == ["a"]
+
+
+def test_config_file_from_flag(tmp_path: Path) -> None:
+    path = _file_with_everything(tmp_path)
+    loaded = settings.load({"config": str(path)}, {}, None)
+    assert [r.name for r in loaded.routes] == ["a"]
+
+
+def test_load_does_not_read_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ONCEGATE_PORT", "1999")
+    assert settings.load({"upstream": UPSTREAM}, {}, None).port == 8080
+
+
+# -- errors name the field --------------------------------------------------------------------
+
+
+def test_typo_field_is_named(tmp_path: Path) -> None:
+    message = load_error(tmp_path, f"routes:\n  - name: a\n    match: /\n    upstrem: {UPSTREAM}\n")
+    assert "routes[0].upstrem" in message
+    assert "unknown field" in message
+    assert "routes[0].upstream" in message  # and the field it lacks because of the typo
+
+
+def test_typo_in_second_route_is_named(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        f"""
+routes:
+  - name: a
+    match: /a
+    upstream: {UPSTREAM}
+  - name: b
+    match: /b
+    upstream: {UPSTREAM}
+    tll: 1h
+""",
+    )
+    assert "routes[1].tll" in message
+    assert "unknown field" in message
+
+
+def test_unknown_top_level_field_is_named(tmp_path: Path) -> None:
+    message = load_error(tmp_path, f"prot: 80\nupstream: {UPSTREAM}\n")
+    assert "prot" in message
+    assert "unknown field" in message
+
+
+@pytest.mark.parametrize("ttl", ["0", "0s", "0ms", "-1"])
+def test_ttl_of_zero_is_refused(tmp_path: Path, ttl: str) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: {UPSTREAM}\n    ttl: {ttl}\n"
+    )
+    assert "routes[0].ttl" in message
+
+
+def test_top_level_ttl_of_zero_is_refused() -> None:
+    message = load_error(Path(), flags={"upstream": UPSTREAM, "ttl": "0s"})
+    assert "ttl" in message
+
+
+def test_infinite_ttl_is_refused(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: {UPSTREAM}\n    ttl: .inf\n"
+    )
+    assert "routes[0].ttl" in message
+
+
+@pytest.mark.parametrize(
+    "upstream", ["127.0.0.1:9001", "localhost:9001", "ftp://example.com", "http://", "/just/path"]
+)
+def test_upstream_without_scheme_or_host_is_refused(tmp_path: Path, upstream: str) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: '{upstream}'\n"
+    )
+    assert "routes[0].upstream" in message
+
+
+def test_upstream_flag_without_scheme_is_refused() -> None:
+    message = load_error(Path(), flags={"upstream": "localhost:9001"})
+    assert "upstream" in message
+
+
+@pytest.mark.parametrize(("timeout", "lease"), [("30s", "30s"), ("30s", "10s"), ("1m", "59s")])
+def test_lease_must_exceed_timeout(tmp_path: Path, timeout: str, lease: str) -> None:
+    message = load_error(
+        tmp_path,
+        f"routes:\n  - name: a\n    match: /\n    upstream: {UPSTREAM}\n"
+        f"    timeout: {timeout}\n    lease: {lease}\n",
+    )
+    assert "routes[0]" in message
+    assert "lease" in message
+    assert "timeout" in message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        "    ttl: 60s\n",  # the default lease is 2 x 30s = 60s: equal is not enough
+        "    ttl: 1m\n    timeout: 10s\n    lease: 2m\n",
+    ],
+    ids=["equal-to-default-lease", "below-lease"],
+)
+def test_ttl_must_exceed_lease(tmp_path: Path, fields: str) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: {UPSTREAM}\n" + fields
+    )
+    assert "routes[0]" in message
+    assert "ttl" in message
+    assert "lease" in message
+
+
+def test_short_ttl_is_fine_above_the_lease() -> None:
+    short = route(ttl="30s", timeout="10s")
+    assert (short.ttl, short.lease_seconds) == (30, 20)
+
+
+def test_duplicate_route_names_are_refused(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        f"""
+routes:
+  - name: same
+    match: /a
+    upstream: {UPSTREAM}
+  - name: same
+    match: /b
+    upstream: {UPSTREAM}
+""",
+    )
+    assert "routes" in message
+    assert "'same'" in message
+
+
+def test_duplicate_matches_are_refused(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        f"""
+routes:
+  - name: a
+    match: /x
+    upstream: {UPSTREAM}
+  - name: b
+    match: /x
+    upstream: {UPSTREAM}
+""",
+    )
+    assert "'/x'" in message
+
+
+def test_upstream_flag_and_a_file_route_named_default_clash(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        f"routes:\n  - name: default\n    match: /a\n    upstream: {UPSTREAM}\n",
+        flags={"upstream": UPSTREAM},
+    )
+    assert "default" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("key", "sometimes"),
+        ("on_unknown", "retry"),
+        ("match", "payments"),
+        ("name", "has space"),
+        ("methods", "[GET, 'P OST']"),
+        ("release_statuses", "[999]"),
+        ("max_body", "lots"),
+        ("max_body", "0"),
+        ("timeout", "soon"),
+        ("scope_headers", "['Bad Header']"),
+    ],
+)
+def test_bad_route_field_is_named(tmp_path: Path, field: str, value: str) -> None:
+    route_fields = {"name": "a", "match": "/", "upstream": UPSTREAM, field: value}
+    body = "".join(f"    {name}: {text}\n" for name, text in route_fields.items())
+    message = load_error(tmp_path, "routes:\n  - " + body.lstrip())
+    assert f"routes[0].{field}" in message
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_non_mapping_document_is_refused(tmp_path: Path, text: str) -> None:
+    message = load_error(tmp_path, text)
+    assert "mapping" in message
+    assert str(tmp_path / "oncegate.yaml") in message
+
+
+@pytest.mark.parametrize("text", ["routes: [\n", "routes:\n  - name: a\n   match: : :\n", "\t- x"])
+def test_invalid_yaml_is_refused(tmp_path: Path, text: str) -> None:
+    message = load_error(tmp_path, text)
+    assert "YAML" in message
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.yaml"
+    with pytest.raises(errors.ConfigError) as caught:
+        settings.load({}, {}, missing)
+    assert str(missing) in str(caught.value)
+
+
+def test_routes_that_are_not_a_list_are_refused(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "routes:\n  name: a\n")
+    assert "routes" in message
+
+
+@pytest.mark.parametrize("text", ["", "ttl: 1h\n", "routes: []\n"])
+def test_no_routes_at_all_is_refused(tmp_path: Path, text: str) -> None:
+    message = load_error(tmp_path, text)
+    assert "no routes" in message
+
+
+def test_nothing_given_is_refused() -> None:
+    with pytest.raises(errors.ConfigError, match="no routes"):
+        settings.load({}, {}, None)
+
+
+def test_config_error_is_not_a_traceback(tmp_path: Path) -> None:
+    message = load_error(tmp_path, f"routes:\n  - name: a\n    match: /\n    upstrem: {UPSTREAM}\n")
+    assert "Traceback" not in message
+    assert "pydantic" not in message.lower()
+
+
+# -- the route table --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def table() -> service.RouteTable:
+    return service.RouteTable(
+        [
+            route(name="root", match="/"),
+            route(name="pay", match="/pay"),
+            route(name="pay-refunds", match="/pay/refunds"),
+            route(name="payments", match="/payments/"),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/pay", "pay"),
+        ("/pay/", "pay"),
+        ("/pay/x", "pay"),
+        ("/pay/refunds", "pay-refunds"),
+        ("/pay/refunds/7", "pay-refunds"),
+        ("/pay/refundsx", "pay"),
+        ("/payments/", "payments"),
+        ("/payments/charges", "payments"),
+        ("/paymentsx", "root"),
+        ("/pa", "root"),
+        ("/", "root"),
+        ("/other", "root"),
+    ],
+)
+def test_longest_whole_segment_prefix_wins(table: service.RouteTable, path: str, name: str) -> None:
+    matched = table.match(path)
+    assert matched is not None
+    assert matched.name == name
+
+
+def test_pay_does_not_match_payments() -> None:
+    table = service.RouteTable([route(name="pay", match="/pay")])
+    assert table.match("/pay").name == "pay"  # type: ignore[union-attr]
+    assert table.match("/pay/x").name == "pay"  # type: ignore[union-attr]
+    assert table.match("/payments") is None
+    assert table.match("/") is None
+
+
+def test_order_of_routes_does_not_matter() -> None:
+    short, long = route(name="short", match="/a"), route(name="long", match="/a/b")
+    for routes in ([short, long], [long, short]):
+        assert service.RouteTable(routes).match("/a/b/c").name == "long"  # type: ignore[union-attr]
+
+
+def test_no_route_matches() -> None:
+    assert service.RouteTable([]).match("/x") is None
+
+
+# -- upstream URLs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("match", "strip", "path", "query", "expected"),
+    [
+        ("/payments/", True, "/payments/charges", "", UPSTREAM + "/charges"),
+        ("/payments/", False, "/payments/charges", "", UPSTREAM + "/payments/charges"),
+        ("/pay", True, "/pay/x/y", "a=1&b=2", UPSTREAM + "/x/y?a=1&b=2"),
+        ("/pay", True, "/pay", "", UPSTREAM + "/"),
+        ("/pay", True, "/pay", "a=1", UPSTREAM + "/?a=1"),
+        ("/", True, "/emails", "", UPSTREAM + "/emails"),
+        ("/", False, "/emails", "q=", UPSTREAM + "/emails?q="),
+    ],
+)
+def test_upstream_url(match: str, strip: bool, path: str, query: str, expected: str) -> None:
+    assert service.upstream_url(route(match=match, strip_prefix=strip), path, query) == expected
+
+
+def test_upstream_url_keeps_the_upstream_base_path() -> None:
+    based = route(match="/payments/", strip_prefix=True, upstream="http://h:1/api/")
+    assert service.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"

@@ -242,7 +242,8 @@ def _configure_logging(log_format: str, level: str) -> None:
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    for noisy in ("pgserver", "alembic.runtime.plugins"):
+    # httpx logs every request at INFO: a line per forward, and a cost on the request path.
+    for noisy in ("pgserver", "alembic.runtime.plugins", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -1,0 +1,114 @@
+"""The `oncegate` commands as a user runs them: clear messages for mistakes, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tests.e2e.conftest import free_port
+
+
+def oncegate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("ONCEGATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**environment, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "names"),
+    [
+        (
+            "routes:\n  - name: a\n    match: /\n    upstrem: http://x\n",
+            ["routes[0].upstrem", "unknown field"],
+        ),
+        (
+            "routes:\n  - name: a\n    match: /\n    upstream: http://x\n    ttl: 0\n",
+            ["routes[0].ttl"],
+        ),
+        (
+            "routes:\n  - name: a\n    match: /\n    upstream: x.example\n",
+            ["routes[0].upstream", "http"],
+        ),
+        (
+            "routes:\n  - {name: a, match: /, upstream: 'http://x', timeout: 30s, lease: 10s}\n",
+            ["lease", "timeout"],
+        ),
+        (
+            "routes:\n  - {name: a, match: /, upstream: 'http://x', key: sometimes}\n",
+            ["routes[0].key"],
+        ),
+        ("routes: [\n", ["not valid YAML"]),
+        ("routes: []\n", ["no routes"]),
+    ],
+    ids=["typo", "zero-ttl", "no-scheme", "short-lease", "bad-key-policy", "bad-yaml", "no-routes"],
+)
+def test_a_bad_config_file_stops_serve_with_a_message_naming_the_field(
+    tmp_path: Path, config: str, names: list[str]
+) -> None:
+    path = tmp_path / "oncegate.yaml"
+    path.write_text(config)
+    result = oncegate("serve", "--config", str(path), "--port", str(free_port()))
+    assert result.returncode == 2
+    for name in names:
+        assert name in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_bad_flag_value_is_named(tmp_path: Path) -> None:
+    result = oncegate("serve", "--upstream", "http://127.0.0.1:9", "--ttl", "soon")
+    assert result.returncode == 2
+    assert "ttl" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unreachable_database_stops_serve_with_a_message() -> None:
+    result = oncegate(
+        "serve", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()),
+        env={"ONCEGATE_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{free_port()}/none"},
+    )  # fmt: skip
+    assert result.returncode == 3
+    assert "PostgreSQL" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_migrate_is_idempotent_and_serve_refuses_an_unmigrated_database(
+    empty_database_url: str,
+) -> None:
+    env = {"ONCEGATE_DATABASE_URL": empty_database_url}
+    refused = oncegate("serve", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()),
+                       env=env)  # fmt: skip
+    assert refused.returncode == 2
+    assert "oncegate migrate" in refused.stderr
+    for _ in range(2):
+        result = oncegate("migrate", env=env)
+        assert result.returncode == 0, result.stderr
+        assert "schema revision 0001" in result.stdout
+
+
+async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -> None:
+    connection = await asyncpg.connect(database_url)
+    try:
+        await connection.execute("DELETE FROM oncegate_keys")
+        await connection.execute(
+            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+            " response_status, created_at, expires_at)"
+            " SELECT 'r', sha256(n::text::bytea), 'k' || n, sha256(''::bytea), 'completed', n,"
+            " 201, now() - interval '2 days',"
+            " now() - interval '1 day 30 minutes' + n * interval '1 hour'"
+            " FROM generate_series(1, 30) AS n"
+        )  # rows 1-24 are expired, 25-30 are not
+        result = oncegate("purge", env={"ONCEGATE_DATABASE_URL": database_url})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "purged 24 expired keys"
+        assert await connection.fetchval("SELECT count(*) FROM oncegate_keys") == 6
+    finally:
+        await connection.close()

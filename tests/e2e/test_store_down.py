@@ -1,0 +1,91 @@
+"""PostgreSQL goes away under a running gateway, and comes back.
+
+While it is down, every controlled request gets 503 `store-unavailable` and the upstream sees
+none of them (the gateway never forwards a request it could not claim). When it is back, service
+resumes by itself: no restart of the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app import migrations
+from tests.conftest import start_embedded
+from tests.e2e.conftest import DemoUpstream, Gateway
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    """A PostgreSQL of this module's own, to stop and start at will."""
+    directory = Path(tempfile.mkdtemp(prefix="oncegate-test-down-"))
+    server = start_embedded(directory / "data")
+    try:
+        migrations.upgrade(server.get_uri())  # type: ignore[attr-defined]
+        yield server
+    finally:
+        server.cleanup()  # type: ignore[attr-defined]
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def stop(server: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver._commands import pg_ctl
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+
+
+def start(server: Any) -> None:
+    server.ensure_postgres_running()
+
+
+async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
+    server: Any, module_dir: Path, upstream: DemoUpstream
+) -> None:
+    route = {"name": "mail", "match": "/", "upstream": upstream.url}
+    gateway = Gateway(module_dir, server.get_uri(), [route])
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            done = str(uuid.uuid4())
+            first = await client.post("/emails", json={}, headers={"Idempotency-Key": done})
+            assert first.status_code == 201
+
+            stop(server)
+            refused_keys = [str(uuid.uuid4()) for _ in range(10)]
+            answers = await asyncio.gather(
+                *(client.post("/emails", json={}, headers={"Idempotency-Key": key})
+                  for key in refused_keys),
+                client.post("/emails", json={}, headers={"Idempotency-Key": done}),
+            )  # fmt: skip
+            for answer in answers:
+                assert answer.status_code == 503
+                assert answer.json()["type"] == "urn:oncegate:problem:store-unavailable"
+            for key in refused_keys:
+                assert upstream.actions(key) == []
+            # Requests outside idempotency control need no store and still pass.
+            assert (await client.get("/actions")).status_code == 200
+
+            start(server)
+            resumed = None
+            for _ in range(20):  # the pool replaces connections the restart broke
+                key = str(uuid.uuid4())
+                resumed = await client.post("/emails", json={}, headers={"Idempotency-Key": key})
+                if resumed.status_code != 503:
+                    break
+                assert upstream.actions(key) == []
+                await asyncio.sleep(0.25)
+            assert resumed is not None and resumed.status_code == 201
+            replay = await client.post("/emails", json={}, headers={"Idempotency-Key": done})
+            assert replay.status_code == 201 and replay.headers["idempotent-replayed"] == "true"
+            assert len(upstream.actions(done)) == 1
+    finally:
+        gateway.stop()

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	@$(BIN)/oncegate demo-upstream --port 9000 & demo=$$!; \
 	trap 'kill $$demo 2>/dev/null' EXIT INT TERM; \
-	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000
+	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000 --log-format text
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

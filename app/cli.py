@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -17,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from app import errors, settings
+from app import errors, logs, settings
 
 log = logging.getLogger("oncegate")
 
@@ -60,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
     serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
     serve.add_argument("--data-dir", metavar="DIR", help="embedded PostgreSQL data (.oncegate)")
-    serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default text)")
+    serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default json)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
 
@@ -82,10 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(arguments: argparse.Namespace) -> int:
-    import uvicorn
-
-    from app.http.app import create_app
-    from app.http.server import GracefulServer
+    from app.http import server
 
     flags = {
         name: getattr(arguments, name)
@@ -102,7 +98,7 @@ def _serve(arguments: argparse.Namespace) -> int:
         )
     }
     config = settings.load(flags)
-    _configure_logging(config.log_format, config.log_level)
+    logs.configure(config.log_format, config.log_level)
     with _database(config.database_url, config.data_dir) as database_url:
         asyncio.run(_check_schema(database_url))
         for route in config.routes:
@@ -116,26 +112,14 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        server = GracefulServer(
-            uvicorn.Config(
-                create_app(config, database_url),
-                host=config.host,
-                port=config.port,
-                log_config=None,
-                access_log=False,
-                # Proxied answers carry the upstream's Server and Date headers, not ours.
-                server_header=False,
-                date_header=False,
-            )
-        )
-        server.run()
-    return 0 if server.started else 1
+        server.run(config, database_url)
+    return 0
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
     from app import migrations
 
-    _configure_logging("text", "info")
+    logs.configure("text", "info")
     url, data_dir = _database_settings()
     with _database(url, data_dir) as database_url:
         migrations.upgrade(database_url)
@@ -147,7 +131,7 @@ def _purge(arguments: argparse.Namespace) -> int:
     from app import service
     from app.store.postgres import PostgresStore
 
-    _configure_logging("text", "warning")
+    logs.configure("text", "warning")
     url, data_dir = _database_settings()
 
     async def purge(database_url: str) -> int:
@@ -168,7 +152,7 @@ def _demo_upstream(arguments: argparse.Namespace) -> int:
 
     from app.lab.demo_upstream import DemoUpstream
 
-    _configure_logging("text", "info")
+    logs.configure("text", "info")
     uvicorn.run(
         DemoUpstream(),
         host=arguments.host,
@@ -219,32 +203,6 @@ async def _check_schema(url: str) -> None:
             f"the database is at schema revision {revision or 'none'}, this gateway needs "
             f"{migrations.head()}: run `oncegate migrate` first"
         )
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = {
-            "time": self.formatTime(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line)
-
-
-def _configure_logging(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        _JsonFormatter()
-        if log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    # httpx logs every request at INFO: a line per forward, and a cost on the request path.
-    for noisy in ("pgserver", "alembic.runtime.plugins", "httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ class Settings(BaseModel):
     admin_port: int = Field(8081, ge=0, le=65535)
     ttl: Duration = DEFAULT_TTL
     upstream: str | None = None
-    log_format: Literal["json", "text"] = "text"
+    log_format: Literal["json", "text"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     purge_interval: Duration = 60.0
     routes: tuple[Route, ...] = ()

@@ -1,5 +1,10 @@
-"""The application factory. The lifespan owns the database pool, the upstream client and the
-background purger; handlers reach them through `app.state` dependencies."""
+"""The application factories and the runtime they share.
+
+`running` owns the database pool, the upstream client and the background purger for as long as
+the gateway runs; the proxy and admin applications reach them through `app.state.runtime`
+dependencies. On the way out it waits for every forward still in flight before letting go of
+anything, so a request whose client hung up is still finished and stored.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 
 from app import errors, service
-from app.http import proxy
 from app.settings import Settings
 from app.store.postgres import PostgresStore
 from app.upstream import Upstream
@@ -19,33 +24,60 @@ from app.upstream import Upstream
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, database_url: str) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await PostgresStore.connect(database_url)
-        upstream = Upstream()
-        gateway = service.Gateway(store, upstream)
-        app.state.gateway = gateway
-        app.state.routes = service.RouteTable(settings.routes)
-        purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
-        try:
-            yield
-        finally:
-            # Uvicorn has stopped accepting and answered what it could; forwards whose client
-            # hung up may still be running. Finish and store them before letting go of anything.
-            await gateway.drain()
-            purger.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await purger
-            await upstream.aclose()
-            await store.close()
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    settings: Settings
+    store: PostgresStore
+    gateway: service.Gateway
+    routes: service.RouteTable
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
+    store = await PostgresStore.connect(database_url)
+    upstream = Upstream()
+    gateway = service.Gateway(store, upstream)
+    purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
+    try:
+        yield Runtime(settings, store, gateway, service.RouteTable(settings.routes))
+    finally:
+        await gateway.drain()
+        purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await purger
+        await upstream.aclose()
+        await store.close()
+
+
+def create_proxy_app(runtime: Runtime) -> FastAPI:
+    from app.http import proxy
 
     # The proxy port forwards every path, /docs included: no documentation routes of its own.
-    app = FastAPI(
-        title="oncegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
+    app = FastAPI(title="oncegate", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = runtime
     app.include_router(proxy.router)
     return app
+
+
+def create_admin_app(runtime: Runtime) -> FastAPI:
+    from app.http import admin
+
+    app = FastAPI(
+        title="oncegate admin",
+        description="Metrics, health, and the keys of the idempotency store.",
+        version="1",
+    )
+    app.state.runtime = runtime
+    app.include_router(admin.router)
+    app.add_exception_handler(errors.GatewayError, _render_problem)
+    return app
+
+
+async def _render_problem(request: Request, error: Exception) -> Response:
+    from app.http import problems
+
+    assert isinstance(error, errors.GatewayError)
+    return problems.render(error)
 
 
 async def _purge_forever(store: PostgresStore, interval: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal, Protocol
 
 State = Literal["in_progress", "completed", "unknown"]
@@ -41,6 +42,22 @@ class Record:
         return Claim(self.id, self.token)
 
 
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A key as an operator sees it (the admin API)."""
+
+    id: int
+    route: str
+    key: str
+    state: State
+    status: int | None
+    headers: Headers | None
+    body: bytes | None
+    created_at: datetime
+    completed_at: datetime | None
+    expires_at: datetime
+
+
 class Store(Protocol):
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
@@ -70,3 +87,22 @@ class Store(Protocol):
 
     async def purge(self, batch_size: int) -> int:
         """Delete one batch of expired keys; return how many."""
+
+    async def schema_revision(self) -> str | None:
+        """The migration the database is at; None before the first one."""
+
+
+class AdminStore(Protocol):
+    """What the admin API needs: find a key, release it, or settle an `unknown` one."""
+
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]: ...
+
+    async def delete(self, record_id: int) -> bool: ...
+
+    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+        """Complete an `unknown` key; False if there is no such `unknown` key."""
+
+    async def release_unknown(self, record_id: int) -> bool:
+        """Delete an `unknown` key; False if there is no such `unknown` key."""
+
+    async def schema_revision(self) -> str | None: ...

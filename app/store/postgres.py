@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 
 from app import errors, metrics
-from app.store import Claim, Headers, Record
+from app.store import Claim, Headers, KeyRecord, Record
 from app.store.queries import QUERIES
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,6 @@ class PostgresStore:
         row = await self._fetchrow("get", scope, key)
         if row is None:
             return None
-        headers = row["response_headers"]
         return Record(
             id=row["id"],
             token=row["fencing_token"],
@@ -103,7 +102,7 @@ class PostgresStore:
             state=row["state"],
             expired=row["expired"],
             status=row["response_status"],
-            headers=[(name, value) for name, value in json.loads(headers)] if headers else None,
+            headers=_headers(row["response_headers"]),
             body=row["response_body"],
             stored=row["response_stored"],
         )
@@ -129,7 +128,7 @@ class PostgresStore:
             claim.record_id,
             claim.token,
             status,
-            json.dumps([list(pair) for pair in headers]) if stored else None,
+            _headers_json(headers) if stored else None,
             body,
             stored,
         )
@@ -146,6 +145,35 @@ class PostgresStore:
             status: str = await connection.execute(QUERIES["purge"], batch_size)
         return int(status.rsplit(" ", 1)[1])
 
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        async with self._connection("admin_find") as connection:
+            rows = await connection.fetch(QUERIES["admin_find"], key, route)
+        return [
+            KeyRecord(
+                id=row["id"],
+                route=row["route"],
+                key=row["key"],
+                state=row["state"],
+                status=row["response_status"],
+                headers=_headers(row["response_headers"]),
+                body=row["response_body"],
+                created_at=row["created_at"],
+                completed_at=row["completed_at"],
+                expires_at=row["expires_at"],
+            )
+            for row in rows
+        ]
+
+    async def delete(self, record_id: int) -> bool:
+        return await self._fetchrow("admin_delete", record_id) is not None
+
+    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+        row = await self._fetchrow("admin_settle", record_id, status, _headers_json(headers), body)
+        return row is not None
+
+    async def release_unknown(self, record_id: int) -> bool:
+        return await self._fetchrow("admin_release_unknown", record_id) is not None
+
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""
         async with self._connection("schema_revision") as connection:
@@ -156,3 +184,11 @@ class PostgresStore:
                 "SELECT version_num FROM alembic_version"
             )
             return revision
+
+
+def _headers(document: str | None) -> Headers | None:
+    return [(name, value) for name, value in json.loads(document)] if document else None
+
+
+def _headers_json(headers: Headers) -> str:
+    return json.dumps([list(pair) for pair in headers])

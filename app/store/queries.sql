@@ -100,3 +100,46 @@ WHERE ctid = ANY(ARRAY(
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ));
+
+-- name: admin_find
+-- An operator's look-up: one key in every scope, optionally on one route. Rare, so it may scan;
+-- an index on `key` would cost every claim an extra index write.
+SELECT id,
+       route,
+       key,
+       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
+            ELSE state END AS state,
+       response_status,
+       response_headers,
+       response_body,
+       created_at,
+       completed_at,
+       expires_at
+FROM oncegate_keys
+WHERE key = $1 AND ($2::text IS NULL OR route = $2)
+ORDER BY id;
+
+-- name: admin_delete
+DELETE FROM oncegate_keys WHERE id = $1 RETURNING id;
+
+-- name: admin_settle
+-- Settle an `unknown` key (explicitly marked, or a claim whose lease ran out) as completed with
+-- the answer an operator found out, with a new fencing token so no late gateway overwrites it.
+UPDATE oncegate_keys
+SET state = 'completed',
+    fencing_token = nextval('oncegate_fencing_token'),
+    lease_expires_at = NULL,
+    response_status = $2,
+    response_headers = $3::jsonb,
+    response_body = $4,
+    response_stored = true,
+    completed_at = now()
+WHERE id = $1
+  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+RETURNING id;
+
+-- name: admin_release_unknown
+DELETE FROM oncegate_keys
+WHERE id = $1
+  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+RETURNING id;

@@ -104,17 +104,21 @@ class Gateway:
         database_url: str,
         routes: list[dict[str, Any]],
         name: str = "gateway",
+        admin_token: str = "",
     ) -> None:
-        self.port = free_port()
+        self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         config = directory / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"routes": routes}))
         self.process = Process(
-            ["serve", "--config", str(config), "--port", str(self.port)],
+            ["serve", "--config", str(config), "--port", str(self.port),
+             "--admin-port", str(self.admin_port)],
             directory / f"{name}.log",
-            env={"ONCEGATE_DATABASE_URL": database_url},
-        )
+            env={"ONCEGATE_DATABASE_URL": database_url, "ONCEGATE_ADMIN_TOKEN": admin_token},
+        )  # fmt: skip
         self.process.wait_listening(self.port)
+        self.process.wait_listening(self.admin_port)
 
     def stop(self) -> None:
         self.process.stop()

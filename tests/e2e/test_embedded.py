@@ -30,7 +30,17 @@ def data_dir() -> Iterator[Path]:
 def serve(data_dir: Path, upstream: DemoUpstream, log: Path) -> tuple[Process, str]:
     port = free_port()
     process = Process(
-        ["serve", "--upstream", upstream.url, "--port", str(port), "--data-dir", str(data_dir)],
+        [
+            "serve",
+            "--upstream",
+            upstream.url,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--admin-port",
+            str(free_port()),
+        ],
         log,
         env={"ONCEGATE_DATABASE_URL": ""},  # empty counts as unset
     )

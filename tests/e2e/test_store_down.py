@@ -73,6 +73,9 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
                 assert upstream.actions(key) == []
             # Requests outside idempotency control need no store and still pass.
             assert (await client.get("/actions")).status_code == 200
+            async with httpx.AsyncClient(base_url=gateway.admin_url) as admin:
+                assert (await admin.get("/readyz")).status_code == 503
+                assert (await admin.get("/healthz")).status_code == 200
 
             start(server)
             resumed = None
@@ -84,6 +87,8 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
                 assert upstream.actions(key) == []
                 await asyncio.sleep(0.25)
             assert resumed is not None and resumed.status_code == 201
+            async with httpx.AsyncClient(base_url=gateway.admin_url) as admin:
+                assert (await admin.get("/readyz")).status_code == 200
             replay = await client.post("/emails", json={}, headers={"Idempotency-Key": done})
             assert replay.status_code == 201 and replay.headers["idempotent-replayed"] == "true"
             assert len(upstream.actions(done)) == 1

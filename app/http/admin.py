@@ -1,0 +1,200 @@
+"""The admin port (contract section 6): metrics, health, and the admin API over the key store.
+
+The admin API answers 404 unless `ONCEGATE_ADMIN_TOKEN` is set, and 401 for a missing or wrong
+bearer token; the token is compared in constant time. Bodies are shown only when asked for
+(`?body=1`), and stored headers never hold credentials (the proxy never stores them).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field, model_validator
+
+from app import errors, migrations
+from app.http.app import Runtime
+from app.store import KeyRecord
+
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
+
+
+def get_runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def require_admin(
+    runtime: RuntimeDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    token = runtime.settings.admin_token
+    if not token:
+        # No token configured: the admin API does not exist.
+        raise HTTPException(404, "Not Found")
+    given = credentials.credentials if credentials else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(
+            401, "a valid admin bearer token is required", {"WWW-Authenticate": "Bearer"}
+        )
+
+
+Admin = Depends(require_admin)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/healthz", summary="200 while the process runs")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="200 when PostgreSQL answers and migrations are at head, else 503",
+    responses={503: {"description": "not ready"}},
+)
+async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
+    head = migrations.head()
+    try:
+        revision = await runtime.store.schema_revision()
+    except errors.StoreUnavailable:
+        response.status_code = 503
+        return {"status": "unavailable", "detail": "PostgreSQL does not answer"}
+    if revision != head:
+        response.status_code = 503
+        return {
+            "status": "unavailable",
+            "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
+        }
+    return {"status": "ok", "revision": head}
+
+
+class KeyView(BaseModel):
+    id: int
+    route: str
+    key: str
+    state: Literal["in_progress", "completed", "unknown"]
+    status: int | None
+    created_at: datetime
+    completed_at: datetime | None
+    expires_at: datetime
+    headers: list[tuple[str, str]] | None = Field(None, description="only with ?body=1")
+    body: str | None = Field(None, description="only with ?body=1, when it is UTF-8 text")
+    body_base64: str | None = Field(None, description="only with ?body=1, when it is not text")
+
+
+class KeyList(BaseModel):
+    records: list[KeyView]
+
+
+def _view(record: KeyRecord, with_body: bool) -> KeyView:
+    view = KeyView(
+        id=record.id,
+        route=record.route,
+        key=record.key,
+        state=record.state,
+        status=record.status,
+        created_at=record.created_at,
+        completed_at=record.completed_at,
+        expires_at=record.expires_at,
+    )
+    if with_body and record.body is not None:
+        view.headers = list(record.headers or [])
+        try:
+            view.body = record.body.decode("utf-8")
+        except UnicodeDecodeError:
+            view.body_base64 = base64.b64encode(record.body).decode()
+    return view
+
+
+@router.get(
+    "/admin/keys",
+    summary="A key in every scope",
+    dependencies=[Admin],
+    responses={401: {"description": "no or wrong token"}, 404: {"description": "no token set"}},
+)
+async def find_keys(
+    runtime: RuntimeDep,
+    key: Annotated[str, Query(min_length=1, max_length=255)],
+    route: str | None = None,
+    body: bool = False,
+) -> KeyList:
+    records = await runtime.store.find(key, route)
+    return KeyList(records=[_view(record, body) for record in records])
+
+
+@router.delete(
+    "/admin/keys/{record_id}",
+    summary="Release a key: the next request with it is forwarded",
+    status_code=204,
+    dependencies=[Admin],
+    responses={404: {"description": "no such key"}},
+)
+async def delete_key(runtime: RuntimeDep, record_id: int) -> Response:
+    if not await runtime.store.delete(record_id):
+        raise HTTPException(404, f"no key with id {record_id}")
+    return Response(status_code=204)
+
+
+class Resolution(BaseModel):
+    """How an operator settles an `unknown` key, once they know what the upstream did."""
+
+    action: Literal["complete", "release"] = Field(
+        description="complete: store this answer and replay it to every retry; "
+        "release: forget the key, so the next retry is forwarded"
+    )
+    status: int | None = Field(None, ge=100, le=599, description="with complete")
+    headers: list[tuple[str, str]] = Field(default_factory=list, description="with complete")
+    body: str | None = Field(None, description="with complete: the body as UTF-8 text")
+    body_base64: str | None = Field(None, description="with complete: the body as base64")
+
+    @model_validator(mode="after")
+    def _complete_needs_status(self) -> Resolution:
+        if self.action == "complete" and self.status is None:
+            raise ValueError("action 'complete' needs a status")
+        if self.body is not None and self.body_base64 is not None:
+            raise ValueError("give body or body_base64, not both")
+        return self
+
+    def body_bytes(self) -> bytes:
+        if self.body_base64 is not None:
+            try:
+                return base64.b64decode(self.body_base64, validate=True)
+            except binascii.Error:
+                raise HTTPException(422, "body_base64 is not valid base64") from None
+        return (self.body or "").encode()
+
+
+@router.post(
+    "/admin/keys/{record_id}/resolve",
+    summary="Settle an unknown key as completed, or release it",
+    dependencies=[Admin],
+    responses={409: {"description": "the key is not unknown"}},
+)
+async def resolve_key(
+    runtime: RuntimeDep, record_id: int, resolution: Resolution
+) -> dict[str, object]:
+    if resolution.action == "complete":
+        assert resolution.status is not None
+        settled = await runtime.store.settle(
+            record_id, resolution.status, resolution.headers, resolution.body_bytes()
+        )
+    else:
+        settled = await runtime.store.release_unknown(record_id)
+    if not settled:
+        raise HTTPException(409, f"key {record_id} does not exist or is not in state unknown")
+    return {"id": record_id, "resolved": resolution.action}

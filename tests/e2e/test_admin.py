@@ -1,0 +1,284 @@
+"""The admin port (contract sections 6 and 7): health, readiness, the admin API and its token, the
+OpenAPI document, and every counter's exact value after a scripted mix of requests."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import DemoUpstream, Gateway
+
+TOKEN = "s3cret-admin-token"
+
+
+def route_config(upstream: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "mail", "match": "/mail", "upstream": upstream, "strip_prefix": True},
+        {"name": "slow", "match": "/slow", "upstream": upstream, "strip_prefix": True,
+         "timeout": "1s"},
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+    process = Gateway(module_dir, database_url, route_config(upstream.url), admin_token=TOKEN)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+async def admin(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:
+        yield client
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_health_and_readiness(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
+        assert (await plain.get("/healthz")).status_code == 200
+        ready = await plain.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json() == {"status": "ok", "revision": "0001"}
+        metrics = await plain.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+
+
+async def test_the_openapi_document_describes_the_admin_api(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
+        document = (await plain.get("/openapi.json")).json()
+    assert document["openapi"].startswith("3.")
+    paths = document["paths"]
+    assert {"/metrics", "/healthz", "/readyz", "/admin/keys", "/admin/keys/{record_id}",
+            "/admin/keys/{record_id}/resolve"} <= set(paths)  # fmt: skip
+    assert set(paths["/admin/keys/{record_id}"]) == {"delete"}
+    assert set(paths["/admin/keys/{record_id}/resolve"]) == {"post"}
+    schemes = document["components"]["securitySchemes"]
+    assert any(scheme["type"] == "http" and scheme["scheme"] == "bearer"
+               for scheme in schemes.values())  # fmt: skip
+    for path in ("/admin/keys", "/admin/keys/{record_id}/resolve"):
+        operation = next(iter(paths[path].values()))
+        assert operation["security"], f"{path} is not marked as needing the token"
+    record = document["components"]["schemas"]["KeyView"]["properties"]
+    assert {"id", "route", "key", "state", "status", "created_at", "expires_at"} <= set(record)
+
+
+async def test_the_admin_api_needs_the_token(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
+        missing = await plain.get("/admin/keys", params={"key": "k"})
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = await plain.get(
+            "/admin/keys", params={"key": "k"}, headers={"Authorization": "Bearer nope"}
+        )
+        assert wrong.status_code == 401
+        assert (await plain.delete("/admin/keys/1")).status_code == 401
+
+
+async def test_without_a_token_the_admin_api_does_not_exist(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> None:
+    tokenless = Gateway(module_dir, database_url, route_config(upstream.url), name="tokenless")
+    try:
+        async with httpx.AsyncClient(base_url=tokenless.admin_url) as plain:
+            for headers in ({}, {"Authorization": "Bearer anything"}):
+                response = await plain.get("/admin/keys", params={"key": "k"}, headers=headers)
+                assert response.status_code == 404
+            assert (await plain.get("/healthz")).status_code == 200
+    finally:
+        tokenless.stop()
+
+
+async def test_a_key_is_listed_in_every_scope_bodies_only_when_asked(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    key = new_key()
+    for tenant in ("alice", "bob"):
+        response = await client.post(
+            "/mail/emails",
+            json={"to": tenant},
+            headers={"Idempotency-Key": key, "Authorization": f"Bearer {tenant}"},
+        )
+        assert response.status_code == 201
+    listed = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
+    assert len(listed) == 2
+    for record in listed:
+        assert (record["route"], record["key"], record["state"], record["status"]) == (
+            "mail", key, "completed", 201,
+        )  # fmt: skip
+        assert record["body"] is None and record["headers"] is None
+    with_body = (await admin.get("/admin/keys", params={"key": key, "body": 1})).json()["records"]
+    assert {json_body["body"].count('"to"') for json_body in with_body} == {1}
+    for record in with_body:
+        names = {name.lower() for name, _ in record["headers"]}
+        assert not names & {"authorization", "cookie", "set-cookie"}
+    other_route = await admin.get("/admin/keys", params={"key": key, "route": "slow"})
+    assert other_route.json() == {"records": []}
+
+
+async def unknown_key(client: httpx.AsyncClient, admin: httpx.AsyncClient) -> tuple[str, int]:
+    key = new_key()
+    lost = await client.post(
+        "/slow/charges", json={}, headers={"Idempotency-Key": key, "X-Demo-Delay": "2"}
+    )
+    assert lost.status_code == 504
+    (record,) = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
+    assert record["state"] == "unknown"
+    return key, record["id"]
+
+
+async def test_resolving_an_unknown_key_as_completed_replays_the_given_answer(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key, record_id = await unknown_key(client, admin)
+    resolved = await admin.post(
+        f"/admin/keys/{record_id}/resolve",
+        json={"action": "complete", "status": 201, "body": '{"id": "ch_manual"}',
+              "headers": [["Content-Type", "application/json"]]},
+    )  # fmt: skip
+    assert resolved.status_code == 200
+    replay = await client.post("/slow/charges", json={}, headers={"Idempotency-Key": key})
+    assert replay.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json() == {"id": "ch_manual"}
+    assert len(upstream.actions(key)) == 1
+    again = await admin.post(f"/admin/keys/{record_id}/resolve", json={"action": "release"})
+    assert again.status_code == 409  # completed now, no longer unknown
+
+
+async def test_releasing_an_unknown_key_lets_the_next_retry_through(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key, record_id = await unknown_key(client, admin)
+    blocked = await client.post("/slow/charges", json={}, headers={"Idempotency-Key": key})
+    assert blocked.status_code == 409
+    released = await admin.post(f"/admin/keys/{record_id}/resolve", json={"action": "release"})
+    assert released.status_code == 200
+    retry = await client.post("/slow/charges", json={}, headers={"Idempotency-Key": key})
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert len(upstream.actions(key)) == 2
+
+
+async def test_bad_resolutions_are_refused(admin: httpx.AsyncClient) -> None:
+    no_status = await admin.post("/admin/keys/1/resolve", json={"action": "complete"})
+    assert no_status.status_code == 422
+    bad_action = await admin.post("/admin/keys/1/resolve", json={"action": "forget"})
+    assert bad_action.status_code == 422
+    nowhere = await admin.post("/admin/keys/999999999/resolve", json={"action": "release"})
+    assert nowhere.status_code == 409
+
+
+async def test_delete_releases_any_key(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    assert (await client.post("/mail/emails", json={}, headers={"Idempotency-Key": key})).is_success
+    (record,) = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
+    assert (await admin.delete(f"/admin/keys/{record['id']}")).status_code == 204
+    assert (await admin.delete(f"/admin/keys/{record['id']}")).status_code == 404
+    again = await client.post("/mail/emails", json={}, headers={"Idempotency-Key": key})
+    assert again.status_code == 201 and "idempotent-replayed" not in again.headers
+    assert len(upstream.actions(key)) == 2
+
+
+async def test_every_counter_counts_exactly(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> None:
+    # A gateway of its own: counters are per process and start at zero.
+    counted = Gateway(module_dir, database_url, route_config(upstream.url), name="counted")
+    try:
+        async with httpx.AsyncClient(base_url=counted.url, timeout=30) as client:
+            first, second = new_key(), new_key()
+
+            async def post(path: str, key: str | None, **headers: str) -> httpx.Response:
+                if key is not None:
+                    headers["Idempotency-Key"] = key
+                return await client.post(path, json={"n": 1}, headers=headers)
+
+            assert (await post("/mail/emails", first)).status_code == 201
+            for _ in range(3):
+                assert (await post("/mail/emails", first)).status_code == 201  # replayed
+            slow = asyncio.create_task(post("/mail/emails", second, **{"X-Demo-Delay": "1"}))
+            await asyncio.sleep(0.5)
+            assert (await post("/mail/emails", second)).status_code == 409  # in progress
+            assert (await slow).status_code == 201
+            assert (await post("/mail/emails", None)).status_code == 400  # missing
+            assert (await post("/mail/emails", "a,b")).status_code == 400  # invalid
+            reused = await client.post("/mail/emails", json={"n": 2},
+                                       headers={"Idempotency-Key": first})  # fmt: skip
+            assert reused.status_code == 422
+            assert (await client.get("/mail/actions")).status_code == 200  # passthrough
+            lost = new_key()
+            assert (await post("/slow/charges", lost, **{"X-Demo-Delay": "2"})).status_code == 504
+            assert (await post("/slow/charges", lost)).status_code == 409  # unknown
+            assert (await post("/nowhere", new_key())).status_code == 404
+        async with httpx.AsyncClient(base_url=counted.admin_url) as plain:
+            samples = scrape((await plain.get("/metrics")).text)
+    finally:
+        counted.stop()
+
+    requests = "oncegate_requests_total"
+    expected_requests = {
+        ("mail", "POST", "forwarded"): 2,
+        ("mail", "POST", "replayed"): 3,
+        ("mail", "POST", "in_progress"): 1,
+        ("mail", "POST", "missing_key"): 1,
+        ("mail", "POST", "invalid_key"): 1,
+        ("mail", "POST", "mismatch"): 1,
+        ("mail", "GET", "passthrough"): 1,
+        ("slow", "POST", "unknown"): 2,
+        ("(unmatched)", "POST", "no_route"): 1,
+    }
+    counted_requests = {
+        (dict(labels)["route"], dict(labels)["method"], dict(labels)["outcome"]): sample
+        for (name, labels), sample in samples.items()
+        if name == requests and sample
+    }
+    assert counted_requests == expected_requests
+    blocked = "oncegate_duplicates_blocked_total"
+    assert value(samples, blocked, route="mail", reason="replayed") == 3
+    assert value(samples, blocked, route="mail", reason="in_progress") == 1
+    assert value(samples, blocked, route="slow", reason="unknown") == 1  # the retry, not the 504
+    assert sum(v for (name, _), v in samples.items() if name == blocked) == 5
+    # The upstream was called for the 2 forwards and the passthrough on mail, and once on slow
+    # (timed out, so no duration was observed there).
+    upstream_count = "oncegate_upstream_request_duration_seconds_count"
+    assert value(samples, upstream_count, route="mail") == 3
+    assert value(samples, upstream_count, route="slow") == 0
+    duration_count = "oncegate_request_duration_seconds_count"
+    assert value(samples, duration_count, route="mail", outcome="replayed") == 3
+    assert value(samples, "oncegate_inflight_requests", route="mail") == 0
+    assert value(samples, "oncegate_keys_purged_total") == 0
+    claims = value(samples, "oncegate_store_operation_duration_seconds_count", operation="claim")
+    assert claims == 2 + 3 + 1 + 1 + 2  # every request that reached the claim

@@ -4,6 +4,7 @@ OpenAPI document, and every counter's exact value after a scripted mix of reques
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -282,3 +283,31 @@ async def test_every_counter_counts_exactly(
     assert value(samples, "oncegate_keys_purged_total") == 0
     claims = value(samples, "oncegate_store_operation_duration_seconds_count", operation="claim")
     assert claims == 2 + 3 + 1 + 1 + 2  # every request that reached the claim
+
+
+async def test_one_json_log_line_per_request_without_bodies_or_credentials(
+    gateway: Gateway, client: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key, secret, marker = new_key(), "Bearer tenant-secret-" + new_key(), "body-" + new_key()
+    response = await client.post(
+        "/mail/emails",
+        json={"marker": marker},
+        headers={"Idempotency-Key": key, "Authorization": secret, "X-Request-Id": "trace-81"},
+    )
+    assert response.status_code == 201
+    assert response.headers["x-request-id"] == "trace-81"
+    assert upstream.actions(key)[0]["request"] == {"marker": marker}
+    generated = await client.post("/mail/emails", json={}, headers={"Idempotency-Key": new_key()})
+    request_id = generated.headers["x-request-id"]
+    assert len(request_id) == 32
+    await asyncio.sleep(0.2)  # let the log line reach the file
+    output = gateway.process.output()
+    assert marker not in output and secret not in output and "tenant-secret" not in output
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    by_id = {line.get("request_id"): line for line in lines if line["logger"] == "oncegate.request"}
+    traced = by_id["trace-81"]
+    assert (traced["route"], traced["method"], traced["outcome"], traced["status"]) == (
+        "mail", "POST", "forwarded", 201,
+    )  # fmt: skip
+    assert traced["upstream_ms"] > 0 and traced["total_ms"] >= traced["upstream_ms"]
+    assert by_id[request_id]["outcome"] == "forwarded"

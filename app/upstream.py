@@ -12,12 +12,12 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+import yarl
 
 # RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
 # Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
@@ -87,23 +87,27 @@ def end_to_end(
 
 
 class Upstream:
-    """A pooled HTTP client. Owned by the application's lifespan; close it with `aclose`."""
+    """A pooled HTTP client. Owned by the runtime; close it with `aclose`.
+
+    aiohttp rather than httpx: on the forward path httpx's connection pool cost 3.1 ms of CPU per
+    request against aiohttp's 1.2 ms, with everything else equal (docs/performance.md).
+    """
 
     def __init__(self) -> None:
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
-            ),
-            follow_redirects=False,
-            trust_env=False,
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, force_close=False),
+            auto_decompress=False,
+            # A proxy sends what its client sent: none of the client library's own headers.
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # Answers are relayed, not judged: accept what a real upstream may send.
+            max_field_size=65536,
+            max_headers=512,
         )
-        # httpx adds Accept, Accept-Encoding, Connection and User-Agent to every request; a proxy
-        # sends what its client sent, so drop them.
-        for name in list(self._client.headers):
-            del self._client.headers[name]
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._session.close()
 
     async def send(
         self,
@@ -111,40 +115,43 @@ class Upstream:
         url: str,
         headers: Sequence[tuple[str, str]],
         body: bytes,
-        timeout: float,  # noqa: ASYNC109 - a per-route budget, applied below with asyncio.timeout
+        timeout: float,  # noqa: ASYNC109 - a per-route budget, applied by aiohttp
     ) -> UpstreamResponse:
         """Send one request and read its whole answer within `timeout` seconds."""
-        request = self._client.build_request(
-            method,
-            url,
-            headers=end_to_end(headers, drop=_REQUEST_ONLY),
-            content=body,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)),
-        )
+        client_timeout = self._timeouts.get(timeout)
+        if client_timeout is None:
+            # `connect` covers waiting for a pooled connection and the handshake: nothing has been
+            # sent when it runs out, so that failure is NotSent.
+            client_timeout = aiohttp.ClientTimeout(
+                total=timeout, connect=min(timeout, CONNECT_TIMEOUT)
+            )
+            self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
-                response = await self._client.send(request, stream=True)
-                try:
-                    chunks = [chunk async for chunk in response.aiter_raw()]
-                finally:
-                    await response.aclose()
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            async with self._session.request(
+                method,
+                yarl.URL(url, encoded=True),  # the path as received, escapes untouched
+                headers=end_to_end(headers, drop=_REQUEST_ONLY),
+                data=body or None,
+                allow_redirects=False,
+                timeout=client_timeout,
+            ) as response:
+                content = await response.read()
+                raw_headers = response.raw_headers
+                status = response.status
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise NotSent(f"{type(exc).__name__}: {exc}") from exc
-        except httpx.UnsupportedProtocol as exc:
+        except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
             raise NotSent(str(exc)) from exc
-        except (httpx.TimeoutException, TimeoutError) as exc:
+        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
         return UpstreamResponse(
-            status=response.status_code,
+            status=status,
             headers=end_to_end(
-                [
-                    (name.decode("latin-1"), value.decode("latin-1"))
-                    for name, value in response.headers.raw
-                ]
+                [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers]
             ),
-            body=b"".join(chunks),
+            body=content,
             duration=time.perf_counter() - started,
         )

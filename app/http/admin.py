@@ -26,7 +26,7 @@ router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     runtime: Runtime = request.app.state.runtime
     return runtime
 
@@ -34,7 +34,7 @@ def get_runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-def require_admin(
+async def require_admin(
     runtime: RuntimeDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
@@ -53,12 +53,12 @@ Admin = Depends(require_admin)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics() -> Response:
+async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz", summary="200 while the process runs")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 

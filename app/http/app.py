@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request, Response
 
 from app import errors, service
+from app.http import proxy
 from app.settings import Settings
 from app.store.postgres import PostgresStore
 from app.upstream import Upstream
@@ -49,14 +50,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         await store.close()
 
 
-def create_proxy_app(runtime: Runtime) -> FastAPI:
-    from app.http import proxy
-
-    # The proxy port forwards every path, /docs included: no documentation routes of its own.
-    app = FastAPI(title="oncegate", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runtime = runtime
-    app.include_router(proxy.router)
-    return app
+def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
+    # The proxy port forwards every path, /docs included: no routes of its own.
+    return proxy.ProxyApp(runtime.gateway, runtime.routes)
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:

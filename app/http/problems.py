@@ -12,12 +12,23 @@ from app import errors
 MEDIA_TYPE = "application/problem+json"
 
 
-def render(error: errors.GatewayError) -> Response:
-    return Response(
-        content=json.dumps(error.problem()),
-        status_code=error.status_code,
-        media_type=MEDIA_TYPE,
+def parts(error: errors.GatewayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and body of the problem response."""
+    body = json.dumps(error.problem()).encode()
+    headers = [(name.lower().encode("latin-1"), value.encode("latin-1"))
+               for name, value in error.headers.items()]  # fmt: skip
+    headers += [
+        (b"content-type", MEDIA_TYPE.encode()),
+        (b"content-length", str(len(body)).encode()),
         # The server's own Date header is off (proxied answers carry the upstream's); the
         # gateway's own answers carry one, as RFC 9110 §6.6.1 asks of a server with a clock.
-        headers={**error.headers, "Date": formatdate(usegmt=True)},
-    )
+        (b"date", formatdate(usegmt=True).encode()),
+    ]
+    return error.status_code, headers, body
+
+
+def render(error: errors.GatewayError) -> Response:
+    status, headers, body = parts(error)
+    response = Response(content=body, status_code=status)
+    response.raw_headers = headers
+    return response

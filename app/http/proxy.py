@@ -1,5 +1,9 @@
 """The proxy port: every path, every method, through `service.Gateway`.
 
+A plain ASGI application rather than a FastAPI route: the port has one catch-all handler and no
+use for validation, documentation or middleware, and the framework's request machinery cost more
+CPU per replayed request than the two database round trips (measured; docs/performance.md).
+
 Each request is logged as one structured line (route, method, outcome, status, upstream and
 total time, request id) and never with its body or credentials. The request id is the client's
 `X-Request-Id` when it sent a sane one, else a new one; it is sent upstream and back.
@@ -11,98 +15,105 @@ import logging
 import re
 import time
 import uuid
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request
-from starlette.requests import ClientDisconnect
-from starlette.responses import Response
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 from app import errors, metrics
 from app.http import problems
-from app.http.app import Runtime
-from app.service import Gateway, ProxyRequest, ProxyResponse, RouteTable
+from app.service import Gateway, ProxyRequest, RouteTable
 
 log = logging.getLogger("oncegate.request")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 # The route label of a request that matched no route. Route names cannot contain parentheses,
 # so it never collides with one.
 UNMATCHED = "(unmatched)"
-METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 REQUEST_ID = "x-request-id"
 _SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-
-router = APIRouter()
-
-
-def get_gateway(request: Request) -> Gateway:
-    runtime: Runtime = request.app.state.runtime
-    return runtime.gateway
+_NO_BODY_STATUSES = frozenset({204, 304})
 
 
-def get_routes(request: Request) -> RouteTable:
-    runtime: Runtime = request.app.state.runtime
-    return runtime.routes
+class ClientDisconnected(Exception):
+    """The client went away before its request body was complete."""
 
 
-@router.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
-async def proxy(
-    request: Request,
-    gateway: Annotated[Gateway, Depends(get_gateway)],
-    routes: Annotated[RouteTable, Depends(get_routes)],
-) -> Response:
-    started = time.perf_counter()
-    path = request.scope.get("raw_path", b"").decode("latin-1") or request.scope["path"]
-    headers = [
-        (name.decode("latin-1"), value.decode("latin-1"))
-        for name, value in request.scope["headers"]
-    ]
-    request_id = _request_id(headers)
-    route = routes.match(path)
-    route_name = route.name if route else UNMATCHED
-    upstream_seconds: float | None = None
-    blocked: str | None
-    try:
-        if route is None:
-            raise errors.RouteNotFound(f"no route of this gateway matches the path {path!r}")
-        body = await read_body(request, route.max_body)
-        result = await gateway.handle(
-            route,
-            ProxyRequest(
-                method=request.method,
-                path=path,
-                query=request.scope.get("query_string", b"").decode("latin-1"),
-                headers=headers,
-                body=body,
-            ),
-        )
-        response = to_response(result)
-        outcome, blocked, upstream_seconds = result.outcome, result.blocked, result.upstream_seconds
-    except errors.GatewayError as error:
-        response = problems.render(error)
-        outcome, blocked = error.outcome, error.blocked_reason
-    except ClientDisconnect:
-        # The client left while sending its body: nothing was claimed, nobody to answer.
-        return Response(status_code=400)
-    response.raw_headers.append((b"x-request-id", request_id.encode()))
-    elapsed = time.perf_counter() - started
-    metrics.REQUESTS.labels(route_name, request.method, outcome).inc()
-    metrics.REQUEST_DURATION.labels(route_name, outcome).observe(elapsed)
-    if blocked is not None:
-        metrics.DUPLICATES_BLOCKED.labels(route_name, blocked).inc()
-    log.info(
-        "%s %s %s -> %d %s",
-        route_name, request.method, outcome, response.status_code, request_id,
-        extra={"fields": {
-            "route": route_name,
-            "method": request.method,
-            "outcome": outcome,
-            "status": response.status_code,
-            "upstream_ms": None if upstream_seconds is None else round(upstream_seconds * 1000, 3),
-            "total_ms": round(elapsed * 1000, 3),
-            "request_id": request_id,
-        }},
-    )  # fmt: skip
-    return response
+class ProxyApp:
+    def __init__(self, gateway: Gateway, routes: RouteTable) -> None:
+        self._gateway = gateway
+        self._routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan (the runtime owns resources) and no websockets
+        started = time.perf_counter()
+        method: str = scope["method"]
+        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+        headers = [(name.decode("latin-1"), value.decode("latin-1"))
+                   for name, value in scope["headers"]]  # fmt: skip
+        request_id = _request_id(headers)
+        route = self._routes.match(path)
+        route_name = route.name if route else UNMATCHED
+        upstream_seconds: float | None = None
+        blocked: str | None
+        try:
+            if route is None:
+                raise errors.RouteNotFound(f"no route of this gateway matches the path {path!r}")
+            body = await read_body(receive, headers, route.max_body)
+            result = await self._gateway.handle(
+                route,
+                ProxyRequest(
+                    method=method,
+                    path=path,
+                    query=scope.get("query_string", b"").decode("latin-1"),
+                    headers=headers,
+                    body=body,
+                ),
+            )
+            status, body = result.status, result.body
+            response_headers = [
+                (name.encode("latin-1"), value.encode("latin-1"))
+                for name, value in result.headers
+                if name.lower() != REQUEST_ID  # ours is added once, below
+            ]
+            if status not in _NO_BODY_STATUSES and method != "HEAD":
+                response_headers.append((b"content-length", str(len(body)).encode()))
+            outcome, blocked, upstream_seconds = (
+                result.outcome,
+                result.blocked,
+                result.upstream_seconds,
+            )
+        except errors.GatewayError as error:
+            status, response_headers, body = problems.parts(error)
+            outcome, blocked = error.outcome, error.blocked_reason
+        except ClientDisconnected:
+            return  # nothing was claimed, and nobody is left to answer
+        response_headers.append((b"x-request-id", request_id.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": response_headers})
+        await send({"type": "http.response.body", "body": body})
+        elapsed = time.perf_counter() - started
+        metrics.REQUESTS.labels(route_name, method, outcome).inc()
+        metrics.REQUEST_DURATION.labels(route_name, outcome).observe(elapsed)
+        if blocked is not None:
+            metrics.DUPLICATES_BLOCKED.labels(route_name, blocked).inc()
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "%s %s %s -> %d %s",
+                route_name, method, outcome, status, request_id,
+                extra={"fields": {
+                    "route": route_name,
+                    "method": method,
+                    "outcome": outcome,
+                    "status": status,
+                    "upstream_ms": None if upstream_seconds is None
+                    else round(upstream_seconds * 1000, 3),
+                    "total_ms": round(elapsed * 1000, 3),
+                    "request_id": request_id,
+                }},
+            )  # fmt: skip
 
 
 def _request_id(headers: list[tuple[str, str]]) -> str:
@@ -117,29 +128,24 @@ def _request_id(headers: list[tuple[str, str]]) -> str:
     return request_id
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(receive: Receive, headers: list[tuple[str, str]], limit: int) -> bytes:
     """The whole request body, refusing (413) as soon as it is known to exceed `limit`."""
     too_large = errors.BodyTooLarge(
         f"the request body is larger than this route's limit of {limit} bytes"
     )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+    for name, value in headers:
+        if name == "content-length" and value.isdigit() and int(value) > limit:
+            raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def to_response(result: ProxyResponse) -> Response:
-    response = Response(content=result.body, status_code=result.status)
-    response.raw_headers.extend(
-        (name.encode("latin-1"), value.encode("latin-1"))
-        for name, value in result.headers
-        if name.lower() != REQUEST_ID  # ours is added once, after
-    )
-    return response
+        if not message.get("more_body", False):
+            return b"".join(chunks)

@@ -577,3 +577,19 @@ async def test_a_path_no_route_matches_is_404(client: httpx.AsyncClient) -> None
     assert problem_name(response) == "route-not-found"
     prefix_only = await client.post("/strictly/emails", json={}, headers=keyed(new_key()))
     assert prefix_only.status_code == 404
+
+
+async def test_the_upstream_gets_the_clients_headers_and_no_others(gateway: Gateway) -> None:
+    request = (
+        "POST /strict/echo/raw%2Fpath?b=2&a=1 HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n"
+        f"Idempotency-Key: {new_key()}\r\nX-Request-Id: trace-7\r\nContent-Length: 3\r\n\r\nabc"
+    ).encode()
+    status, headers, body = await asyncio.to_thread(raw_request, gateway.port, request)
+    assert status == 200
+    received = json.loads(body)
+    names = [name for name, _ in received["headers"]]
+    # Host and Content-Length are the client library's to set; nothing else may be added.
+    assert sorted(set(names) - {"host", "content-length"}) == ["idempotency-key", "x-request-id"]
+    assert received["body"] == "abc"
+    assert received["query"] == "b=2&a=1"
+    assert headers["x-request-id"] == "trace-7"

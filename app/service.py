@@ -4,7 +4,8 @@ Read `Gateway.handle` top to bottom:
 1. A method not under control, or a missing key on a `key: optional` route, is forwarded
    untouched and nothing is stored.
 2. Otherwise the key is parsed, its scope and the request's fingerprint computed, and the key
-   claimed with one insert. The unique constraint decides who owns it.
+   claimed with one insert, which returns the existing row instead when there is one (one round
+   trip either way). The unique constraint decides who owns it.
 3. The owner forwards the request with no transaction open, then settles the key with its
    fencing token: `completed` with the answer, released (row deleted) when nothing was sent or the
    upstream asked for a retry, or `unknown` when the request may have been performed but the
@@ -125,19 +126,22 @@ class Gateway:
             request.body,
         )
         for _ in range(CLAIM_ATTEMPTS):
-            claim = await self._store.claim(
+            found = await self._store.claim(
                 route.name, scope, key, digest, route.lease_seconds, route.ttl
             )
-            if claim is None:
-                record = await self._store.get(scope, key)
-                if record is None:
-                    continue  # released between our insert and our read: claim again
-                decision = await self._existing(route, record, digest)
+            if found is None:
+                # Held by a claim that committed while ours ran: read it now.
+                found = await self._store.get(scope, key)
+                if found is None:
+                    continue  # and already released: claim again
+            if isinstance(found, Record):
+                decision = await self._existing(route, found, digest)
                 if isinstance(decision, ProxyResponse):
                     return decision
-                claim = decision
-            if claim is not None:
-                return await self._forward_protected(route, request, claim)
+                if decision is None:
+                    continue  # it changed under us: look again
+                found = decision
+            return await self._forward_protected(route, request, found)
         raise errors.RequestInProgress(
             "this Idempotency-Key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},

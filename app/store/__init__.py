@@ -61,8 +61,9 @@ class KeyRecord:
 class Store(Protocol):
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
-    ) -> Claim | None:
-        """Insert the key; None when it exists already (read it with `get`)."""
+    ) -> Claim | Record | None:
+        """Insert the key, or return the row that already holds it. None when a concurrent
+        claim committed it too recently to be read in the same statement: read it with `get`."""
 
     async def get(self, scope: bytes, key: str) -> Record | None: ...
 

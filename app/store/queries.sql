@@ -3,15 +3,33 @@
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
 
 -- name: claim
--- Take a new key. Returns nothing when the (scope, key) row already exists; the caller then
--- reads that row. The unique constraint is the arbiter: of many concurrent claims, one wins.
-INSERT INTO oncegate_keys
-    (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
-VALUES
-    ($1, $2, $3, $4, 'in_progress', nextval('oncegate_fencing_token'),
-     now() + make_interval(secs => $5), now() + make_interval(secs => $6))
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, fencing_token;
+-- Take a new key, or read the row that already holds it: one round trip either way.
+-- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
+-- the statement's snapshot, so a row committed by a concurrent claim after this statement began
+-- is not seen; then neither branch returns a row and the caller reads it with `get`. Every
+-- decision that writes is a compare-and-set on the fencing token, so a read a moment old is safe.
+WITH claimed AS (
+    INSERT INTO oncegate_keys
+        (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
+    VALUES
+        ($1, $2, $3, $4, 'in_progress', nextval('oncegate_fencing_token'),
+         now() + make_interval(secs => $5), now() + make_interval(secs => $6))
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING id, fencing_token
+)
+SELECT true AS claimed, id, fencing_token,
+       NULL::bytea AS fingerprint, NULL::text AS state, NULL::boolean AS expired,
+       NULL::smallint AS response_status, NULL::jsonb AS response_headers,
+       NULL::bytea AS response_body, NULL::boolean AS response_stored
+FROM claimed
+UNION ALL
+SELECT false, id, fencing_token, fingerprint,
+       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
+            ELSE state END,
+       expires_at <= now(),
+       response_status, response_headers, response_body, response_stored
+FROM oncegate_keys
+WHERE scope = $2 AND key = $3 AND NOT EXISTS (SELECT FROM claimed);
 
 -- name: get
 -- The existing row, with its effective state: an in-flight claim whose lease ran out (its

@@ -231,7 +231,7 @@ async def test_every_counter_counts_exactly(
             assert (await post("/mail/emails", first)).status_code == 201
             for _ in range(3):
                 assert (await post("/mail/emails", first)).status_code == 201  # replayed
-            slow = asyncio.create_task(post("/mail/emails", second, **{"X-Demo-Delay": "1"}))
+            slow = asyncio.create_task(post("/mail/emails", second, **{"X-Demo-Delay": "3"}))
             await asyncio.sleep(0.5)
             assert (await post("/mail/emails", second)).status_code == 409  # in progress
             assert (await slow).status_code == 201

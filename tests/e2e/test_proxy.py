@@ -40,7 +40,7 @@ def routes(upstream: str) -> list[dict[str, Any]]:
         route("forward", timeout="1s", on_unknown="forward"),
         route("small", max_body="1KiB", max_stored_response="1KiB"),
         route("short", ttl="3s", timeout="0.5s", lease="1s"),
-        route("lease", timeout="2s", lease="3s"),
+        route("lease", timeout="3s", lease="8s"),  # room for a slow machine to kill in time
         route("dead", upstream=f"http://127.0.0.1:{free_port()}"),
     ]
 
@@ -275,7 +275,7 @@ async def test_retry_while_in_flight_is_told_to_wait_then_replayed(
     key = new_key()
     body = {"to": "slow@example.com"}
     slow = asyncio.create_task(
-        client.post("/strict/emails", json=body, headers=keyed(key, **{"X-Demo-Delay": "1"}))
+        client.post("/strict/emails", json=body, headers=keyed(key, **{"X-Demo-Delay": "2"}))
     )
     await wait_for_state(db, key, "in_progress")
     waiting = await client.post("/strict/emails", json=body, headers=keyed(key))
@@ -415,7 +415,13 @@ async def test_a_dead_gateways_lease_runs_out_and_the_key_turns_unknown(
         doomed.stop()
     waiting = await client.post("/lease/emails", json={}, headers=keyed(key))
     assert waiting.status_code == 409 and problem_name(waiting) == "request-in-progress"
-    await asyncio.sleep(3.2)  # the route's lease is 3s
+    # Wait for the lease to run out by PostgreSQL's clock, the one the gateways go by.
+    for _ in range(200):
+        if await db.fetchval(
+            "SELECT lease_expires_at <= now() FROM oncegate_keys WHERE key = $1", key
+        ):
+            break
+        await asyncio.sleep(0.1)
     unknown = await client.post("/lease/emails", json={}, headers=keyed(key))
     assert unknown.status_code == 409 and problem_name(unknown) == "outcome-unknown"
     assert len(upstream.actions(key)) == 1

@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from app import errors, service
-from app.store import Claim
+from app.store import Claim, Record
 from app.store.postgres import PostgresStore
 
 ROUTE = "payments"
@@ -31,30 +31,31 @@ SCOPE = digest("tenant-a")
 FINGERPRINT = digest("POST /charges {}")
 
 
-async def claim(
-    store: PostgresStore, key: str, *, lease: float = LEASE, ttl: float = TTL
-) -> Claim | None:
-    return await store.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
+async def claim(store: PostgresStore, key: str, *, lease: float = LEASE, ttl: float = TTL) -> Claim:
+    """Claim a key this test made up: it must be won."""
+    claimed = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
+    assert isinstance(claimed, Claim)
+    return claimed
 
 
-async def test_first_claim_wins_and_the_row_records_it(store: PostgresStore) -> None:
+async def test_first_claim_wins_and_the_next_one_reads_the_row(store: PostgresStore) -> None:
     key = new_key()
     first = await claim(store, key)
-    assert first is not None
-    assert await claim(store, key) is None
+    second = await store.claim(ROUTE, SCOPE, key, digest("another request"), LEASE, TTL)
+    assert isinstance(second, Record)
     record = await store.get(SCOPE, key)
-    assert record is not None
+    assert record == second
     assert (record.id, record.token) == (first.record_id, first.token)
     assert record.state == "in_progress"
-    assert record.fingerprint == FINGERPRINT
+    assert record.fingerprint == FINGERPRINT  # the first request's, not the second's
     assert not record.expired
 
 
 async def test_same_key_in_another_scope_is_another_key(store: PostgresStore) -> None:
     key = new_key()
-    assert await claim(store, key) is not None
+    await claim(store, key)
     other = await store.claim(ROUTE, digest("tenant-b"), key, FINGERPRINT, LEASE, TTL)
-    assert other is not None
+    assert isinstance(other, Claim)
     assert await store.get(digest("tenant-c"), key) is None
 
 
@@ -64,9 +65,15 @@ async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url
     try:
         for _ in range(5):
             key = new_key()
-            results = await asyncio.gather(*(claim(store, key) for _ in range(racers)))
-            winners = [result for result in results if result is not None]
+            results = await asyncio.gather(
+                *(store.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL) for _ in range(racers))
+            )
+            winners = [result for result in results if isinstance(result, Claim)]
             assert len(winners) == 1
+            # Every loser learns who holds the key, in the same statement or by reading it.
+            for result in results:
+                if isinstance(result, Record):
+                    assert (result.id, result.token) == (winners[0].record_id, winners[0].token)
     finally:
         await store.close()
 
@@ -76,7 +83,6 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert owner is not None
     stale = Claim(owner.record_id, owner.token - 1)
     assert not await store.complete(stale, 500, [], b"wrong")
     headers = [("content-type", "application/json"), ("location", "/charges/1")]
@@ -94,7 +100,6 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
 async def test_an_answer_too_large_to_store_keeps_only_its_status(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert owner is not None
     assert await store.complete(owner, 201, [("content-type", "text/plain")], None)
     record = await store.get(SCOPE, key)
     assert record is not None
@@ -107,18 +112,16 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert owner is not None
     assert not await store.release(Claim(owner.record_id, owner.token + 1))
     assert await store.release(owner)
     assert await store.get(SCOPE, key) is None
     again = await claim(store, key)
-    assert again is not None and again.token > owner.token
+    assert again.token > owner.token
 
 
 async def test_a_lease_that_runs_out_reads_as_unknown(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.2)
-    assert owner is not None
     await asyncio.sleep(0.4)
     record = await store.get(SCOPE, key)
     assert record is not None and record.state == "unknown"
@@ -129,7 +132,6 @@ async def test_a_lease_that_runs_out_reads_as_unknown(store: PostgresStore) -> N
 async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert owner is not None
     record = await store.get(SCOPE, key)
     assert record is not None
     # A live in-flight claim cannot be taken over.
@@ -151,7 +153,6 @@ async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> 
 async def test_an_expired_key_is_reclaimed_once_as_a_new_claim(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert owner is not None
     assert await store.complete(owner, 201, [], b"old")
     await asyncio.sleep(0.5)
     record = await store.get(SCOPE, key)
@@ -177,8 +178,7 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
     store: PostgresStore, db: asyncpg.Connection
 ) -> None:
     key = new_key()
-    owner = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, 60.0, 60.0)
-    assert owner is not None
+    owner = await claim(store, key, lease=60.0, ttl=120.0)
     record = await store.get(SCOPE, key)
     assert record is not None
     # Pretend the TTL passed while the lease still runs: the in-flight claim must survive.
@@ -237,8 +237,7 @@ async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(
         SCOPE,
         FINGERPRINT,
     )
-    live = await claim(store, new_key())
-    assert live is not None
+    await claim(store, new_key())
     assert await service.purge_expired(store, batch_size=1000, pause=0) == 2500
     assert await db.fetchval("SELECT count(*) FROM oncegate_keys") == 1
     assert await service.purge_expired(store, batch_size=1000, pause=0) == 0

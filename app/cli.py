@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", metavar="H", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="proxy port (default 8080)")
     serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
+    serve.add_argument("--workers", type=int, metavar="N", help="worker processes (default 1)")
     serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
     serve.add_argument("--data-dir", metavar="DIR", help="embedded PostgreSQL data (.oncegate)")
     serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default json)")
@@ -81,8 +84,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(arguments: argparse.Namespace) -> int:
-    from app.http import server
-
     flags = {
         name: getattr(arguments, name)
         for name in (
@@ -91,6 +92,7 @@ def _serve(arguments: argparse.Namespace) -> int:
             "host",
             "port",
             "admin_port",
+            "workers",
             "ttl",
             "data_dir",
             "log_format",
@@ -99,7 +101,12 @@ def _serve(arguments: argparse.Namespace) -> int:
     }
     config = settings.load(flags)
     logs.configure(config.log_format, config.log_level)
-    with _database(config.database_url, config.data_dir) as database_url:
+    with (
+        _metrics_across_workers(config.workers),
+        _database(config.database_url, config.data_dir) as database_url,
+    ):
+        from app.http import server
+
         asyncio.run(_check_schema(database_url))
         for route in config.routes:
             log.info(
@@ -169,6 +176,21 @@ def _database_settings() -> tuple[str | None, Path]:
     if url is not None and not url.startswith(("postgresql://", "postgres://")):
         raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
     return url, Path(os.environ.get("ONCEGATE_DATA_DIR") or ".oncegate")
+
+
+@contextmanager
+def _metrics_across_workers(workers: int) -> Iterator[None]:
+    """With several workers, every metric is kept in files that /metrics adds up.
+    prometheus_client chooses where values live when it is first imported: this runs first."""
+    if workers == 1:
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="oncegate-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextmanager

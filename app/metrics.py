@@ -6,7 +6,16 @@ Counters are per process and start at zero, the Prometheus convention.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 # Outcomes of contract section 4, the values of the `outcome` label.
 OUTCOMES = (
@@ -80,8 +89,18 @@ INFLIGHT = Gauge(
     "oncegate_inflight_requests",
     "Requests being forwarded upstream right now.",
     ["route"],
+    multiprocess_mode="livesum",  # with --workers: the sum over the live worker processes
 )
 KEYS_PURGED = Counter(
     "oncegate_keys_purged_total",
     "Expired keys deleted by the purger.",
 )
+
+
+def exposition() -> bytes:
+    """The text for `/metrics`: this process's metrics, or with --workers every worker's."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped upstream
+        return generate_latest(registry)
+    return generate_latest()

@@ -199,6 +199,7 @@ class Settings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     admin_port: int = Field(8081, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64)
     ttl: Duration = DEFAULT_TTL
     upstream: str | None = None
     log_format: Literal["json", "text"] = "json"

@@ -15,10 +15,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
 from app import errors, migrations
+from app import metrics as app_metrics
 from app.http.app import Runtime
 from app.store import KeyRecord
 
@@ -54,7 +55,7 @@ Admin = Depends(require_admin)
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz", summary="200 while the process runs")

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,7 @@ class Gateway:
         routes: list[dict[str, Any]],
         name: str = "gateway",
         admin_token: str = "",
+        args: Sequence[str] = (),
     ) -> None:
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -113,7 +114,7 @@ class Gateway:
         config.write_text(yaml.safe_dump({"routes": routes}))
         self.process = Process(
             ["serve", "--config", str(config), "--port", str(self.port),
-             "--admin-port", str(self.admin_port)],
+             "--admin-port", str(self.admin_port), *args],
             directory / f"{name}.log",
             env={"ONCEGATE_DATABASE_URL": database_url, "ONCEGATE_ADMIN_TOKEN": admin_token},
         )  # fmt: skip

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test faults lint bench bench-all bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ run: $(STAMP)
 	trap 'kill $$demo 2>/dev/null' EXIT INT TERM; \
 	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000 --log-format text
 
+# The whole suite but the slowest fault tests (a few minutes).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The fault suite in full: real kills, outages under load, three gateways (docs/faults.md).
+faults: $(STAMP)
+	$(BIN)/python -m pytest -q tests/faults
 
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench
@@ -28,7 +33,20 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-bench: $(STAMP)
+# Benchmarks (bench/README.md): wrk from Debian drives every configuration; idemkit is the peer.
+BENCH_TOOLS := $(VENV)/.bench-tools
+$(BENCH_TOOLS): $(STAMP)
+	command -v wrk >/dev/null || (apt-get update && apt-get install -y --no-install-recommends wrk)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_TOOLS)
+
+bench: $(BENCH_TOOLS)
+	$(BIN)/python bench/run.py
+
+bench-all: $(BENCH_TOOLS)
+	$(BIN)/python bench/run.py --all
+
+bench-quick: $(STAMP)
 	$(BIN)/python bench/quick.py
 
 clean:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from app import errors, fingerprint, keys, metrics
 from app.settings import Route
 from app.store import Claim, Record, Store
-from app.upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
+from app.upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, "released")
-        stored_headers = [pair for pair in response.headers if pair[0].lower() not in NOT_STORED]
+        stored_headers = storable_headers(response.headers)
         body = response.body if len(response.body) <= route.max_stored_response else None
         await self._settle(
             "complete", self._store.complete(claim, response.status, stored_headers, body)
@@ -273,6 +273,12 @@ class Gateway:
                 "could not %s a key: its claim was taken over (fencing token superseded)",
                 operation,
             )
+
+
+def storable_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The headers of an answer that may be stored and replayed: end-to-end ones, and no
+    credentials (contract section 4: Set-Cookie is not stored)."""
+    return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
 
 
 def replay(record: Record) -> ProxyResponse:

@@ -42,6 +42,10 @@ _REQUEST_ONLY = frozenset({"host", "expect"})
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
 CONNECT_TIMEOUT = 5.0
 MAX_CONNECTIONS = 512
+# An idle pooled connection is dropped before common servers drop it (uvicorn and Node close
+# idle connections after 5 s): a request sent on a connection the server is closing at that
+# moment gets no answer, and its key would turn `unknown` for nothing.
+KEEPALIVE_TIMEOUT = 4.0
 
 
 class UpstreamError(Exception):
@@ -95,7 +99,9 @@ class Upstream:
 
     def __init__(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, force_close=False),
+            connector=aiohttp.TCPConnector(
+                limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_TIMEOUT
+            ),
             auto_decompress=False,
             # A proxy sends what its client sent: none of the client library's own headers.
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),

@@ -18,7 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from app import errors, migrations
+from app import errors, migrations, service
 from app import metrics as app_metrics
 from app.http.app import Runtime
 from app.store import KeyRecord
@@ -192,7 +192,10 @@ async def resolve_key(
     if resolution.action == "complete":
         assert resolution.status is not None
         settled = await runtime.store.settle(
-            record_id, resolution.status, resolution.headers, resolution.body_bytes()
+            record_id,
+            resolution.status,
+            service.storable_headers(resolution.headers),  # Content-Length is recomputed
+            resolution.body_bytes(),
         )
     else:
         settled = await runtime.store.release_unknown(record_id)

@@ -6,6 +6,11 @@ Design rules:
   no LISTEN, no advisory locks, no open transaction), so asyncpg's reset query would only add a
   round trip to every request.
 - asyncpg prepares each statement once per connection and reuses it (its statement cache).
+- Storing an answer (`complete`) commits without waiting for the WAL flush (a second, small pool
+  whose sessions run with synchronous_commit off): one fsync fewer on every forward. The claim
+  stays synchronous, because a claim lost in a PostgreSQL crash could let a retry forward twice.
+  A lost `complete` cannot: the row falls back to its durable in-flight claim, whose lease runs
+  out into `unknown`, and nothing is forwarded again.
 - Every driver or socket error becomes `errors.StoreUnavailable`: the gateway fails closed and
   never forwards a request it could not claim. The pool replaces broken connections by itself,
   so service resumes when PostgreSQL comes back, with no restart.
@@ -34,7 +39,15 @@ CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
 ACQUIRE_TIMEOUT = 10.0
 
-_DRIVER_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+# InternalClientError is not an InterfaceError: a connection whose protocol was left mid-operation
+# by a PostgreSQL shutdown raises it (seen under load in tests/faults/test_store_outage.py).
+_DRIVER_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
 
 
 async def _no_reset(connection: asyncpg.Connection) -> None:
@@ -42,8 +55,9 @@ async def _no_reset(connection: asyncpg.Connection) -> None:
 
 
 class PostgresStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool) -> None:
         self._pool = pool
+        self._answer_pool = answer_pool
         self._timers = {
             operation: metrics.STORE_OPERATION_DURATION.labels(operation) for operation in QUERIES
         } | {"schema_revision": metrics.STORE_OPERATION_DURATION.labels("schema_revision")}
@@ -51,20 +65,30 @@ class PostgresStore:
     @classmethod
     async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 20) -> PostgresStore:
         """A store on a new pool. Fails with `StoreUnavailable` if PostgreSQL cannot be reached."""
+        options: dict[str, Any] = {
+            "reset": _no_reset,
+            "timeout": CONNECT_TIMEOUT,
+            "command_timeout": COMMAND_TIMEOUT,
+        }
         try:
-            pool = await asyncpg.create_pool(
-                url,
-                min_size=min_size,
-                max_size=max_size,
-                reset=_no_reset,
-                timeout=CONNECT_TIMEOUT,
-                command_timeout=COMMAND_TIMEOUT,
-            )
+            pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, **options)
         except _DRIVER_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(pool)
+        try:
+            answer_pool = await asyncpg.create_pool(
+                url,
+                min_size=min(min_size, 1),
+                max_size=max(1, max_size // 2),
+                server_settings={"synchronous_commit": "off"},
+                **options,
+            )
+        except _DRIVER_ERRORS as exc:
+            await pool.close()
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        return cls(pool, answer_pool)
 
     async def close(self) -> None:
+        await self._answer_pool.close()
         await self._pool.close()
 
     @asynccontextmanager
@@ -78,12 +102,12 @@ class PostgresStore:
         finally:
             self._timers[operation].observe(time.perf_counter() - started)
 
-    async def _fetchrow(self, operation: str, *args: Any) -> Any:
+    async def _fetchrow(self, operation: str, *args: Any, pool: asyncpg.Pool | None = None) -> Any:
         """One query, one row. The hot path: written out rather than through `_connection`,
         whose context-manager machinery measurably cost more than the pool itself."""
         started = time.perf_counter()
         try:
-            return await self._pool.fetchrow(QUERIES[operation], *args)
+            return await (pool or self._pool).fetchrow(QUERIES[operation], *args)
         except _DRIVER_ERRORS as exc:
             raise _unavailable(operation, exc) from exc
         finally:
@@ -127,6 +151,7 @@ class PostgresStore:
             _headers_json(headers) if stored else None,
             body,
             stored,
+            pool=self._answer_pool,
         )
         return row is not None
 

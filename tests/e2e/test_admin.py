@@ -167,13 +167,17 @@ async def test_resolving_an_unknown_key_as_completed_replays_the_given_answer(
     resolved = await admin.post(
         f"/admin/keys/{record_id}/resolve",
         json={"action": "complete", "status": 201, "body": '{"id": "ch_manual"}',
-              "headers": [["Content-Type", "application/json"]]},
+              "headers": [["Content-Type", "application/json"], ["Content-Length", "999"],
+                          ["Set-Cookie", "session=operator"], ["Connection", "close"]]},
     )  # fmt: skip
     assert resolved.status_code == 200
     replay = await client.post("/slow/charges", json={}, headers={"Idempotency-Key": key})
     assert replay.status_code == 201
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.json() == {"id": "ch_manual"}
+    # Only end-to-end headers are stored: Content-Length is the real one, no cookie is replayed.
+    assert replay.headers.get_list("content-length") == [str(len(replay.content))]
+    assert "set-cookie" not in replay.headers
     assert len(upstream.actions(key)) == 1
     again = await admin.post(f"/admin/keys/{record_id}/resolve", json={"action": "release"})
     assert again.status_code == 409  # completed now, no longer unknown

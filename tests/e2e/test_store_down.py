@@ -37,11 +37,11 @@ def server() -> Iterator[Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def stop(server: Any) -> None:
+def stop(server: Any, mode: str = "fast") -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from pgserver._commands import pg_ctl
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+    pg_ctl(["-w", "-m", mode, "stop"], pgdata=server.pgdata, user=server.system_user)
 
 
 def start(server: Any) -> None:
@@ -92,5 +92,41 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
             replay = await client.post("/emails", json={}, headers={"Idempotency-Key": done})
             assert replay.status_code == 201 and replay.headers["idempotent-replayed"] == "true"
             assert len(upstream.actions(done)) == 1
+    finally:
+        gateway.stop()
+
+
+async def test_a_postgres_crash_right_after_an_answer_never_forwards_twice(
+    server: Any, module_dir: Path, upstream: DemoUpstream
+) -> None:
+    """Answers are stored without waiting for the WAL flush (one fsync fewer per forward); the
+    claim before them is flushed. A crash may lose a stored answer, never the claim: the retry
+    is then replayed, or told to wait, or told the outcome is unknown, and never forwarded."""
+    route = {"name": "mail", "match": "/", "upstream": upstream.url, "timeout": "2s"}
+    gateway = Gateway(module_dir, server.get_uri(), [route], name="crash")
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            for _ in range(3):
+                key = str(uuid.uuid4())
+                first = await client.post("/emails", json={}, headers={"Idempotency-Key": key})
+                assert first.status_code == 201
+                stop(server, mode="immediate")  # a crash: no checkpoint, no flush
+                start(server)
+                retry = None
+                for _ in range(40):
+                    retry = await client.post("/emails", json={}, headers={"Idempotency-Key": key})
+                    if retry.status_code != 503:
+                        break
+                    await asyncio.sleep(0.25)
+                assert retry is not None
+                if retry.status_code == 201:
+                    assert retry.headers["idempotent-replayed"] == "true"
+                else:
+                    assert retry.status_code == 409
+                    assert retry.json()["type"] in (
+                        "urn:oncegate:problem:request-in-progress",
+                        "urn:oncegate:problem:outcome-unknown",
+                    )
+                assert len(upstream.actions(key)) == 1
     finally:
         gateway.stop()

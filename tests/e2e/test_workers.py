@@ -4,6 +4,7 @@ the parent replaces a worker that dies, and /metrics adds up every worker's coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
@@ -32,10 +33,15 @@ def workers(gateway: Gateway) -> list[psutil.Process]:
     return psutil.Process(gateway.process.pid).children()
 
 
-def wait_for_workers(gateway: Gateway, count: int) -> list[psutil.Process]:
+def wait_for_workers(gateway: Gateway, count: int, gone: int | None = None) -> list[psutil.Process]:
+    """Wait until `count` live workers serve, none of them the process `gone`."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        found = [child for child in workers(gateway) if child.status() != psutil.STATUS_ZOMBIE]
+        found = []
+        for child in workers(gateway):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if child.status() != psutil.STATUS_ZOMBIE and child.pid != gone:
+                    found.append(child)
         if len(found) == count:
             return found
         time.sleep(0.1)
@@ -75,7 +81,7 @@ async def test_several_workers_forward_each_key_once_and_count_together(
 async def test_a_worker_that_dies_is_replaced(gateway: Gateway, upstream: DemoUpstream) -> None:
     victim = wait_for_workers(gateway, 2)[0]
     victim.send_signal(signal.SIGKILL)
-    replaced = wait_for_workers(gateway, 2)
+    replaced = wait_for_workers(gateway, 2, gone=victim.pid)
     assert victim.pid not in {worker.pid for worker in replaced}
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
         for _ in range(10):

@@ -1,0 +1,1118 @@
+"""`make bench`: oncegate side by side with a bare proxy and a library peer, on one machine.
+
+It starts on 127.0.0.1, on free ports: `oncegate demo-upstream`; `oncegate serve` (which starts
+the embedded PostgreSQL in a fresh ONCEGATE_DATA_DIR, or uses ONCEGATE_DATABASE_URL when set);
+`bench/bare_proxy.py` (the gateway's server stack and upstream client, no idempotency); and
+`bench/idemkit_proxy.py` (the same bare proxy behind idemkit 1.0.2's middleware on the same
+PostgreSQL). Then it drives each configuration with wrk and `bench/load.lua` (POST /emails with a
+small JSON body; a new Idempotency-Key per request, a retry of a stored key, or a mix), and
+prints Markdown tables: req/s, p50, p99, server-side CPU per request, ratios to the bare proxy,
+and the issue 6 targets as PASS/FAIL lines (printed, never asserted).
+
+    .venv/bin/python bench/run.py                       # the main table + 1-connection latency
+    .venv/bin/python bench/run.py --sweep concurrency   # 1, 16, 64, 256 connections
+    .venv/bin/python bench/run.py --sweep keys          # 10^4, 10^6, 10^7 stored keys
+    .venv/bin/python bench/run.py --all                 # all of the above in one run
+
+Design rules:
+- One load generator for every configuration: wrk, its threads capped at the connections.
+- Each configuration is run `--repeats` times, interleaved (round 1 of every configuration, then
+  round 2, ...), so a drift of the machine spreads over all of them; the tables show the median
+  and the spread (min-max).
+- CPU per request is the CPU time (utime + stime from /proc/<pid>/stat) of the server side, the
+  proxy under test with its worker processes, the demo upstream, and the PostgreSQL postmaster
+  with every child (backends, WAL writer, checkpointer) and the children it reaped, during the
+  measured run, divided by the requests answered. wrk and this script are not counted.
+- Every wait is bounded: server start-up, each wrk run, the key-table fill, and the whole run
+  (SIGALRM). Every process started here is stopped by PID in a `finally` (SIGTERM, then SIGKILL),
+  and the embedded PostgreSQL is stopped when the last process holding it lets go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import quick
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(1, str(ROOT))
+
+from app import keys  # noqa: E402 - the repository root is on the path from here on
+
+HOST = quick.HOST
+PATH = "/emails"
+BODY = quick.BODY
+LOAD_SCRIPT = BENCH / "load.lua"
+IDEMKIT_VERSION = "1.0.2"
+# The gateway's catch-all route, and the scope of a request without Authorization: the key
+# sweep pre-fills rows in the scope the benchmark's own requests use.
+ROUTE = "default"
+# wrk gives up on an answer after this long and counts a timeout; far above any p99 here.
+WRK_TIMEOUT = "10s"
+# A wrk run that has not exited this long after its planned end is stuck.
+WRK_GRACE = 30.0
+# Start-up: initdb and the migrations run before the gateway listens.
+STARTUP_TIMEOUT = 60.0
+# Connections used to store the replay pools before the measured runs.
+POOL_CONNECTIONS = 16
+POOL_TIMEOUT = 60.0
+# The key sweep fills the table in batches of this many rows, checking its time budget between
+# batches; one batch takes seconds, so the budget is overrun by one batch at most.
+FILL_BATCH = 1_000_000
+FILL_STATEMENT_TIMEOUT = 300.0
+# A receipt like the demo upstream's, stored with every pre-filled row: the rows are as wide as
+# real ones, so the table and its pages grow as they would.
+FILL_BODY = json.dumps(
+    {
+        "id": "em_000000",
+        "kind": "email",
+        "path": PATH,
+        "idempotency_key": "fill",
+        "request": json.loads(BODY),
+        "performed_at": 0.0,
+    }
+).encode()
+FILL_HEADERS = json.dumps([["content-type", "application/json"], ["location", "/actions/em"]])
+
+# Other work on the machine worth mentioning under the tables, in cores: the idle servers and
+# the system use a few hundredths.
+FOREIGN_NOTICEABLE = 0.2
+
+CONCURRENCY_SWEEP = (1, 16, 64, 256)
+KEY_SWEEP = (10**4, 10**6, 10**7)
+
+
+# --- what is measured ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Configuration:
+    label: str
+    target: str  # which server: upstream | bare | gateway | idemkit
+    retry_percent: int  # 0: every request a new key; 100: every request a retry of a stored key
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-")
+
+
+DIRECT = Configuration("upstream direct", "upstream", 0)
+BARE = Configuration("bare proxy", "bare", 0)
+FORWARD = Configuration("oncegate forward", "gateway", 0)
+REPLAY = Configuration("oncegate replay", "gateway", 100)
+MIX = Configuration("oncegate mix 80/20", "gateway", 20)
+IDEMKIT_FORWARD = Configuration("idemkit forward", "idemkit", 0)
+IDEMKIT_REPLAY = Configuration("idemkit replay", "idemkit", 100)
+IDEMKIT_MIX = Configuration("idemkit mix 80/20", "idemkit", 20)
+MAIN = (DIRECT, BARE, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD, IDEMKIT_REPLAY, IDEMKIT_MIX)
+LATENCY = (BARE, FORWARD, REPLAY, MIX)
+SWEPT = (BARE, FORWARD, REPLAY)
+PEERS = {FORWARD: IDEMKIT_FORWARD, REPLAY: IDEMKIT_REPLAY, MIX: IDEMKIT_MIX}
+
+
+@dataclass
+class Sample:
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    cpu_ms_per_request: float  # nan when PostgreSQL's processes could not be found
+    proxy_ms_per_request: float  # the part of it the proxy under test used
+    postgres_ms_per_request: float  # the part PostgreSQL used
+    errors: dict[str, int]
+    new_sent: int
+    retries_sent: int
+    # What the demo upstream really performed for this run's keys: a new key performed more
+    # than once, or a stored (pool) key performed again, is a duplicate that got through.
+    duplicates: int = 0
+    pool_performed: int = 0
+    claim_ms: float = math.nan  # mean `claim` store-operation time (gateway only)
+    complete_ms: float = math.nan
+    # CPU (in cores) that processes outside the benchmark used during the run: another job on
+    # the machine makes every figure of that run pessimistic.
+    foreign_cores: float = 0.0
+
+    @property
+    def per_second(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Results:
+    samples: dict[tuple[Configuration, int], list[Sample]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, configuration: Configuration, connections: int, sample: Sample) -> None:
+        self.samples.setdefault((configuration, connections), []).append(sample)
+
+    def get(self, configuration: Configuration, connections: int) -> list[Sample]:
+        return self.samples.get((configuration, connections), [])
+
+    def median(
+        self, configuration: Configuration, connections: int, metric: Callable[[Sample], float]
+    ) -> float:
+        values = [metric(sample) for sample in self.get(configuration, connections)]
+        return statistics.median(values) if values else math.nan
+
+
+# --- CPU time of the server side -----------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, own CPU ticks, CPU ticks of reaped children), for every process."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                text = stat.read()
+        except OSError:
+            continue  # exited while we looked
+        # The command name is in parentheses and may contain anything: split after the last.
+        fields = text[text.rindex(b")") + 2 :].split()
+        table[int(entry.name)] = (
+            int(fields[1]),
+            int(fields[11]) + int(fields[12]),
+            int(fields[13]) + int(fields[14]),
+        )
+    return table
+
+
+def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds used so far, per group, by the group's root processes, all their descendants,
+    and the children they reaped. A process counts in the first group that reaches it."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    seen: set[int] = set()
+    used = {}
+    for name, roots in groups.items():
+        ticks = 0
+        pending = [root for root in roots if root in table]
+        for root in set(pending):
+            ticks += table[root][2]
+        while pending:
+            pid = pending.pop()
+            if pid not in seen:
+                seen.add(pid)
+                ticks += table[pid][1]
+                pending.extend(children.get(pid, []))
+        used[name] = ticks / CLOCK_TICKS
+    return used
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every CPU of the machine spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal: everything but idle and iowait.
+    busy = fields[0] + fields[1] + fields[2] + sum(fields[5:8])
+    return busy / CLOCK_TICKS
+
+
+def own_seconds() -> float:
+    """CPU seconds of this script and of the children it waited for (wrk)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+# --- the servers ---------------------------------------------------------------------------
+
+
+@dataclass
+class Servers:
+    work: Path
+    ports: dict[str, int]
+    pids: dict[str, int]
+    admin_port: int
+    database_url: str
+    embedded: bool
+    postmaster: int | None  # None: PostgreSQL runs elsewhere, its CPU is not counted
+    pools: dict[str, str] = field(default_factory=dict)  # target -> stored key prefix
+
+    def process_groups(self, target: str) -> dict[str, list[int]]:
+        """The server side of `target`: PostgreSQL first (so a postmaster started by the gateway
+        counts as PostgreSQL), then the proxy under test, then the demo upstream."""
+        groups = {"postgres": [self.postmaster] if self.postmaster is not None else []}
+        groups["proxy"] = [self.pids[target]] if target != "upstream" else []
+        groups["upstream"] = [self.pids["upstream"]]
+        return groups
+
+
+def _postmaster_pid(data_directory: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int((data_directory / "postmaster.pid").read_text().splitlines()[0])
+    return None
+
+
+async def _fetch(url: str, query: str) -> Any:
+    import asyncpg
+
+    connection = await asyncpg.connect(url, timeout=10)
+    try:
+        return await connection.fetchval(query, timeout=30)
+    finally:
+        await connection.close()
+
+
+def _start(
+    command: list[str], log: Path, environment: dict[str, str], started: list[Any]
+) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=environment,
+            cwd=ROOT,
+        )
+    started.append(process)
+    return process
+
+
+@contextlib.contextmanager
+def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
+    environment = quick.server_environment(work / "data")
+    external_url = environment.get("ONCEGATE_DATABASE_URL")
+    ports = {name: quick.free_port() for name in ("upstream", "gateway", "bare", "idemkit")}
+    admin_port = quick.free_port()
+    workers = ["--workers", str(arguments.workers)] if arguments.workers > 1 else []
+    started: list[subprocess.Popen[bytes]] = []
+    embedded_handle = None
+    try:
+        if external_url:
+            migrate = subprocess.run(
+                quick.oncegate("migrate"),
+                env=environment,
+                cwd=ROOT,
+                capture_output=True,
+                timeout=STARTUP_TIMEOUT,
+            )
+            if migrate.returncode != 0:
+                raise RuntimeError(f"oncegate migrate failed:\n{migrate.stderr.decode()}")
+        upstream = _start(
+            quick.oncegate("demo-upstream", "--host", HOST, "--port", str(ports["upstream"])),
+            work / "upstream.log",
+            environment,
+            started,
+        )
+        gateway = _start(
+            quick.oncegate(
+                "serve",
+                "--upstream",
+                f"http://{HOST}:{ports['upstream']}",
+                "--host",
+                HOST,
+                "--port",
+                str(ports["gateway"]),
+                "--admin-port",
+                str(admin_port),
+                *workers,
+            ),
+            work / "gateway.log",
+            environment,
+            started,
+        )
+        quick.wait_listening(upstream, ports["upstream"], work / "upstream.log", STARTUP_TIMEOUT)
+        quick.wait_listening(gateway, ports["gateway"], work / "gateway.log", STARTUP_TIMEOUT)
+        if external_url:
+            database_url = external_url
+            data_directory = Path(asyncio.run(_fetch(database_url, "SHOW data_directory")))
+        else:
+            # Join the gateway's embedded server (pgserver counts the processes holding it) for
+            # its URL; the last holder to let go stops it.
+            from app import embedded
+
+            embedded_handle = embedded.start(work / "data")
+            database_url = embedded_handle.url
+            data_directory = embedded_handle.pgdata
+        bare = _start(
+            [
+                sys.executable,
+                str(BENCH / "bare_proxy.py"),
+                "--upstream",
+                f"http://{HOST}:{ports['upstream']}",
+                "--host",
+                HOST,
+                "--port",
+                str(ports["bare"]),
+                f"--stack={arguments.bare_stack}",
+                *workers,
+            ],
+            work / "bare.log",
+            environment,
+            started,
+        )
+        idemkit = _start(
+            [
+                sys.executable,
+                str(BENCH / "idemkit_proxy.py"),
+                "--upstream",
+                f"http://{HOST}:{ports['upstream']}",
+                "--database-url",
+                database_url,
+                "--host",
+                HOST,
+                "--port",
+                str(ports["idemkit"]),
+                f"--stack={arguments.bare_stack}",
+                *workers,
+            ],
+            work / "idemkit.log",
+            environment,
+            started,
+        )
+        quick.wait_listening(bare, ports["bare"], work / "bare.log", STARTUP_TIMEOUT)
+        quick.wait_listening(idemkit, ports["idemkit"], work / "idemkit.log", STARTUP_TIMEOUT)
+        yield Servers(
+            work=work,
+            ports=ports,
+            pids={
+                "upstream": upstream.pid,
+                "gateway": gateway.pid,
+                "bare": bare.pid,
+                "idemkit": idemkit.pid,
+            },
+            admin_port=admin_port,
+            database_url=database_url,
+            embedded=not external_url,
+            postmaster=_postmaster_pid(data_directory),
+        )
+    finally:
+        for process in reversed(started):
+            quick.stop(process)
+        if embedded_handle is not None:
+            embedded_handle.stop()
+        if not external_url:
+            quick.stop_orphaned_postgres(work / "data" / "pgdata")
+
+
+# --- driving one configuration -------------------------------------------------------------
+
+
+def run_wrk(
+    port: int,
+    connections: int,
+    seconds: int,
+    threads: int,
+    prefix: str,
+    retry_percent: int,
+    pool_prefix: str,
+    pool_size: int,
+) -> dict[str, Any]:
+    command = [
+        "wrk",
+        f"--threads={min(threads, connections)}",
+        f"--connections={connections}",
+        f"--duration={seconds}s",
+        f"--timeout={WRK_TIMEOUT}",
+        f"--script={LOAD_SCRIPT}",
+        f"http://{HOST}:{port}{PATH}",
+        "--",
+        prefix,
+        str(retry_percent),
+        pool_prefix,
+        str(pool_size),
+        PATH,
+        BODY.decode(),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=seconds + WRK_GRACE)
+    for line in completed.stdout.splitlines():
+        if line.startswith('{"requests"'):
+            report: dict[str, Any] = json.loads(line)
+            return report
+    raise RuntimeError(
+        f"wrk exited {completed.returncode} without its report:\n"
+        f"{completed.stdout[-2000:]}\n{completed.stderr[-2000:]}"
+    )
+
+
+def store_pool(servers: Servers, target: str, size: int, run: str) -> None:
+    """Store `size` keys through `target` once, for the replay and mix configurations."""
+    if target in servers.pools:
+        return
+    prefix = f"{run}-{target}-pool"
+    port = servers.ports[target]
+    pool = [quick.build_request(port, f"{prefix}-{index}") for index in range(size)]
+    result = quick.PhaseResult(f"{target} pool")
+    start = time.perf_counter()
+    asyncio.run(
+        quick.drive(
+            result,
+            port,
+            quick.pool_once(pool, POOL_CONNECTIONS),
+            POOL_CONNECTIONS,
+            measure_from=start,
+            until=start + POOL_TIMEOUT,
+            check=quick.check_2xx,
+        )
+    )
+    if result.errors or result.requests != size:
+        raise RuntimeError(
+            f"storing the replay pool through {target}: {result.requests} of {size} answered, "
+            f"errors {dict(result.errors)}"
+        )
+    servers.pools[target] = prefix
+
+
+def store_metrics(admin_port: int) -> dict[str, tuple[float, float]]:
+    """operation -> (sum of seconds, count) of oncegate_store_operation_duration_seconds."""
+    url = f"http://{HOST}:{admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=quick.REQUEST_TIMEOUT) as answer:
+        text = answer.read().decode()
+    found: dict[str, list[float]] = {}
+    pattern = re.compile(
+        r'^oncegate_store_operation_duration_seconds_(sum|count)\{operation="(\w+)"\} (\S+)$'
+    )
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if match:
+            kind, operation, value = match.groups()
+            found.setdefault(operation, [0.0, 0.0])[kind == "count"] = float(value)
+    return {operation: (pair[0], pair[1]) for operation, pair in found.items()}
+
+
+def _mean_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], operation: str
+) -> float:
+    total, count = after.get(operation, (0.0, 0.0))
+    earlier_total, earlier_count = before.get(operation, (0.0, 0.0))
+    if count <= earlier_count:
+        return math.nan
+    return (total - earlier_total) / (count - earlier_count) * 1000
+
+
+def measure(
+    servers: Servers,
+    configuration: Configuration,
+    connections: int,
+    arguments: argparse.Namespace,
+    tag: str,
+) -> Sample:
+    target = configuration.target
+    port = servers.ports[target]
+    pool_prefix, pool_size = "", 0
+    if configuration.retry_percent:
+        store_pool(servers, target, arguments.pool, arguments.run)
+        pool_prefix, pool_size = servers.pools[target], arguments.pool
+    prefix = f"{arguments.run}-{tag}"
+    warm_prefix = f"{arguments.run}-warm-{tag}"  # not a prefix of `prefix`: counted apart
+    if arguments.warmup:
+        run_wrk(
+            port,
+            connections,
+            arguments.warmup,
+            arguments.threads,
+            warm_prefix,
+            configuration.retry_percent,
+            pool_prefix,
+            pool_size,
+        )
+    quick.clear_actions(servers.ports["upstream"])  # the demo upstream keeps every action
+    gateway = target == "gateway"
+    metrics_before = store_metrics(servers.admin_port) if gateway else {}
+    groups = servers.process_groups(target)
+    cpu_before = cpu_seconds(groups)
+    machine_before, own_before = machine_busy_seconds(), own_seconds()
+    wall_before = time.monotonic()
+    report = run_wrk(
+        port,
+        connections,
+        arguments.duration,
+        arguments.threads,
+        prefix,
+        configuration.retry_percent,
+        pool_prefix,
+        pool_size,
+    )
+    cpu_after = cpu_seconds(groups)
+    cpu_by_group = {name: cpu_after[name] - cpu_before[name] for name in groups}
+    cpu_used = sum(cpu_by_group.values())
+    foreign = (
+        machine_busy_seconds() - machine_before - (own_seconds() - own_before) - cpu_used
+    ) / (time.monotonic() - wall_before)
+    metrics_after = store_metrics(servers.admin_port) if gateway else {}
+    duplicates = pool_performed = 0
+    if target != "upstream":
+        time.sleep(0.3)  # forwards still in flight when wrk stopped reach the upstream now
+        duplicates, pool_performed = audit_actions(
+            servers.ports["upstream"], prefix + "-", pool_prefix + "-" if pool_prefix else None
+        )
+    requests = report["requests"]
+
+    def per_request(seconds: float) -> float:
+        known = requests and servers.postmaster is not None
+        return seconds / requests * 1000 if known else math.nan
+
+    errors = {
+        name: report[name]
+        for name in ("connect_errors", "read_errors", "write_errors", "status_errors", "timeouts")
+        if report[name]
+    }
+    return Sample(
+        requests=requests,
+        seconds=report["duration_us"] / 1e6,
+        p50_ms=report["p50_us"] / 1000,
+        p99_ms=report["p99_us"] / 1000,
+        cpu_ms_per_request=per_request(cpu_used),
+        proxy_ms_per_request=per_request(cpu_by_group["proxy"]),
+        postgres_ms_per_request=per_request(cpu_by_group["postgres"]),
+        errors=errors,
+        new_sent=report["new_sent"],
+        retries_sent=report["retries_sent"],
+        duplicates=duplicates,
+        pool_performed=pool_performed,
+        claim_ms=_mean_ms(metrics_before, metrics_after, "claim"),
+        complete_ms=_mean_ms(metrics_before, metrics_after, "complete"),
+        foreign_cores=foreign if servers.postmaster is not None else math.nan,
+    )
+
+
+def audit_actions(upstream_port: int, prefix: str, pool_prefix: str | None) -> tuple[int, int]:
+    """(new keys of this run performed more than once, stored keys performed again), from the
+    actions the demo upstream recorded since it was last cleared."""
+    url = f"http://{HOST}:{upstream_port}/actions"
+    with urllib.request.urlopen(url, timeout=quick.REQUEST_TIMEOUT) as answer:
+        actions = json.load(answer)["actions"]
+    performed = [action["idempotency_key"] or "" for action in actions]
+    new = [key for key in performed if key.startswith(prefix)]
+    pooled = sum(1 for key in performed if pool_prefix and key.startswith(pool_prefix))
+    return len(new) - len(set(new)), pooled
+
+
+def check_sample(results: Results, configuration: Configuration, sample: Sample) -> None:
+    """Errors, and duplicates that reached the upstream, are listed under the tables."""
+    if sample.errors:
+        results.warnings.append(f"{configuration.label}: errors {sample.errors}")
+    if sample.duplicates or sample.pool_performed:
+        results.warnings.append(
+            f"{configuration.label}: the upstream performed {sample.duplicates} new keys more "
+            f"than once and {sample.pool_performed} stored keys again"
+        )
+
+
+def run_plan(
+    servers: Servers,
+    plan: Sequence[tuple[Configuration, int]],
+    arguments: argparse.Namespace,
+    results: Results,
+) -> None:
+    """Each (configuration, connections) `--repeats` times, interleaved; pairs this run already
+    measured are not measured again."""
+    plan = [item for item in dict.fromkeys(plan) if not results.get(*item)]
+    total = len(plan) * arguments.repeats
+    done = 0
+    for repeat in range(arguments.repeats):
+        for configuration, connections in plan:
+            done += 1
+            sample = measure(
+                servers,
+                configuration,
+                connections,
+                arguments,
+                f"{configuration.slug}-c{connections}-r{repeat}",
+            )
+            results.add(configuration, connections, sample)
+            check_sample(results, configuration, sample)
+            progress(
+                f"[{done}/{total}] {configuration.label}, {connections} connections: "
+                f"{sample.per_second:,.0f} req/s, p50 {sample.p50_ms:.2f} ms, "
+                f"p99 {sample.p99_ms:.2f} ms, CPU {sample.cpu_ms_per_request:.3f} ms/req, "
+                f"other processes {sample.foreign_cores:.2f} cores"
+                + (f", errors {sample.errors}" if sample.errors else "")
+            )
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the key-count sweep -------------------------------------------------------------------
+
+
+async def fill_keys(database_url: str, target_rows: int, deadline: float) -> tuple[int, float, str]:
+    """Pre-fill completed rows up to `target_rows` (fill rows); returns the fill rows there now,
+    the seconds it took and the table's total size."""
+    import asyncpg
+
+    scope = keys.scope(ROUTE, [[]])  # the scope of a request without Authorization
+    started = time.monotonic()
+    connection = await asyncpg.connect(database_url, timeout=10)
+    try:
+        filled: int = await connection.fetchval(
+            "SELECT count(*) FROM oncegate_keys WHERE key LIKE 'fill-%'"
+        )
+        while filled < target_rows and time.monotonic() < deadline:
+            last = min(target_rows, filled + FILL_BATCH)
+            # Keys in increasing order in one scope: the unique index grows at its right edge,
+            # as it does for time-ordered keys (UUIDv7, ULID) of one tenant.
+            await connection.execute(
+                """
+                INSERT INTO oncegate_keys
+                    (route, scope, key, fingerprint, state, fencing_token, response_status,
+                     response_headers, response_body, response_stored, completed_at, expires_at)
+                SELECT $1, $2, 'fill-' || lpad(i::text, 10, '0'), sha256(int8send(i)),
+                       'completed', i, 201, $3::jsonb, $4, true, now(), now() + interval '7 days'
+                FROM generate_series($5::bigint, $6::bigint) AS i
+                """,
+                ROUTE,
+                scope,
+                FILL_HEADERS,
+                FILL_BODY,
+                filled + 1,
+                last,
+                timeout=FILL_STATEMENT_TIMEOUT,
+            )
+            filled = last
+            progress(f"key sweep: {filled:,} rows filled ({time.monotonic() - started:.0f}s)")
+        # Fresh statistics, and the dirty pages written now rather than during the measurement.
+        await connection.execute("ANALYZE oncegate_keys", timeout=FILL_STATEMENT_TIMEOUT)
+        await connection.execute("CHECKPOINT", timeout=FILL_STATEMENT_TIMEOUT)
+        size: str = await connection.fetchval(
+            "SELECT pg_size_pretty(pg_total_relation_size('oncegate_keys'))"
+        )
+    finally:
+        await connection.close()
+    return filled, time.monotonic() - started, size
+
+
+async def _truncate(database_url: str) -> None:
+    import asyncpg
+
+    connection = await asyncpg.connect(database_url, timeout=10)
+    try:
+        await connection.execute("TRUNCATE oncegate_keys", timeout=60)
+    finally:
+        await connection.close()
+
+
+def key_sweep(
+    servers: Servers, arguments: argparse.Namespace, results: Results
+) -> list[tuple[int, int, float, str]]:
+    """Empty the table, then per step pre-fill it and measure the forward path; returns (asked
+    rows, filled rows, fill seconds, table size) per step, the samples go to `results`."""
+    steps = []
+    asyncio.run(_truncate(servers.database_url))
+    deadline = time.monotonic() + arguments.fill_budget
+    for size in arguments.key_sizes:
+        filled, seconds, table_size = asyncio.run(fill_keys(servers.database_url, size, deadline))
+        steps.append((size, filled, seconds, table_size))
+        configuration = Configuration(f"oncegate forward, {filled:,} keys", "gateway", 0)
+        run_plan(servers, [(configuration, arguments.connections)], arguments, results)
+        if filled < size:
+            results.warnings.append(
+                f"key sweep: the fill budget of {arguments.fill_budget:g}s ran out at "
+                f"{filled:,} of {size:,} rows; larger steps skipped"
+            )
+            break
+    return steps
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float], digits: int, thousands: bool = False) -> str:
+    values = [value for value in values if not math.isnan(value)]
+    if not values:
+        return "n/a"
+    form = f"{{:,.{digits}f}}" if thousands else f"{{:.{digits}f}}"
+    middle = form.format(statistics.median(values))
+    if len(values) == 1:
+        return middle
+    return f"{middle} ({form.format(min(values))}-{form.format(max(values))})"
+
+
+def ratio(numerator: float, denominator: float) -> str:
+    if math.isnan(numerator) or math.isnan(denominator) or not denominator:
+        return "n/a"
+    return f"{numerator / denominator:.2f}x"
+
+
+def _errors(samples: Sequence[Sample]) -> int:
+    return sum(sum(sample.errors.values()) for sample in samples)
+
+
+def _per_second(sample: Sample) -> float:
+    return sample.per_second
+
+
+def _p99(sample: Sample) -> float:
+    return sample.p99_ms
+
+
+def main_table(results: Results, connections: int, configurations: Sequence[Configuration]) -> str:
+    bare = results.median(BARE, connections, _per_second)
+    rows = [
+        "| configuration | req/s | p50 ms | p99 ms | CPU ms/req | of which proxy | of which PG "
+        "| req/s ÷ bare | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for configuration in configurations:
+        samples = results.get(configuration, connections)
+        if not samples:
+            continue
+        rows.append(
+            f"| {configuration.label} "
+            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
+            f"| {spread([s.p50_ms for s in samples], 2)} "
+            f"| {spread([s.p99_ms for s in samples], 2)} "
+            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
+            f"| {spread([s.proxy_ms_per_request for s in samples], 3)} "
+            f"| {spread([s.postgres_ms_per_request for s in samples], 3)} "
+            f"| {ratio(results.median(configuration, connections, _per_second), bare)} "
+            f"| {_errors(samples)} |"
+        )
+    return "\n".join(rows)
+
+
+def latency_table(results: Results) -> str:
+    bare_p99 = results.median(BARE, 1, _p99)
+    rows = [
+        "| configuration | req/s | p50 ms | p99 ms | p99 - bare p99 ms | CPU ms/req | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for configuration in LATENCY:
+        samples = results.get(configuration, 1)
+        if not samples:
+            continue
+        difference = results.median(configuration, 1, _p99) - bare_p99
+        rows.append(
+            f"| {configuration.label} "
+            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
+            f"| {spread([s.p50_ms for s in samples], 2)} "
+            f"| {spread([s.p99_ms for s in samples], 2)} "
+            f"| {difference:+.2f} "
+            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
+            f"| {_errors(samples)} |"
+        )
+    return "\n".join(rows)
+
+
+def concurrency_table(results: Results, levels: Sequence[int]) -> str:
+    rows = [
+        "| configuration | connections | req/s | p50 ms | p99 ms | CPU ms/req | req/s ÷ bare "
+        "| errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for configuration in SWEPT:
+        for connections in levels:
+            samples = results.get(configuration, connections)
+            if not samples:
+                continue
+            bare = results.median(BARE, connections, _per_second)
+            rows.append(
+                f"| {configuration.label} | {connections} "
+                f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
+                f"| {spread([s.p50_ms for s in samples], 2)} "
+                f"| {spread([s.p99_ms for s in samples], 2)} "
+                f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
+                f"| {ratio(results.median(configuration, connections, _per_second), bare)} "
+                f"| {_errors(samples)} |"
+            )
+    return "\n".join(rows)
+
+
+def key_table(
+    results: Results, steps: Sequence[tuple[int, int, float, str]], connections: int
+) -> str:
+    rows = [
+        "| pre-filled keys | fill s | table size | req/s | p50 ms | p99 ms | claim ms (mean) "
+        "| complete ms (mean) | CPU ms/req | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for _, filled, seconds, size in steps:
+        configuration = Configuration(f"oncegate forward, {filled:,} keys", "gateway", 0)
+        samples = results.get(configuration, connections)
+        rows.append(
+            f"| {filled:,} | {seconds:.0f} | {size} "
+            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
+            f"| {spread([s.p50_ms for s in samples], 2)} "
+            f"| {spread([s.p99_ms for s in samples], 2)} "
+            f"| {spread([s.claim_ms for s in samples], 2)} "
+            f"| {spread([s.complete_ms for s in samples], 2)} "
+            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
+            f"| {_errors(samples)} |"
+        )
+    return "\n".join(rows)
+
+
+def targets(results: Results, connections: int) -> list[str]:
+    """The issue 6 targets, each one PASS/FAIL line; printed, never asserted."""
+    lines = []
+
+    def line(passed: bool | None, text: str) -> None:
+        verdict = "n/a " if passed is None else ("PASS" if passed else "FAIL")
+        lines.append(f"{verdict} {text}")
+
+    bare = results.median(BARE, connections, _per_second)
+    for configuration, floor in ((FORWARD, 0.6), (REPLAY, 1.0), (MIX, 0.8)):
+        value = results.median(configuration, connections, _per_second)
+        passed = None if math.isnan(value * bare) else value >= floor * bare
+        line(
+            passed,
+            f"{configuration.label} >= {floor:.1f}x bare proxy at {connections} connections: "
+            f"{ratio(value, bare)} ({value:,.0f} vs {bare:,.0f} req/s)",
+        )
+    for configuration, peer in PEERS.items():
+        value = results.median(configuration, connections, _per_second)
+        theirs = results.median(peer, connections, _per_second)
+        passed = None if math.isnan(value * theirs) else value >= 1.5 * theirs
+        line(
+            passed,
+            f"{configuration.label} >= 1.5x {peer.label} at {connections} connections: "
+            f"{ratio(value, theirs)} ({value:,.0f} vs {theirs:,.0f} req/s)",
+        )
+    bare_p99 = results.median(BARE, 1, _p99)
+    for configuration in (FORWARD, REPLAY, MIX):
+        value = results.median(configuration, 1, _p99)
+        passed = None if math.isnan(value * bare_p99) else value - bare_p99 <= 2.0
+        line(
+            passed,
+            f"{configuration.label} p99 at 1 connection within 2 ms of the bare proxy: "
+            f"{value:.2f} vs {bare_p99:.2f} ms ({value - bare_p99:+.2f} ms)",
+        )
+    return lines
+
+
+def foreign_line(results: Results) -> str:
+    """How busy the machine was with other work during the measured runs."""
+    values = [
+        sample.foreign_cores
+        for samples in results.samples.values()
+        for sample in samples
+        if not math.isnan(sample.foreign_cores)
+    ]
+    if not values:
+        return "other processes on the machine: not measured"
+    line = (
+        f"other processes on the machine during the measured runs: median "
+        f"{statistics.median(values):.2f}, max {max(values):.2f} of {os.cpu_count()} cores"
+    )
+    if max(values) > FOREIGN_NOTICEABLE:
+        line += " (something else was running: rerun on a quiet machine to trust the figures)"
+    return line
+
+
+def machine_line(servers: Servers) -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                model = text.split(":", 1)[1].strip()
+                break
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True, timeout=10)
+    wrk_version = (wrk.stdout or wrk.stderr).split(" [", 1)[0].strip()
+    postgres = asyncio.run(_fetch(servers.database_url, "SHOW server_version"))
+    store = "embedded (pgserver)" if servers.embedded else "ONCEGATE_DATABASE_URL"
+    return (
+        f"machine: nproc {os.cpu_count()}, {model}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()} {platform.machine()}; {wrk_version}; "
+        f"PostgreSQL {postgres.split()[0]} {store}; idemkit "
+        f"{importlib.metadata.version('idemkit')}; load generator, servers and PostgreSQL "
+        "share the machine"
+    )
+
+
+def describe(arguments: argparse.Namespace) -> str:
+    return (
+        f"POST {PATH} with a {len(BODY)}-byte JSON body; wrk + bench/load.lua, "
+        f"{arguments.threads} thread(s) at most; {arguments.warmup} s warm-up + "
+        f"{arguments.duration} s per run, {arguments.repeats} runs per configuration "
+        f"(interleaved), median (min-max); bare and idemkit proxies on the "
+        f"{arguments.bare_stack} stack; replay pool {arguments.pool} stored keys per proxy; "
+        "CPU = proxy + demo upstream + PostgreSQL processes per answered request"
+    )
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def ensure_idemkit() -> None:
+    try:
+        installed = importlib.metadata.version("idemkit")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != IDEMKIT_VERSION:
+        progress(f"installing idemkit=={IDEMKIT_VERSION} into {sys.prefix}")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", f"idemkit=={IDEMKIT_VERSION}"],
+            check=True,
+            timeout=300,
+        )
+
+
+def budget_seconds(arguments: argparse.Namespace) -> float:
+    runs = 0
+    if arguments.main:
+        runs += len(MAIN) + len(LATENCY)
+    if "concurrency" in arguments.sweep:
+        runs += len(SWEPT) * len(CONCURRENCY_SWEEP)
+    if "keys" in arguments.sweep:
+        runs += len(arguments.key_sizes)
+    per_run = arguments.warmup + arguments.duration + 10  # wrk start, CPU and action counts
+    fill = arguments.fill_budget + 300 if "keys" in arguments.sweep else 0
+    return STARTUP_TIMEOUT * 2 + 2 * POOL_TIMEOUT + runs * arguments.repeats * per_run + fill
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=int, default=5, metavar="SECONDS", help="per run")
+    parser.add_argument("--warmup", type=int, default=1, metavar="SECONDS", help="before each")
+    parser.add_argument("--repeats", type=int, default=3, metavar="N")
+    parser.add_argument("--connections", type=int, default=64, metavar="N")
+    parser.add_argument("--threads", type=int, default=2, metavar="N", help="wrk threads")
+    parser.add_argument("--pool", type=int, default=1000, metavar="N", help="stored keys")
+    parser.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="processes per proxy (>1: all three)"
+    )
+    parser.add_argument(
+        "--bare-stack",
+        choices=["asgi", "fastapi"],
+        default="asgi",
+        help="the bare (and idemkit) proxy's application: plain ASGI like the gateway's proxy "
+        "port, or a FastAPI route",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        choices=["concurrency", "keys"],
+        default=[],
+        help="run this sweep instead of the main tables (repeatable)",
+    )
+    parser.add_argument("--all", action="store_true", help="the main tables and both sweeps")
+    parser.add_argument(
+        "--key-sizes",
+        type=lambda text: [int(float(part)) for part in text.split(",")],
+        default=list(KEY_SWEEP),
+        metavar="N,N,...",
+        help="pre-filled keys per step of the key sweep (default 1e4,1e6,1e7)",
+    )
+    parser.add_argument(
+        "--fill-budget", type=float, default=900, metavar="SECONDS", help="for all key fills"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    arguments = parser.parse_args()
+    for name in ("duration", "repeats", "connections", "threads", "pool", "workers"):
+        if getattr(arguments, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    arguments.warmup = max(arguments.warmup, 0)
+    if arguments.all:
+        arguments.sweep = ["concurrency", "keys"]
+    arguments.main = arguments.all or not arguments.sweep
+    arguments.run = uuid.uuid4().hex[:10]  # keys unique across runs, for a persistent database
+    return arguments
+
+
+def main() -> int:
+    arguments = parse_arguments()
+    if shutil.which("wrk") is None:
+        print("bench/run.py needs wrk: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    ensure_idemkit()
+    budget = budget_seconds(arguments)
+
+    def out_of_time(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the benchmark ran out of its {budget:.0f}s budget")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(math.ceil(budget))
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="oncegate-bench-"))
+    keep = True  # the server logs explain a failure
+    command = quick.command_line()
+    try:
+        with servers(work, arguments) as running:
+            results, key_results = Results(), Results()
+            print(machine_line(running))
+            print(describe(arguments))
+            if arguments.main:
+                plan = [(configuration, arguments.connections) for configuration in MAIN]
+                plan += [(configuration, 1) for configuration in LATENCY]
+                run_plan(running, plan, arguments, results)
+                print(f"\n$ {command}\n")
+                print(f"{arguments.connections} connections:\n")
+                print(main_table(results, arguments.connections, MAIN))
+                print("\n1 connection (the latency target):\n")
+                print(latency_table(results))
+                print("\nissue 6 targets (printed, not asserted):")
+                for text in targets(results, arguments.connections):
+                    print(text)
+            if "concurrency" in arguments.sweep:
+                plan = [
+                    (configuration, level) for level in CONCURRENCY_SWEEP for configuration in SWEPT
+                ]
+                run_plan(running, plan, arguments, results)
+                print(f"\n$ {command}\n")
+                print("concurrency sweep:\n")
+                print(concurrency_table(results, CONCURRENCY_SWEEP))
+            if "keys" in arguments.sweep:
+                print(f"\n$ {command}\n")
+                if running.embedded:
+                    steps = key_sweep(running, arguments, key_results)
+                    print(
+                        f"key-count sweep, oncegate forward path at {arguments.connections} "
+                        "connections, table emptied then pre-filled with completed keys of the "
+                        "same scope:\n"
+                    )
+                    print(key_table(key_results, steps, arguments.connections))
+                else:
+                    print(
+                        "key-count sweep skipped: it empties oncegate_keys, so it runs only on "
+                        "the embedded PostgreSQL (unset ONCEGATE_DATABASE_URL)"
+                    )
+            warnings = results.warnings + key_results.warnings
+            for measured in (results, key_results):
+                if measured.samples:
+                    print(f"\n{foreign_line(measured)}")
+            if warnings:
+                print("\nwarnings:")
+                for warning in warnings:
+                    print(f"- {warning}")
+            print(f"\ntotal time {time.monotonic() - started:.0f} s")
+        signal.alarm(0)
+        keep = arguments.keep
+        return 1 if warnings else 0
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.alarm(0)
+        if keep:
+            print(f"temporary directory kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Fixtures and helpers of the fault suite: real processes, real signals, a misbehaving upstream.
+
+The demo upstream and the gateway processes are the ones of `tests/e2e` (re-exported here, so
+both suites start them the same way). `RawUpstream` is an HTTP/1.1 server on a plain socket in the
+test process, for the answers no well-behaved server gives: a connection closed or reset after the
+request was read, half a response, garbage. It counts every request it read, with its
+`Idempotency-Key`, so a test can say how many times the "side effect" really happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.e2e.conftest import DemoUpstream, Gateway, module_dir, upstream
+
+__all__ = ["DemoUpstream", "Gateway", "RawUpstream", "module_dir", "upstream"]
+
+PROBLEM = "application/problem+json"
+ADMIN_TOKEN = "faults-admin-token"
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+def problem_name(response: httpx.Response) -> str:
+    assert response.headers["content-type"] == PROBLEM, response.text
+    name: str = response.json()["type"].removeprefix("urn:oncegate:problem:")
+    return name
+
+
+async def row(db: asyncpg.Connection, key: str) -> asyncpg.Record | None:
+    return await db.fetchrow(
+        "SELECT id, state, fencing_token, lease_expires_at <= now() AS lease_over,"
+        " response_status, response_headers, response_body FROM oncegate_keys WHERE key = $1",
+        key,
+    )
+
+
+async def wait_for_state(
+    db: asyncpg.Connection,
+    key: str,
+    state: str,
+    timeout: float = 10.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        found = await row(db, key)
+        if found is not None and found["state"] == state:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"key {key} never reached state {state}")
+
+
+def admin_client(gateway: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=gateway.admin_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+    )
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def key(self) -> str | None:
+        return self.headers.get("idempotency-key")
+
+
+@dataclass
+class RawUpstream:
+    """A one-thread-per-connection HTTP/1.1 server whose behaviour is chosen by the path's last
+    segment:
+
+    - `answer`: 201 with a small JSON body; then calls `after_answer` (if set) at once
+    - `error500`: 500 with a JSON body
+    - `close`: reads the request, then closes the connection without a byte of answer (FIN)
+    - `reset`: reads the request, then resets the connection (RST, SO_LINGER 0)
+    - `half`: sends the status line, headers and 10 of the 100 promised body bytes, then closes
+    - `garbage`: answers bytes that are not HTTP, then closes
+    """
+
+    received: list[Received] = field(default_factory=list)
+    after_answer: Callable[[Received], None] | None = None
+
+    def __post_init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def requests(self, key: str) -> list[Received]:
+        with self._lock:
+            return [request for request in self.received if request.key == key]
+
+    def close(self) -> None:
+        self._closing = True
+        self._listener.close()
+        self._thread.join(5)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            request = _read_request(connection)
+            if request is None:
+                return
+            with self._lock:
+                self.received.append(request)
+            behaviour = request.path.rstrip("/").rsplit("/", 1)[-1]
+            if behaviour == "answer":
+                connection.sendall(_response(201, {"performed": request.key}))
+                if self.after_answer is not None:
+                    self.after_answer(request)
+            elif behaviour == "error500":
+                connection.sendall(_response(500, {"error": "the upstream broke"}))
+            elif behaviour == "reset":
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif behaviour == "half":
+                connection.sendall(
+                    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n" + b'{"partial'
+                )
+            elif behaviour == "garbage":
+                connection.sendall(b"this is not HTTP at all\r\n\r\n")
+            # `close` and everything else: leave the `with`, which closes the connection.
+
+
+def _read_request(connection: socket.socket) -> Received | None:
+    connection.settimeout(10)
+    data = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n\r\n" not in data:
+            chunk = connection.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        request_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        while len(body) < length:
+            chunk = connection.recv(65536)
+            if not chunk:
+                return None
+            body += chunk
+        return Received(request_line.split()[1], headers, body)
+    return None
+
+
+def _response(status: int, document: object) -> bytes:
+    body = json.dumps(document).encode()
+    reason = {201: "Created", 500: "Internal Server Error"}[status]
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+@pytest.fixture(scope="module")
+def raw_upstream() -> Iterator[RawUpstream]:
+    server = RawUpstream()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -1,0 +1,215 @@
+"""Properties of key parsing, scope derivation and the fingerprint (contract section 4), tried on
+many generated inputs. The example-based tests are `test_keys.py` and `test_fingerprint.py`; the
+fingerprint properties already there (equal JSON documents, changed method/path/query with simple
+tokens, changed bytes) are not repeated: these add what they leave out."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote, urlencode
+
+import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+from app import errors, fingerprint, keys
+
+PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+keys_text = st.text(alphabet=PRINTABLE, min_size=1, max_size=255)
+any_text = st.text(alphabet=st.characters(max_codepoint=0xFF), max_size=300)
+
+
+def sf_string(key: str) -> str:
+    """The key as an RFC 8941 sf-string."""
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# -- key parsing -----------------------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(key=keys_text)
+def test_any_key_round_trips_through_the_sf_string_form(key: str) -> None:
+    assume(key.strip(" "))
+    assert keys.parse([sf_string(key)]) == key
+
+
+@settings(max_examples=300)
+@given(key=keys_text)
+def test_a_bare_key_names_the_same_key_as_its_sf_string(key: str) -> None:
+    bare = key.strip(" ")
+    assume(bare and "," not in bare and not bare.startswith('"'))
+    assert keys.parse([bare]) == keys.parse([sf_string(bare)]) == bare
+
+
+@settings(max_examples=500)
+@given(value=any_text)
+@example("\r\nX-Injected: 1")
+@example("a\nb")
+@example('"a\x00"')
+def test_parsing_any_header_value_gives_a_valid_key_or_invalid_key(value: str) -> None:
+    try:
+        key = keys.parse([value])
+    except errors.InvalidKey as error:
+        assert error.status_code == 400 and error.detail
+        return
+    assert key is not None
+    assert 1 <= len(key) <= keys.MAX_KEY_LENGTH
+    assert all(0x20 <= ord(character) <= 0x7E for character in key)  # no CR, LF, NUL, ...
+
+
+@settings(max_examples=200)
+@given(key=keys_text, bad=st.characters(codec="latin-1").filter(lambda c: not " " <= c <= "~"))
+def test_a_control_or_non_ascii_character_anywhere_is_invalid(key: str, bad: str) -> None:
+    position = len(key) // 2
+    for value in (key[:position] + bad + key[position:], sf_string(key)[:-1] + bad + '"'):
+        with pytest.raises(errors.InvalidKey):
+            keys.parse([value])
+
+
+@given(values=st.lists(any_text, min_size=2, max_size=4))
+def test_more_than_one_header_line_is_always_invalid(values: list[str]) -> None:
+    with pytest.raises(errors.InvalidKey):
+        keys.parse(values)
+
+
+# -- scope -----------------------------------------------------------------------------------
+
+route_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_.-", min_size=1, max_size=12)
+header_values = st.lists(
+    st.lists(st.text(alphabet=st.characters(max_codepoint=0xFF), max_size=12), max_size=3),
+    max_size=3,
+)
+
+
+@settings(max_examples=400)
+@given(route=route_names, values=header_values, other_route=route_names, other=header_values)
+def test_scope_is_equal_exactly_when_route_and_values_are_equal(
+    route: str, values: list[list[str]], other_route: str, other: list[list[str]]
+) -> None:
+    same_input = (route, values) == (other_route, other)
+    assert (keys.scope(route, values) == keys.scope(other_route, other)) == same_input
+
+
+@given(route=route_names, values=header_values)
+def test_scope_is_a_deterministic_32_byte_digest(route: str, values: list[list[str]]) -> None:
+    digest = keys.scope(route, values)
+    assert len(digest) == 32 and digest == keys.scope(route, [list(v) for v in values])
+
+
+@given(
+    route=route_names, credential=st.text(max_size=20).map(lambda s: s.encode().decode("latin-1"))
+)
+def test_a_credential_never_shares_the_scope_of_no_credential(route: str, credential: str) -> None:
+    assert keys.scope(route, [[credential]]) != keys.scope(route, [[]])
+
+
+# -- fingerprint -----------------------------------------------------------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10)
+)
+json_documents = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+parameters = st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), min_size=0, max_size=5)
+
+
+def digest(body: bytes, **changes: object) -> bytes:
+    request: dict[str, object] = {
+        "method": "POST",
+        "path": "/charges",
+        "query": "",
+        "content_type": "application/json",
+        "body": body,
+    }
+    request.update(changes)
+    return fingerprint.compute(**request)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200)
+@given(document=json_documents, indent=st.none() | st.integers(0, 3), ascii_only=st.booleans())
+def test_equal_json_with_floats_and_big_numbers_gives_equal_fingerprints(
+    document: object, indent: int | None, ascii_only: bool
+) -> None:
+    compact = json.dumps(document, separators=(",", ":")).encode()
+    spaced = json.dumps(document, indent=indent, ensure_ascii=ascii_only, sort_keys=True)
+    assert digest(compact) == digest(spaced.encode())
+
+
+@settings(max_examples=200)
+@given(pairs=parameters, data=st.data())
+def test_the_order_of_query_parameters_does_not_matter(
+    pairs: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    shuffled = data.draw(st.permutations(pairs))
+    assert digest(b"{}", query=urlencode(pairs)) == digest(b"{}", query=urlencode(shuffled))
+
+
+@settings(max_examples=200)
+@given(pairs=parameters, other=parameters)
+def test_different_query_parameters_give_different_fingerprints(
+    pairs: list[tuple[str, str]], other: list[tuple[str, str]]
+) -> None:
+    assume(sorted(pairs) != sorted(other))
+    assert digest(b"{}", query=urlencode(pairs)) != digest(b"{}", query=urlencode(other))
+
+
+@settings(max_examples=200)
+@given(
+    segments=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4),
+    other=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4),
+)
+def test_different_paths_give_different_fingerprints(segments: list[str], other: list[str]) -> None:
+    path = "/" + "/".join(quote(segment, safe="") for segment in segments)
+    other_path = "/" + "/".join(quote(segment, safe="") for segment in other)
+    assume(path != other_path)
+    assert digest(b"{}", path=path) != digest(b"{}", path=other_path)
+
+
+@given(
+    method=st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=8),
+    other=st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=8),
+)
+def test_different_methods_give_different_fingerprints(method: str, other: str) -> None:
+    assert (digest(b"{}", method=method) == digest(b"{}", method=other)) == (method == other)
+
+
+@settings(max_examples=200)
+@given(document=json_documents, other=json_documents)
+def test_different_json_documents_give_different_fingerprints(
+    document: object, other: object
+) -> None:
+    canonical = json.dumps(document, sort_keys=True)
+    assume(canonical != json.dumps(other, sort_keys=True))
+    assert digest(json.dumps(document).encode()) != digest(json.dumps(other).encode())
+
+
+@given(
+    media=st.sampled_from(["text/plain", "application/xml", "application/octet-stream", ""]),
+    body=st.binary(max_size=32),
+)
+def test_the_media_type_is_part_of_the_fingerprint(media: str, body: bytes) -> None:
+    assert digest(body, content_type="application/json") != digest(body, content_type=media)
+
+
+@settings(max_examples=300)
+@given(
+    method=st.text(max_size=10),
+    path=st.text(max_size=30),
+    query=st.binary(max_size=40) | st.text(max_size=40),
+    content_type=st.none() | st.text(max_size=40),
+    body=st.binary(max_size=200) | json_documents.map(lambda d: json.dumps(d).encode()),
+)
+def test_the_fingerprint_of_any_request_is_a_digest_never_an_error(
+    method: str, path: str, query: bytes | str, content_type: str | None, body: bytes
+) -> None:
+    assert len(fingerprint.compute(method, path, query, content_type, body)) == 32

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 # Libraries that are chatty at INFO: httpx logs every request (a line per forward, and a cost on
@@ -20,7 +21,7 @@ _QUIET = ("pgserver", "alembic.runtime.plugins", "httpx", "httpcore")
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),

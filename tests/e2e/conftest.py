@@ -6,6 +6,7 @@ is ended by its PID when the fixture finishes (SIGTERM, then SIGKILL if it linge
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -13,15 +14,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 import yaml
 
 STARTUP_TIMEOUT = 30.0
+PROBLEM = "application/problem+json"
 
 
 def free_port() -> int:
@@ -124,6 +128,12 @@ class Gateway:
     def stop(self) -> None:
         self.process.stop()
 
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
 
 @pytest.fixture(scope="module")
 def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
@@ -137,3 +147,76 @@ def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
         yield demo
     finally:
         demo.process.stop()
+
+
+@pytest.fixture
+async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the `gateway` fixture of the module that asks for it."""
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=gateway.url, limits=limits, timeout=30) as client:
+        yield client
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+def keyed(key: str, **headers: str) -> dict[str, str]:
+    return {"Idempotency-Key": key, **headers}
+
+
+def problem_name(response: httpx.Response) -> str:
+    """The problem name of a gateway-made answer, after checking it is a well-formed one."""
+    assert response.headers["content-type"] == PROBLEM, response.text
+    document = response.json()
+    assert document["status"] == response.status_code
+    assert document["title"] and document["detail"]
+    name: str = document["type"].removeprefix("urn:oncegate:problem:")
+    return name
+
+
+async def row(db: asyncpg.Connection, key: str) -> asyncpg.Record | None:
+    """What the store holds for `key` (in any scope; tests use keys of their own)."""
+    return await db.fetchrow(
+        "SELECT id, state, fencing_token, lease_expires_at <= now() AS lease_over,"
+        " response_status, response_headers, response_body, response_stored"
+        " FROM oncegate_keys WHERE key = $1",
+        key,
+    )
+
+
+async def row_count(db: asyncpg.Connection) -> int:
+    count: int = await db.fetchval("SELECT count(*) FROM oncegate_keys")
+    return count
+
+
+async def wait_for_state(
+    db: asyncpg.Connection,
+    key: str,
+    state: str,
+    timeout: float = 10.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        found = await row(db, key)
+        if found is not None and found["state"] == state:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"key {key} never reached state {state}")
+
+
+def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes exactly as given; for requests no well-behaved client would produce."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers, body

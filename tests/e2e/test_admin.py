@@ -38,12 +38,6 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
 
 
 @pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        yield client
-
-
-@pytest.fixture
 async def admin(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:

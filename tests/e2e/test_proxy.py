@@ -8,7 +8,6 @@ import asyncio
 import json
 import signal
 import socket
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,19 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Gateway, free_port
-
-PROBLEM = "application/problem+json"
+from tests.e2e.conftest import (
+    PROBLEM,
+    DemoUpstream,
+    Gateway,
+    free_port,
+    keyed,
+    new_key,
+    problem_name,
+    raw_request,
+    row,
+    row_count,
+    wait_for_state,
+)
 
 
 def routes(upstream: str) -> list[dict[str, Any]]:
@@ -59,68 +68,6 @@ def gateway(
         yield process
     finally:
         process.stop()
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    limits = httpx.Limits(max_connections=100)
-    async with httpx.AsyncClient(base_url=gateway.url, limits=limits, timeout=30) as client:
-        yield client
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
-
-
-def keyed(key: str, **headers: str) -> dict[str, str]:
-    return {"Idempotency-Key": key, **headers}
-
-
-def problem_name(response: httpx.Response) -> str:
-    assert response.headers["content-type"] == PROBLEM, response.text
-    document = response.json()
-    assert document["status"] == response.status_code
-    assert document["title"] and document["detail"]
-    name: str = document["type"].removeprefix("urn:oncegate:problem:")
-    return name
-
-
-async def row(db: asyncpg.Connection, key: str) -> asyncpg.Record | None:
-    return await db.fetchrow(
-        "SELECT state, response_status, response_headers, response_body, response_stored"
-        " FROM oncegate_keys WHERE key = $1",
-        key,
-    )
-
-
-async def row_count(db: asyncpg.Connection) -> int:
-    count: int = await db.fetchval("SELECT count(*) FROM oncegate_keys")
-    return count
-
-
-async def wait_for_state(db: asyncpg.Connection, key: str, state: str) -> None:
-    for _ in range(200):
-        found = await row(db, key)
-        if found is not None and found["state"] == state:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"key {key} never reached state {state}")
-
-
-def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send bytes exactly as given; for requests no well-behaved client would produce."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(status_line.split()[1]), headers, body
 
 
 def post(path: str, *header_lines: str, body: bytes = b"{}") -> bytes:

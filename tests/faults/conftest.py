@@ -9,60 +9,45 @@ request was read, half a response, garbage. It counts every request it read, wit
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
 import struct
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Gateway, module_dir, upstream
+from tests.e2e.conftest import (
+    PROBLEM,
+    DemoUpstream,
+    Gateway,
+    client,
+    module_dir,
+    new_key,
+    problem_name,
+    row,
+    upstream,
+    wait_for_state,
+)
 
-__all__ = ["DemoUpstream", "Gateway", "RawUpstream", "module_dir", "upstream"]
+__all__ = [
+    "PROBLEM",
+    "DemoUpstream",
+    "Gateway",
+    "RawUpstream",
+    "client",
+    "module_dir",
+    "new_key",
+    "problem_name",
+    "row",
+    "upstream",
+    "wait_for_state",
+]
 
-PROBLEM = "application/problem+json"
 ADMIN_TOKEN = "faults-admin-token"
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
-
-
-def problem_name(response: httpx.Response) -> str:
-    assert response.headers["content-type"] == PROBLEM, response.text
-    name: str = response.json()["type"].removeprefix("urn:oncegate:problem:")
-    return name
-
-
-async def row(db: asyncpg.Connection, key: str) -> asyncpg.Record | None:
-    return await db.fetchrow(
-        "SELECT id, state, fencing_token, lease_expires_at <= now() AS lease_over,"
-        " response_status, response_headers, response_body FROM oncegate_keys WHERE key = $1",
-        key,
-    )
-
-
-async def wait_for_state(
-    db: asyncpg.Connection,
-    key: str,
-    state: str,
-    timeout: float = 10.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
-) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        found = await row(db, key)
-        if found is not None and found["state"] == state:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"key {key} never reached state {state}")
 
 
 def admin_client(gateway: Gateway) -> httpx.AsyncClient:

@@ -22,7 +22,7 @@ import asyncio
 import inspect
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +61,6 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
         yield process
     finally:
         process.stop()
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        yield client
 
 
 async def test_one_key_from_two_credentials_and_none_is_three_keys(

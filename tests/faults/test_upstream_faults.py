@@ -16,7 +16,7 @@ Already covered in `tests/e2e/test_proxy.py`, not repeated: refused connections
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -34,12 +34,6 @@ def gateway(module_dir: Path, database_url: str, raw_upstream: RawUpstream) -> I
         yield process
     finally:
         process.stop()
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        yield client
 
 
 @pytest.mark.parametrize("behaviour", ["close", "reset", "half", "garbage"])

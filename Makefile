@@ -28,8 +28,8 @@ faults: $(STAMP)
 	$(BIN)/python -m pytest -q tests/faults
 
 lint: $(STAMP)
-	$(BIN)/ruff check app tests bench
-	$(BIN)/ruff format --check app tests bench
+	$(BIN)/ruff check app tests bench examples
+	$(BIN)/ruff format --check app tests bench examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

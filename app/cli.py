@@ -1,4 +1,4 @@
-"""`oncegate`: serve | migrate | purge | demo-upstream (contract section 2).
+"""`oncegate`: serve | migrate | purge | demo-upstream | lab (contract section 2).
 
 Flags win over `ONCEGATE_*` variables, which win over the config file (see `app.settings`).
 Configuration mistakes end the command with a message naming the field and exit status 2,
@@ -80,7 +80,88 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=9000)
     demo.set_defaults(run=_demo_upstream)
+
+    lab = commands.add_parser(
+        "lab",
+        help="the crash-recovery lab: kill an agent at random, resume it, count duplicates",
+        description="Run a 12-step agent task N times under each strategy (A restart, "
+        "B checkpoint, C checkpoint + keys through the gateway, D save first then act), kill "
+        "each run with SIGKILL at a random point, resume it, and count what the demo upstream "
+        "really performed. Starts its own PostgreSQL, gateway and demo upstream unless told "
+        "where they are.",
+    )
+    lab.add_argument("--runs", type=_positive, default=1000, help="runs per strategy (1000)")
+    lab.add_argument("--seed", type=int, default=24, help="seed of the crash points (24)")
+    lab.add_argument("--json", action="store_true", help="print one JSON object, not a table")
+    lab.add_argument("--plot", metavar="FILE.svg", type=Path, help="also write an SVG chart")
+    lab.add_argument(
+        "--strategies", default="ABCD", type=_strategies, help="which to run (default ABCD)"
+    )
+    lab.add_argument(
+        "--kill-gateway",
+        metavar="SHARE",
+        type=float,
+        nargs="?",
+        const=0.05,
+        default=0.0,
+        help="also SIGKILL the gateway during this share of the C runs (0.05 without a value)",
+    )
+    lab.add_argument("--jobs", type=_positive, default=4, help="runs at a time (4)")
+    lab.add_argument("--database-url", metavar="URL", help="a migrated PostgreSQL, not embedded")
+    lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
+    lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
+    lab.set_defaults(run=_lab)
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _strategies(text: str) -> str:
+    letters = text.upper()
+    if not letters or not set(letters) <= set("ABCD") or len(set(letters)) != len(letters):
+        raise argparse.ArgumentTypeError(f"letters among A, B, C, D, each once, not {text!r}")
+    return letters
+
+
+def _lab(arguments: argparse.Namespace) -> int:
+    import json
+
+    from app.lab import crashlab, plot, stack
+
+    if arguments.plot is not None and arguments.plot.suffix.lower() != ".svg":
+        raise errors.ConfigError(f"--plot writes SVG: name the file *.svg, not {arguments.plot}")
+    if arguments.kill_gateway and arguments.gateway:
+        raise errors.ConfigError("--kill-gateway needs the lab's own gateway: drop --gateway")
+    if not 0 <= arguments.kill_gateway <= 1:
+        raise errors.ConfigError("--kill-gateway takes a share between 0 and 1")
+    if arguments.gateway and not arguments.upstream and "C" in arguments.strategies:
+        raise errors.ConfigError("--gateway needs --upstream: the one it forwards to")
+    logs.configure("text", "warning")
+    with stack.running(arguments.database_url, arguments.upstream, arguments.gateway) as services:
+        lab = crashlab.Lab(
+            services,
+            runs=arguments.runs,
+            seed=arguments.seed,
+            strategies=arguments.strategies,
+            jobs=arguments.jobs,
+            kill_gateway=arguments.kill_gateway,
+            progress=crashlab.ProgressBar(sys.stderr),
+        )
+        outcome = lab.run()
+    if arguments.json:
+        print(json.dumps(outcome.document()))
+    else:
+        print(crashlab.table(outcome))
+    if arguments.plot is not None:
+        plot.write(outcome, arguments.plot)
+    for failure in outcome.failures:
+        print(f"oncegate lab: {failure}", file=sys.stderr)
+    return 1 if outcome.failures else 0
 
 
 def _serve(arguments: argparse.Namespace) -> int:

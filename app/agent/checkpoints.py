@@ -1,0 +1,89 @@
+"""What a run remembers between two processes: its next step, its outputs, its pending action.
+
+Invariants (also enforced by the table's constraints, migration 0002):
+- `outputs` has one entry per finished step: `len(outputs) == next_step - 1`.
+- `pending`, when set, belongs to `next_step`: the parameters of the action that step is about
+  to send (or may have sent), saved before it was sent so a resumed run sends the same request.
+- A checkpoint belongs to one run of one task. A store refuses to overwrite a run's checkpoint
+  with one of another task or with an older one (a smaller `next_step`): a stale process that
+  wakes up late cannot rewind a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+JSON: TypeAlias = "bool | int | float | str | list[JSON] | dict[str, JSON] | None"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that does not belong here: another run's, another task's, or an older one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """The action of step `step`: its parameters as computed once, before it was first sent."""
+
+    step: int
+    params: JSON
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    run_id: str
+    task: str  # names the list of steps; a run id is never resumed by another task
+    next_step: int  # 1-based: the first step not finished yet
+    outputs: tuple[JSON, ...] = ()
+    pending: Pending | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.next_step < 1:
+            raise CheckpointError(f"next_step must be 1 or more, not {self.next_step}")
+        if len(self.outputs) != self.next_step - 1:
+            raise CheckpointError(
+                f"a checkpoint at step {self.next_step} needs {self.next_step - 1} outputs, "
+                f"not {len(self.outputs)}"
+            )
+        if self.pending is not None and self.pending.step != self.next_step:
+            raise CheckpointError(
+                f"a pending action of step {self.pending.step} in a checkpoint at step "
+                f"{self.next_step}"
+            )
+
+    @classmethod
+    def start(cls, run_id: str, task: str) -> Checkpoint:
+        return cls(run_id, task, 1)
+
+    def finish(self, output: JSON) -> Checkpoint:
+        """The checkpoint after `next_step` finished with `output`."""
+        return Checkpoint(self.run_id, self.task, self.next_step + 1, (*self.outputs, output))
+
+    def with_pending(self, params: JSON) -> Checkpoint:
+        return Checkpoint(
+            self.run_id, self.task, self.next_step, self.outputs, Pending(self.next_step, params)
+        )
+
+
+class CheckpointStore(Protocol):
+    async def load(self, run_id: str) -> Checkpoint | None:
+        """The run's latest checkpoint, or None if it never saved one."""
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        """Save the run's checkpoint, replacing the previous one.
+
+        Raises `CheckpointError` when the stored checkpoint of that run id belongs to another
+        task or is further along (a larger `next_step`) than this one."""
+
+
+def check_belongs(checkpoint: Checkpoint, run_id: str, task: str) -> None:
+    """Refuse a loaded checkpoint that is not this run of this task."""
+    if checkpoint.run_id != run_id:
+        raise CheckpointError(
+            f"asked for run {run_id!r}, got the checkpoint of {checkpoint.run_id!r}"
+        )
+    if checkpoint.task != task:
+        raise CheckpointError(
+            f"run {run_id!r} was started by task {checkpoint.task!r}, not {task!r}: a run id "
+            "names one run of one task (its action keys would collide)"
+        )

@@ -1,0 +1,200 @@
+"""Send an action through the gateway with its key, and retry only what is safe to retry.
+
+Rules (issue 5):
+- 2xx: done. A replay (`Idempotent-Replayed: true`) is as good as the first answer.
+- 409 `request-in-progress`: the first attempt is still running; wait `Retry-After`, ask again.
+- Connection errors: with a key, retry with backoff. Nothing was sent (connect refused or timed
+  out), or the gateway already holds the key and will replay, hold or refuse the retry. Without a
+  key, only a failed connect is retried: anything later may have been performed.
+- 502 and 503 (`upstream-unavailable`, `store-unavailable`, an upstream's 503 that released the
+  key): retry with backoff. The gateway released the key or never claimed it.
+- Never retried: 422 `key-reused` (`KeyReused`), `outcome-unknown` in any status (the 504/502 to
+  the first caller, the 409 to a retry: `OutcomeUnknown`), any other answer (`ActionRejected`).
+  Retrying those cannot help, and `outcome-unknown` needs someone to find out what happened.
+
+Backoff is exponential with full jitter, bounded by `RetryPolicy.deadline` overall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from app.agent.checkpoints import JSON
+
+PROBLEM_PREFIX = "urn:oncegate:problem:"
+KEY_HEADER = "Idempotency-Key"
+
+
+class ActionError(Exception):
+    """An action that did not succeed and will not be retried."""
+
+    def __init__(
+        self, message: str, *, key: str | None = None, response: httpx.Response | None = None
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.response = response
+
+
+class KeyReused(ActionError):
+    """422: this key was used for a different request. A bug: the parameters changed between
+    attempts, or two actions share a key."""
+
+
+class OutcomeUnknown(ActionError):
+    """The action may or may not have been performed, and nobody can tell yet. Do not resend:
+    an operator finds out (the upstream's records) and resolves the key on the admin API."""
+
+
+class ActionRejected(ActionError):
+    """Any other final answer: a 4xx of the upstream, a 500, a 409 the client does not know."""
+
+
+class GaveUp(ActionError):
+    """Retryable failures until the deadline ran out."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    # Base and cap of the exponential backoff: the first retry after ~0.1 s, never more than 2 s
+    # apart, so a gateway restart (about a second) costs a couple of attempts.
+    backoff_base: float = 0.1
+    backoff_cap: float = 2.0
+    # The longest a `Retry-After` is honoured; a larger one is treated as this.
+    max_retry_after: float = 10.0
+    # Overall bound on one action, retries and waits included.
+    deadline: float = 60.0
+
+
+def problem_name(response: httpx.Response) -> str | None:
+    """The gateway's problem name (`key-reused`), or None if the answer is not a problem."""
+    if not response.headers.get("content-type", "").startswith("application/problem+json"):
+        return None
+    try:
+        document = response.json()
+    except ValueError:
+        return None
+    kind = document.get("type") if isinstance(document, dict) else None
+    if isinstance(kind, str) and kind.startswith(PROBLEM_PREFIX):
+        return kind[len(PROBLEM_PREFIX) :]
+    return None
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """`Retry-After` in seconds (delta-seconds or an HTTP date), or None."""
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class ActionClient:
+    """POSTs actions to `base_url` (the gateway) on a caller's `httpx.AsyncClient`."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        base_url: str,
+        *,
+        policy: RetryPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._http = http
+        self._base_url = base_url.rstrip("/")
+        self._policy = policy or RetryPolicy()
+        self._random = rng or random.Random()  # noqa: S311 - jitter, not a secret
+
+    async def send(
+        self,
+        path: str,
+        body: JSON,
+        key: str | None,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """POST `body` as JSON to `path` with `key`; the final 2xx answer, or raise."""
+        request_headers = dict(headers or {})
+        if key is not None:
+            request_headers[KEY_HEADER] = key
+        url = self._base_url + path
+        deadline = time.monotonic() + self._policy.deadline
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self._http.post(url, json=body, headers=request_headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing was sent: always safe to try again.
+                reason = f"cannot connect to {url}: {exc!r}"
+                wait = self._backoff(attempt)
+            except httpx.TransportError as exc:
+                if key is None:
+                    raise OutcomeUnknown(
+                        f"the connection broke after the request was sent and it has no "
+                        f"Idempotency-Key: it may or may not have been performed ({exc!r})"
+                    ) from exc
+                reason = f"connection to {url} broke: {exc!r}"
+                wait = self._backoff(attempt)
+            else:
+                if response.is_success:
+                    return response
+                name = problem_name(response)
+                status = response.status_code
+                if name == "outcome-unknown":
+                    raise OutcomeUnknown(
+                        f"{key}: the gateway cannot tell whether the upstream performed this "
+                        f"action ({status}); find out and resolve the key, do not resend",
+                        key=key,
+                        response=response,
+                    )
+                if status == 422 and name == "key-reused":
+                    raise KeyReused(
+                        f"{key} was already used for a different request: the parameters "
+                        "changed between attempts, or two actions share a key",
+                        key=key,
+                        response=response,
+                    )
+                if status == 409 and name == "request-in-progress":
+                    reason = f"{key} is still in progress"
+                    hinted = retry_after(response)
+                    wait = (
+                        self._backoff(attempt)
+                        if hinted is None
+                        else min(hinted, self._policy.max_retry_after)
+                    )
+                elif status in (502, 503):
+                    reason = f"{status} {name or 'from the upstream'}"
+                    wait = self._backoff(attempt)
+                else:
+                    raise ActionRejected(
+                        f"POST {path} answered {status} {name or ''}".rstrip(),
+                        key=key,
+                        response=response,
+                    )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GaveUp(
+                    f"gave up on POST {path} after {attempt} attempts "
+                    f"({self._policy.deadline:g} s): {reason}",
+                    key=key,
+                )
+            # A wait past the deadline is cut short: one last attempt at the deadline, not an
+            # early surrender.
+            await asyncio.sleep(min(wait, remaining))
+
+    def _backoff(self, attempt: int) -> float:
+        ceiling = min(self._policy.backoff_cap, self._policy.backoff_base * 2 ** (attempt - 1))
+        return self._random.uniform(0, ceiling)

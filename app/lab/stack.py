@@ -1,0 +1,164 @@
+"""The lab's own services: an embedded PostgreSQL, a demo upstream and a gateway, each a real
+process on a free loopback port, or the ones the caller names instead.
+
+The gateway can be killed with SIGKILL and started again on the same ports (`--kill-gateway`);
+its route has a short timeout and lease so a key left in flight by a killed gateway turns
+`unknown` within seconds, not the default minute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+STARTUP_TIMEOUT = 30.0
+# The lab's route: actions take milliseconds, so 2 s is a generous upstream timeout, and a lease
+# of 3 s bounds how long a retry waits on a claim whose gateway was killed.
+GATEWAY_TIMEOUT = "2s"
+GATEWAY_LEASE = "3s"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Service:
+    """One `oncegate` subprocess, logging to a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str], ports: list[int]) -> None:
+        self.args, self.log, self.env, self.ports = args, log, env, ports
+        self._log_file: IO[bytes] | None = None
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self._log_file = self.log.open("ab")
+        # The lab's own `oncegate` commands, with arguments it built itself.
+        self.popen = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "app.cli", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+        )
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for port in self.ports:
+            while not _listening(port):
+                if self.popen.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"oncegate {' '.join(self.args)} did not start; see {self.log}:\n"
+                        + self.log.read_text(errors="replace")[-2000:]
+                    )
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, the way a crash or an OOM kill ends a process: nothing runs after it."""
+        assert self.popen is not None
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
+@dataclass
+class Stack:
+    database_url: str
+    upstream_url: str
+    gateway_url: str
+    admin_url: str | None  # None when the gateway is not the lab's own
+    admin_token: str | None
+    gateway: Service | None  # the lab's own gateway, which it may kill and restart
+    directory: Path
+    own_database: bool  # the embedded one, thrown away at the end
+
+    def restart_gateway(self) -> None:
+        assert self.gateway is not None
+        self.gateway.kill()
+        self.gateway.start()
+
+
+@contextlib.contextmanager
+def running(
+    database_url: str | None, upstream_url: str | None, gateway_url: str | None
+) -> Iterator[Stack]:
+    """The services of one lab session, started as needed and stopped at the end."""
+    from app import embedded, migrations
+
+    directory = Path(tempfile.mkdtemp(prefix="oncegate-lab-"))
+    services: list[Service] = []
+    server = None
+    own_database = database_url is None
+    try:
+        if database_url is None:
+            server = embedded.start(directory)
+            database_url = server.url
+            migrations.upgrade(database_url)
+        if upstream_url is None:
+            port = free_port()
+            arguments = ["demo-upstream", "--port", str(port)]
+            services.append(Service(arguments, directory / "upstream.log", {}, [port]))
+            upstream_url = f"http://127.0.0.1:{port}"
+        gateway = None
+        admin_url = token = None
+        if gateway_url is None:
+            port, admin_port = free_port(), free_port()
+            token = secrets.token_urlsafe(24)
+            config = directory / "gateway.yaml"
+            route = {"name": "lab", "match": "/", "upstream": upstream_url,
+                     "timeout": GATEWAY_TIMEOUT, "lease": GATEWAY_LEASE}  # fmt: skip
+            config.write_text(yaml.safe_dump({"routes": [route]}))
+            gateway = Service(
+                ["serve", "--config", str(config), "--port", str(port),
+                 "--admin-port", str(admin_port), "--log-level", "warning"],
+                directory / "gateway.log",
+                {"ONCEGATE_DATABASE_URL": database_url, "ONCEGATE_ADMIN_TOKEN": token},
+                [port, admin_port],
+            )  # fmt: skip
+            services.append(gateway)
+            gateway_url = f"http://127.0.0.1:{port}"
+            admin_url = f"http://127.0.0.1:{admin_port}"
+        yield Stack(
+            database_url, upstream_url, gateway_url, admin_url, token, gateway, directory,
+            own_database,
+        )  # fmt: skip
+    finally:
+        for service in reversed(services):
+            service.stop()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(directory, ignore_errors=True)

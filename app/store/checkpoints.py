@@ -1,0 +1,100 @@
+"""The agent library's checkpoint store on PostgreSQL (`app.agent.checkpoints.CheckpointStore`).
+
+Design rules:
+- One statement per operation, autocommitted (queries in `checkpoints.sql`).
+- One connection, not a pool: an agent process runs its steps one after the other, and a process
+  that may be killed at any moment should cost PostgreSQL as little as possible to open.
+- Driver errors become `errors.StoreUnavailable`, as in the gateway's store.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import asyncpg
+
+from app import errors
+from app.agent.checkpoints import Checkpoint, CheckpointError, Pending
+from app.store.queries import load
+
+QUERIES = load(resources.files("app.store").joinpath("checkpoints.sql").read_text())
+CONNECT_TIMEOUT = 5.0
+COMMAND_TIMEOUT = 10.0
+
+_DRIVER_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+class PostgresCheckpoints:
+    def __init__(self, connection: asyncpg.Connection) -> None:
+        self._connection = connection
+
+    @classmethod
+    async def connect(cls, url: str, *, flush_each_save: bool = True) -> PostgresCheckpoints:
+        """`flush_each_save=False` (`synchronous_commit = off`) makes a save visible at once but
+        flushed to disk a moment later: a checkpoint then survives the agent's death, not the
+        database server's. Only for a throwaway database, like the lab's own."""
+        settings = {} if flush_each_save else {"synchronous_commit": "off"}
+        try:
+            connection = await asyncpg.connect(
+                url,
+                timeout=CONNECT_TIMEOUT,
+                command_timeout=COMMAND_TIMEOUT,
+                server_settings=settings,
+            )
+        except _DRIVER_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        return cls(connection)
+
+    async def close(self) -> None:
+        await self._connection.close()
+
+    async def load(self, run_id: str) -> Checkpoint | None:
+        row = await self._run("fetchrow", "checkpoint_load", run_id)
+        if row is None:
+            return None
+        pending = json.loads(row["pending"]) if row["pending"] is not None else None
+        return Checkpoint(
+            run_id=row["run_id"],
+            task=row["task"],
+            next_step=row["next_step"],
+            outputs=tuple(json.loads(row["outputs"])),
+            pending=None if pending is None else Pending(pending["step"], pending["params"]),
+        )
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        pending = checkpoint.pending
+        saved = await self._run(
+            "fetchval",
+            "checkpoint_save",
+            checkpoint.run_id,
+            checkpoint.task,
+            checkpoint.next_step,
+            json.dumps(list(checkpoint.outputs)),
+            None
+            if pending is None
+            else json.dumps({"step": pending.step, "params": pending.params}),
+        )
+        if saved is not None:
+            return
+        stored = await self._run("fetchrow", "checkpoint_describe", checkpoint.run_id)
+        if stored is not None and stored["task"] != checkpoint.task:
+            raise CheckpointError(
+                f"run {checkpoint.run_id!r} belongs to task {stored['task']!r}, "
+                f"not {checkpoint.task!r}"
+            )
+        raise CheckpointError(
+            f"run {checkpoint.run_id!r} is already at step "
+            f"{stored['next_step'] if stored else '?'}; refusing to rewind it to step "
+            f"{checkpoint.next_step}"
+        )
+
+    async def delete(self, run_id: str) -> bool:
+        return await self._run("fetchval", "checkpoint_delete", run_id) is not None
+
+    async def _run(self, method: str, query: str, *arguments: Any) -> Any:
+        try:
+            return await getattr(self._connection, method)(QUERIES[query], *arguments)
+        except _DRIVER_ERRORS as exc:
+            raise errors.StoreUnavailable(f"checkpoint store: {exc}") from exc

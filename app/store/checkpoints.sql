@@ -1,0 +1,29 @@
+-- The agent library's checkpoint store (`app.store.checkpoints`), one named query each
+-- (`-- name: NAME`). Kept apart from the gateway's queries.sql: another table, another user.
+
+-- name: checkpoint_load
+SELECT run_id, task, next_step, outputs::text AS outputs, pending::text AS pending
+FROM oncegate_checkpoints
+WHERE run_id = $1;
+
+-- name: checkpoint_save
+-- Insert, or replace the run's row, but only with a checkpoint of the same task that is not
+-- behind the stored one: a process that wakes up late cannot rewind a run. Nothing returned
+-- means refused.
+INSERT INTO oncegate_checkpoints (run_id, task, next_step, outputs, pending)
+VALUES ($1, $2, $3, $4::jsonb, $5::jsonb)
+ON CONFLICT (run_id) DO UPDATE
+SET next_step = EXCLUDED.next_step,
+    outputs = EXCLUDED.outputs,
+    pending = EXCLUDED.pending,
+    updated_at = now()
+WHERE oncegate_checkpoints.task = EXCLUDED.task
+  AND oncegate_checkpoints.next_step <= EXCLUDED.next_step
+RETURNING run_id;
+
+-- name: checkpoint_describe
+-- Why a save was refused.
+SELECT task, next_step FROM oncegate_checkpoints WHERE run_id = $1;
+
+-- name: checkpoint_delete
+DELETE FROM oncegate_checkpoints WHERE run_id = $1 RETURNING run_id;

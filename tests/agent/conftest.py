@@ -1,0 +1,36 @@
+"""The agent library against real parts: PostgreSQL from the session, the demo upstream and a
+gateway as real processes (the helpers of tests/e2e)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import DemoUpstream, Gateway, free_port
+from tests.e2e.conftest import module_dir as module_dir
+from tests.e2e.conftest import upstream as upstream
+
+
+@pytest.fixture(scope="module")
+def late_port() -> int:
+    """A port nothing listens on, until a test starts an upstream there (route `/late`)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream, late_port: int
+) -> Iterator[Gateway]:
+    routes = [
+        {"name": "actions", "match": "/", "upstream": upstream.url, "timeout": "1s",
+         "lease": "2s"},
+        {"name": "late", "match": "/late", "strip_prefix": True,
+         "upstream": f"http://127.0.0.1:{late_port}"},
+    ]  # fmt: skip
+    process = Gateway(module_dir, database_url, routes)
+    try:
+        yield process
+    finally:
+        process.stop()

@@ -1,0 +1,44 @@
+"""Action keys are derived from the run and the step, the same in every process."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import keys as gateway_keys
+from app.agent.keys import action_key
+
+
+def test_the_key_names_the_run_the_step_and_the_action() -> None:
+    assert action_key("run-81", 10, "charge") == "run-81:step-10:charge"
+
+
+def test_the_key_is_the_same_every_time_it_is_derived() -> None:
+    assert {action_key("run-81", 4, "email") for _ in range(3)} == {"run-81:step-4:email"}
+
+
+def test_every_step_and_action_gets_its_own_key() -> None:
+    derived = {action_key("run-81", step, action) for step in (4, 7, 10) for action in ("a", "b")}
+    assert len(derived) == 6
+
+
+def test_the_gateway_accepts_the_key_bare_as_it_is_sent() -> None:
+    key = action_key("lab-1a2b3c-C-run-999", 12, "close_case")
+    assert gateway_keys.parse([key]) == key
+
+
+@pytest.mark.parametrize("run_id", ["", "run 81", "run,81", 'run"81', "run:81", "rün"])
+def test_run_ids_that_would_make_an_ambiguous_or_invalid_header_are_refused(run_id: str) -> None:
+    with pytest.raises(ValueError, match="run id"):
+        action_key(run_id, 1, "email")
+
+
+def test_steps_count_from_one_and_actions_are_plain_words() -> None:
+    with pytest.raises(ValueError, match="steps count from 1"):
+        action_key("run-1", 0, "email")
+    with pytest.raises(ValueError, match="action"):
+        action_key("run-1", 1, "Send Email")
+
+
+def test_a_key_longer_than_the_gateway_accepts_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most 255"):
+        action_key("r" * 250, 1, "email")

@@ -1,0 +1,165 @@
+"""The client's retry rules, against a real gateway in front of the real demo upstream.
+
+What the upstream performed is counted by the demo upstream itself (`GET /actions?key=`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.agent.client import (
+    ActionClient,
+    GaveUp,
+    KeyReused,
+    OutcomeUnknown,
+    RetryPolicy,
+    problem_name,
+    retry_after,
+)
+from tests.e2e.conftest import DemoUpstream, Gateway, Process, free_port
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        yield client
+
+
+def client_for(http: httpx.AsyncClient, url: str, deadline: float = 10.0) -> ActionClient:
+    return ActionClient(http, url, policy=RetryPolicy(deadline=deadline))
+
+
+def new_key() -> str:
+    return f"test-{uuid.uuid4()}:step-4:email"
+
+
+async def test_a_sent_action_and_its_resend_are_performed_once(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url), new_key()
+    first = await client.send("/emails", {"to": "ana@example.com"}, key)
+    again = await client.send("/emails", {"to": "ana@example.com"}, key)
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url), new_key()
+    slow = asyncio.create_task(
+        client.send("/emails", {"to": "bo@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
+    )
+    await asyncio.sleep(0.2)  # the first attempt holds the key now
+    started = time.monotonic()
+    retried = await client.send("/emails", {"to": "bo@example.com"}, key)
+    waited = time.monotonic() - started
+    first = await slow
+    assert retried.status_code == 201 and retried.json() == first.json()
+    assert retried.headers["idempotent-replayed"] == "true"
+    assert waited >= 0.9  # the gateway's Retry-After is 1 s
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_a_reused_key_raises_at_once_and_is_not_retried(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url), new_key()
+    await client.send("/charges", {"amount_cents": 100}, key)
+    started = time.monotonic()
+    with pytest.raises(KeyReused) as raised:
+        await client.send("/charges", {"amount_cents": 999}, key)
+    assert time.monotonic() - started < 0.5
+    assert raised.value.key == key and raised.value.response is not None
+    assert raised.value.response.status_code == 422
+    assert [action["request"] for action in upstream.actions(key)] == [{"amount_cents": 100}]
+
+
+async def test_outcome_unknown_raises_for_the_first_caller_and_for_a_retry(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url), new_key()
+    # The route's timeout is 1 s: the upstream performs the action, answers too late.
+    with pytest.raises(OutcomeUnknown) as first:
+        await client.send("/tickets", {"queue": "q"}, key, headers={"X-Demo-Delay": "1.5"})
+    assert first.value.response is not None and first.value.response.status_code == 504
+    started = time.monotonic()
+    with pytest.raises(OutcomeUnknown) as retry:
+        await client.send("/tickets", {"queue": "q"}, key)
+    assert time.monotonic() - started < 0.5  # no waiting, no retrying
+    assert retry.value.response is not None and retry.value.response.status_code == 409
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_502_upstream_unavailable_is_retried_until_the_upstream_is_up(
+    gateway: Gateway, http: httpx.AsyncClient, tmp_path: Path, late_port: int
+) -> None:
+    client, key = client_for(http, gateway.url, deadline=30.0), new_key()
+    sending = asyncio.create_task(client.send("/late/emails", {"to": "cy@example.com"}, key))
+    await asyncio.sleep(0.5)
+    assert not sending.done()  # still retrying the 502s
+    late = Process(["demo-upstream", "--port", str(late_port)], tmp_path / "late.log")
+    try:
+        late.wait_listening(late_port)
+        response = await sending
+        assert response.status_code == 201
+        performed = await http.get(f"http://127.0.0.1:{late_port}/actions", params={"key": key})
+        assert len(performed.json()["actions"]) == 1
+    finally:
+        late.stop()
+
+
+async def test_503_from_the_upstream_is_retried_with_backoff_then_given_up(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    def released() -> float:
+        text = httpx.get(gateway.admin_url + "/metrics").text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "oncegate_requests_total" and sample.labels["outcome"] == "released"
+        )
+
+    before = released()
+    client, key = client_for(http, gateway.url, deadline=1.5), new_key()
+    with pytest.raises(GaveUp, match="503"):
+        await client.send(
+            "/emails", {"to": "di@example.com"}, key, headers={"X-Demo-Status": "503"}
+        )
+    assert released() - before >= 3  # the same request, sent again and again
+    assert upstream.actions(key) == []  # a 503 performs nothing
+
+
+async def test_connection_refused_is_retried_until_the_deadline(http: httpx.AsyncClient) -> None:
+    client = client_for(http, f"http://127.0.0.1:{free_port()}", deadline=1.0)
+    started = time.monotonic()
+    with pytest.raises(GaveUp, match="cannot connect"):
+        await client.send("/emails", {}, new_key())
+    assert 1.0 <= time.monotonic() - started <= 2.0
+
+
+def test_retry_after_reads_seconds_and_dates() -> None:
+    assert retry_after(httpx.Response(409, headers={"Retry-After": "3"})) == 3.0
+    date = httpx.Response(409, headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
+    assert retry_after(date) == 0.0  # in the past
+    assert retry_after(httpx.Response(409)) is None
+
+
+def test_only_the_gateways_problems_have_a_problem_name() -> None:
+    problem = httpx.Response(
+        409,
+        headers={"content-type": "application/problem+json"},
+        json={"type": "urn:oncegate:problem:request-in-progress"},
+    )
+    assert problem_name(problem) == "request-in-progress"
+    assert problem_name(httpx.Response(409, json={"type": "x"})) is None

@@ -1,0 +1,137 @@
+"""`run_agent` resumes a run killed with a real SIGKILL at every point of every step, and each
+action is performed exactly once (counted by the demo upstream), through the real gateway.
+
+The worker is the lab's: a process forked from this one that reports each point of each step on
+a pipe and waits at the chosen one for its SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import Sequence
+
+import httpx
+import pytest
+
+from app.agent.checkpoints import JSON, Checkpoint, CheckpointError
+from app.agent.runner import Action, Step, run_agent
+from app.lab import crashlab
+from app.lab.task import ACTION_STEPS, STEPS, support_task
+from app.store.checkpoints import PostgresCheckpoints
+from tests.e2e.conftest import DemoUpstream, Gateway
+
+STRATEGY_C = crashlab.STRATEGIES["C"]
+
+
+def finish(worker: crashlab.Worker) -> tuple[list[str], int]:
+    """Read the worker's reports to the end, killing it if it asks; its lines and exit code."""
+    lines: list[str] = []
+    buffer = b""
+    while chunk := os.read(worker.fd, 65536):
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            lines.append(line.decode())
+            if line == b"kill-me":
+                os.kill(worker.pid, signal.SIGKILL)
+    os.close(worker.fd)
+    _, status = os.waitpid(worker.pid, 0)
+    return lines, os.waitstatus_to_exitcode(status)
+
+
+async def load(database_url: str, run_id: str) -> Checkpoint | None:
+    store = await PostgresCheckpoints.connect(database_url)
+    try:
+        return await store.load(run_id)
+    finally:
+        await store.close()
+
+
+POINTS = [
+    (event, step)
+    for step in range(1, STEPS + 1)
+    for event in (
+        ("started", "prepared", "done", "saved") if step in ACTION_STEPS else ("started", "saved")
+    )
+]
+
+
+@pytest.mark.parametrize(("event", "step"), POINTS, ids=[f"{e}-{s}" for e, s in POINTS])
+def test_a_run_killed_at_any_point_resumes_and_performs_each_action_once(
+    event: str, step: int, database_url: str, gateway: Gateway, upstream: DemoUpstream
+) -> None:
+    run_id = f"resume-{uuid.uuid4().hex[:8]}"
+    environment = crashlab.Environment(
+        database_url, upstream.url, gateway.url, httpx.create_ssl_context()
+    )
+    run = crashlab.Run(STRATEGY_C, 1, run_id, crashlab.Crash(step, False))
+
+    lines, code = finish(crashlab.fork_worker(run, environment, (event, step)))
+    assert code == -signal.SIGKILL and lines[-2:] == [f"{event} {step}", "kill-me"]
+    checkpoint = asyncio.run(load(database_url, run_id))
+    saved_before = step + 1 if event == "saved" else step
+    assert (checkpoint.next_step if checkpoint else 1) == saved_before
+
+    lines, code = finish(crashlab.fork_worker(run, environment, None))
+    assert code == 0
+    # The resumed process starts where the checkpoint says (nothing left after the last step's
+    # checkpoint), and does each step once.
+    assert lines[:1] == ([f"started {saved_before}"] if saved_before <= STEPS else [])
+    assert [line for line in lines if line.startswith("done")] == [
+        f"done {number}" for number in range(saved_before, STEPS + 1)
+    ]
+    final = asyncio.run(load(database_url, run_id))
+    assert final is not None and final.next_step == STEPS + 1 and final.pending is None
+    for number, name in ACTION_STEPS.items():
+        performed = upstream.actions(f"{run_id}:step-{number}:{name}")
+        assert len(performed) == 1
+        assert final.outputs[number - 1] == performed[0]  # the receipt, replayed or not
+
+
+class Recorder:
+    """A sender that performs nothing, for runs whose point is what the runner sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, JSON, str | None]] = []
+
+    async def send(self, path: str, body: JSON, key: str | None) -> httpx.Response:
+        self.sent.append((path, body, key))
+        return httpx.Response(201, json={"sent": len(self.sent)})
+
+
+async def test_a_pending_action_is_sent_with_its_saved_parameters_not_recomputed(
+    database_url: str,
+) -> None:
+    computed: list[int] = []
+
+    def charge(outputs: Sequence[JSON]) -> JSON:
+        computed.append(1)
+        return {"amount_cents": 100 * len(computed)}  # would change if computed again
+
+    steps = [Step("think", lambda outputs: "thought"), Step("pay", charge, Action("charge", "/c"))]
+    store = await PostgresCheckpoints.connect(database_url)
+    try:
+        # As a process killed after saving the pending charge, before sending it, left it:
+        await store.save(Checkpoint("pending-run", "pay-task", 2, ("thought",)).with_pending(
+            {"amount_cents": 4200}
+        ))  # fmt: skip
+        sender = Recorder()
+        outputs = await run_agent("pending-run", steps, store, sender, task="pay-task")
+    finally:
+        await store.close()
+    assert computed == []
+    assert sender.sent == [("/c", {"amount_cents": 4200}, "pending-run:step-2:charge")]
+    assert outputs == ("thought", {"sent": 1})
+
+
+async def test_a_run_id_is_not_resumed_by_another_task(database_url: str) -> None:
+    store = await PostgresCheckpoints.connect(database_url)
+    try:
+        await run_agent("shared-id", support_task("shared-id")[:3], store, Recorder())
+        with pytest.raises(CheckpointError, match="started by task"):
+            await run_agent("shared-id", support_task("shared-id"), store, Recorder())
+    finally:
+        await store.close()

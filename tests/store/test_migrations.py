@@ -31,3 +31,14 @@ async def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert "oncegate_keys" not in await _tables(empty_database_url)
     await _upgrade(empty_database_url)
     assert "oncegate_keys" in await _tables(empty_database_url)
+
+
+async def test_the_key_table_leaves_room_for_hot_updates(database_url: str) -> None:
+    connection = await asyncpg.connect(database_url)
+    try:
+        options = await connection.fetchval(
+            "SELECT reloptions FROM pg_class WHERE relname = 'oncegate_keys'"
+        )
+    finally:
+        await connection.close()
+    assert "fillfactor=70" in options

@@ -17,22 +17,6 @@ from prometheus_client import (
     multiprocess,
 )
 
-# Outcomes of contract section 4, the values of the `outcome` label.
-OUTCOMES = (
-    "passthrough",
-    "unprotected",
-    "missing_key",
-    "invalid_key",
-    "body_too_large",
-    "forwarded",
-    "replayed",
-    "in_progress",
-    "mismatch",
-    "upstream_unavailable",
-    "released",
-    "unknown",
-    "store_unavailable",
-)
 # Why a request with a known key did not reach the upstream.
 BLOCK_REASONS = ("replayed", "in_progress", "unknown")
 

@@ -127,9 +127,11 @@ class Upstream:
         client_timeout = self._timeouts.get(timeout)
         if client_timeout is None:
             # `connect` covers waiting for a pooled connection and the handshake: nothing has been
-            # sent when it runs out, so that failure is NotSent.
+            # sent when it runs out, so that failure is NotSent. It must run out before the
+            # total does, or an upstream that never answers the handshake would read as a
+            # request whose answer was lost.
             client_timeout = aiohttp.ClientTimeout(
-                total=timeout, connect=min(timeout, CONNECT_TIMEOUT)
+                total=timeout, connect=min(CONNECT_TIMEOUT, timeout / 2)
             )
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hmac
+import re
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -24,6 +26,8 @@ from app.http.app import Runtime
 from app.store import KeyRecord
 
 router = APIRouter()
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_FIELD_VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
 
 
@@ -69,7 +73,7 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
-    head = migrations.head()
+    head = _schema_head()
     try:
         revision = await runtime.store.schema_revision()
     except errors.StoreUnavailable:
@@ -82,6 +86,12 @@ async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
             "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
         }
     return {"status": "ok", "revision": head}
+
+
+@functools.cache
+def _schema_head() -> str:
+    """Read from the migration scripts once, not on every probe."""
+    return migrations.head()
 
 
 class KeyView(BaseModel):
@@ -143,11 +153,21 @@ async def find_keys(
     summary="Release a key: the next request with it is forwarded",
     status_code=204,
     dependencies=[Admin],
-    responses={404: {"description": "no such key"}},
+    responses={
+        404: {"description": "no such key"},
+        409: {"description": "its request is in flight"},
+    },
 )
 async def delete_key(runtime: RuntimeDep, record_id: int) -> Response:
-    if not await runtime.store.delete(record_id):
+    deleted = await runtime.store.delete(record_id)
+    if deleted is None:
         raise HTTPException(404, f"no key with id {record_id}")
+    if not deleted:
+        raise HTTPException(
+            409,
+            f"key {record_id} has a request in flight; deleting it now would let a retry be "
+            "forwarded while the first is still at the upstream. Try again when it has settled.",
+        )
     return Response(status_code=204)
 
 
@@ -158,7 +178,7 @@ class Resolution(BaseModel):
         description="complete: store this answer and replay it to every retry; "
         "release: forget the key, so the next retry is forwarded"
     )
-    status: int | None = Field(None, ge=100, le=599, description="with complete")
+    status: int | None = Field(None, ge=200, le=599, description="with complete")
     headers: list[tuple[str, str]] = Field(default_factory=list, description="with complete")
     body: str | None = Field(None, description="with complete: the body as UTF-8 text")
     body_base64: str | None = Field(None, description="with complete: the body as base64")
@@ -169,6 +189,13 @@ class Resolution(BaseModel):
             raise ValueError("action 'complete' needs a status")
         if self.body is not None and self.body_base64 is not None:
             raise ValueError("give body or body_base64, not both")
+        if self.status in (204, 304) and (self.body or self.body_base64):
+            raise ValueError(f"a {self.status} answer has no body")
+        for name, value in self.headers:
+            if not _TOKEN.match(name):
+                raise ValueError(f"{name!r} is not a header name")
+            if not _FIELD_VALUE.match(value):
+                raise ValueError(f"the value of {name} is not a valid header value")
         return self
 
     def body_bytes(self) -> bytes:

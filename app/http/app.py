@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
 
-from app import errors, service
+from app import errors, metrics, service
 from app.http import proxy
 from app.settings import Settings
 from app.store.postgres import PostgresStore
@@ -39,6 +39,11 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     upstream = Upstream()
     gateway = service.Gateway(store, upstream)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
+    for route in settings.routes:
+        # Every route's block counters exist from the start, at zero, so a dashboard's rate()
+        # has a series to show before the first duplicate arrives.
+        for reason in metrics.BLOCK_REASONS:
+            metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
         yield Runtime(settings, store, gateway, service.RouteTable(settings.routes))
     finally:

@@ -79,7 +79,9 @@ class ProxyApp:
                 for name, value in result.headers
                 if name.lower() != REQUEST_ID  # ours is added once, below
             ]
-            if status not in _NO_BODY_STATUSES and method != "HEAD":
+            if status in _NO_BODY_STATUSES or method == "HEAD":
+                body = b""  # whatever was stored or received, these answers carry none
+            else:
                 response_headers.append((b"content-length", str(len(body)).encode()))
             outcome, blocked, upstream_seconds = (
                 result.outcome,

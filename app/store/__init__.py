@@ -37,10 +37,6 @@ class Record:
     body: bytes | None
     stored: bool  # False when the answer was over `max_stored_response`
 
-    @property
-    def claim(self) -> Claim:
-        return Claim(self.id, self.token)
-
 
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
@@ -98,7 +94,8 @@ class AdminStore(Protocol):
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]: ...
 
-    async def delete(self, record_id: int) -> bool: ...
+    async def delete(self, record_id: int) -> bool | None:
+        """Delete a key: True; False when its request is in flight now; None if no such key."""
 
     async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
         """Complete an `unknown` key; False if there is no such `unknown` key."""

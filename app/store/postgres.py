@@ -185,8 +185,11 @@ class PostgresStore:
             for row in rows
         ]
 
-    async def delete(self, record_id: int) -> bool:
-        return await self._fetchrow("admin_delete", record_id) is not None
+    async def delete(self, record_id: int) -> bool | None:
+        row = await self._fetchrow("admin_delete", record_id)
+        if row["deleted"]:
+            return True
+        return False if row["exists"] else None
 
     async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
         row = await self._fetchrow("admin_settle", record_id, status, _headers_json(headers), body)

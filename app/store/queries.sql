@@ -75,7 +75,9 @@ RETURNING id, fencing_token;
 UPDATE oncegate_keys
 SET state = 'in_progress',
     fencing_token = nextval('oncegate_fencing_token'),
-    lease_expires_at = now() + make_interval(secs => $3)
+    lease_expires_at = now() + make_interval(secs => $3),
+    -- the key must not expire while the request it now guards is in flight
+    expires_at = greatest(expires_at, now() + make_interval(secs => $3) + interval '1 second')
 WHERE id = $1
   AND fencing_token = $2
   AND expires_at > now()
@@ -138,7 +140,16 @@ WHERE key = $1 AND ($2::text IS NULL OR route = $2)
 ORDER BY id;
 
 -- name: admin_delete
-DELETE FROM oncegate_keys WHERE id = $1 RETURNING id;
+-- Any key but one whose request is in flight right now: deleting that one would let the next
+-- retry be forwarded while the first is still at the upstream. Returns the row's state either
+-- way (deleted: NULL means no such key).
+WITH doomed AS (
+    DELETE FROM oncegate_keys
+    WHERE id = $1 AND NOT (state = 'in_progress' AND lease_expires_at > now())
+    RETURNING id
+)
+SELECT EXISTS (SELECT FROM doomed) AS deleted,
+       EXISTS (SELECT FROM oncegate_keys WHERE id = $1) AS exists;
 
 -- name: admin_settle
 -- Settle an `unknown` key (explicitly marked, or a claim whose lease ran out) as completed with

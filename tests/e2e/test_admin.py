@@ -190,6 +190,27 @@ async def test_releasing_an_unknown_key_lets_the_next_retry_through(
     assert len(upstream.actions(key)) == 2
 
 
+async def test_delete_refuses_a_key_whose_request_is_in_flight(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    slow = asyncio.create_task(
+        client.post("/mail/emails", json={}, headers={"Idempotency-Key": key, "X-Demo-Delay": "2"})
+    )
+    records: list[dict[str, Any]] = []
+    for _ in range(100):
+        records = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
+        if records:
+            break
+        await asyncio.sleep(0.05)
+    (record,) = records
+    refused = await admin.delete(f"/admin/keys/{record['id']}")
+    assert refused.status_code == 409
+    assert (await slow).status_code == 201
+    assert (await admin.delete(f"/admin/keys/{record['id']}")).status_code == 204
+    assert len(upstream.actions(key)) == 1
+
+
 async def test_bad_resolutions_are_refused(admin: httpx.AsyncClient) -> None:
     no_status = await admin.post("/admin/keys/1/resolve", json={"action": "complete"})
     assert no_status.status_code == 422
@@ -197,9 +218,17 @@ async def test_bad_resolutions_are_refused(admin: httpx.AsyncClient) -> None:
     assert bad_action.status_code == 422
     nowhere = await admin.post("/admin/keys/999999999/resolve", json={"action": "release"})
     assert nowhere.status_code == 409
+    for resolution in (
+        {"action": "complete", "status": 204, "body": "a 204 has no body"},
+        {"action": "complete", "status": 101},
+        {"action": "complete", "status": 201, "headers": [["Bad Name", "x"]]},
+        {"action": "complete", "status": 201, "headers": [["X-Ok", "line\nbreak"]]},
+    ):
+        refused = await admin.post("/admin/keys/1/resolve", json=resolution)
+        assert refused.status_code == 422, resolution
 
 
-async def test_delete_releases_any_key(
+async def test_delete_releases_a_settled_key(
     client: httpx.AsyncClient, admin: httpx.AsyncClient, upstream: DemoUpstream
 ) -> None:
     key = new_key()

@@ -5,6 +5,7 @@ performed (counted by the demo upstream itself) and what the store holds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -31,7 +32,7 @@ from tests.e2e.conftest import (
 )
 
 
-def routes(upstream: str) -> list[dict[str, Any]]:
+def routes(upstream: str, blackhole: int) -> list[dict[str, Any]]:
     def route(name: str, **options: Any) -> dict[str, Any]:
         return {
             "name": name,
@@ -51,12 +52,35 @@ def routes(upstream: str) -> list[dict[str, Any]]:
         route("short", ttl="3s", timeout="0.5s", lease="1s"),
         route("lease", timeout="3s", lease="8s"),  # room for a slow machine to kill in time
         route("dead", upstream=f"http://127.0.0.1:{free_port()}"),
+        route("blackhole", upstream=f"http://127.0.0.1:{blackhole}", timeout="1s"),
     ]
 
 
 @pytest.fixture(scope="module")
-def route_config(upstream: DemoUpstream) -> list[dict[str, Any]]:
-    return routes(upstream.url)
+def route_config(upstream: DemoUpstream, blackhole: int) -> list[dict[str, Any]]:
+    return routes(upstream.url, blackhole)
+
+
+@pytest.fixture(scope="module")
+def blackhole() -> Iterator[int]:
+    """A port whose TCP handshake never completes: a listener with a full accept queue, so the
+    kernel drops every further SYN, as a firewall or a dead host would."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port: int = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +300,17 @@ async def test_an_expired_key_is_a_new_key(
     assert [action["request"] for action in upstream.actions(key)] == [{"n": 1}, {"n": 2}]
 
 
+async def test_a_handshake_that_never_completes_releases_the_key(
+    client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    for _ in range(2):  # nothing was sent, so the key is free for the retry
+        response = await client.post("/blackhole/emails", json={}, headers=keyed(key))
+        assert response.status_code == 502
+        assert problem_name(response) == "upstream-unavailable"
+        assert await row(db, key) is None
+
+
 async def test_refused_connection_releases_the_key(
     client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
@@ -318,6 +353,8 @@ async def test_a_timeout_after_sending_makes_the_key_unknown(
     assert retry.status_code == 409
     assert problem_name(retry) == "outcome-unknown"
     assert "retry-after" not in retry.headers
+    other = await client.post("/unknown/emails", json={"n": 2}, headers=keyed(key))
+    assert other.status_code == 422 and problem_name(other) == "key-reused"
     assert len(upstream.actions(key)) == 1  # performed once, and never again
 
 

@@ -241,3 +241,18 @@ async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(
     assert await service.purge_expired(store, batch_size=1000, pause=0) == 2500
     assert await db.fetchval("SELECT count(*) FROM oncegate_keys") == 1
     assert await service.purge_expired(store, batch_size=1000, pause=0) == 0
+
+
+async def test_take_over_keeps_the_key_alive_for_its_lease(
+    store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    owner = await claim(store, key, lease=0.2, ttl=1.0)
+    assert await store.mark_unknown(owner)
+    record = await store.get(SCOPE, key)
+    assert record is not None
+    assert await store.take_over(record, 30.0) is not None
+    # Taken over shortly before its TTL: it must not expire while the new attempt is in flight.
+    assert await db.fetchval(
+        "SELECT expires_at > lease_expires_at FROM oncegate_keys WHERE key = $1", key
+    )

@@ -157,6 +157,12 @@ async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+def prefix_route(name: str, upstream: str, **options: Any) -> dict[str, Any]:
+    """A route of the config file: `/name/...` forwarded to `upstream` as `/...`."""
+    return {"name": name, "match": f"/{name}", "upstream": upstream, "strip_prefix": True,
+            **options}  # fmt: skip
+
+
 def new_key() -> str:
     return str(uuid.uuid4())
 

@@ -24,6 +24,7 @@ from tests.e2e.conftest import (
     free_port,
     keyed,
     new_key,
+    prefix_route,
     problem_name,
     raw_request,
     row,
@@ -34,13 +35,7 @@ from tests.e2e.conftest import (
 
 def routes(upstream: str, blackhole: int) -> list[dict[str, Any]]:
     def route(name: str, **options: Any) -> dict[str, Any]:
-        return {
-            "name": name,
-            "match": f"/{name}",
-            "upstream": upstream,
-            "strip_prefix": True,
-            **options,
-        }
+        return prefix_route(name, **{"upstream": upstream, **options})
 
     return [
         route("strict", timeout="5s"),

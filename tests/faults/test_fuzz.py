@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.e2e.conftest import prefix_route
 from tests.faults.conftest import PROBLEM, DemoUpstream, Gateway, new_key
 
 REJECTIONS = {"missing-key", "invalid-key", "body-too-large", "route-not-found"}
@@ -37,13 +38,7 @@ REJECTIONS = {"missing-key", "invalid-key", "body-too-large", "route-not-found"}
 @pytest.fixture(scope="module")
 def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
     def route(name: str, **options: Any) -> dict[str, Any]:
-        return {
-            "name": name,
-            "match": f"/{name}",
-            "upstream": upstream.url,
-            "strip_prefix": True,
-            **options,
-        }
+        return prefix_route(name, **{"upstream": upstream.url, **options})
 
     routes = [route("strict"), route("optional", key="optional"), route("small", max_body="1KiB")]
     process = Gateway(module_dir, database_url, routes)

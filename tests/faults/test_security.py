@@ -33,7 +33,7 @@ from fastapi import HTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 
 from app.http import admin as admin_api
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, Gateway, admin_client, new_key
 
 CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
@@ -42,13 +42,7 @@ CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
 @pytest.fixture(scope="module")
 def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
     def route(name: str, **options: Any) -> dict[str, Any]:
-        return {
-            "name": name,
-            "match": f"/{name}",
-            "upstream": upstream.url,
-            "strip_prefix": True,
-            **options,
-        }
+        return prefix_route(name, **{"upstream": upstream.url, **options})
 
     routes = [
         route("pay"),

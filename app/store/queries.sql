@@ -1,6 +1,12 @@
 -- Every SQL statement of the gateway, one named query each (`-- name: NAME`).
 -- Each runs alone, autocommitted: one round trip, and no transaction is ever held open across
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
+--
+-- Fencing: a claim starts its row at token 1 and every take-over of the row adds one. Every
+-- write names the row's id and the token it holds, so a gateway that lost a row can never touch
+-- it, nor a newer row for the same key (a new id). A per-row counter rather than a sequence:
+-- an insert evaluates its values even when it conflicts, and a sequence takes a transaction id
+-- and a WAL flush every 32 values, so replays would wait for fsyncs (migration 0004).
 
 -- name: claim
 -- Take a new key, or read the row that already holds it: one round trip either way.
@@ -12,7 +18,7 @@ WITH claimed AS (
     INSERT INTO oncegate_keys
         (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
     VALUES
-        ($1, $2, $3, $4, 'in_progress', nextval('oncegate_fencing_token'),
+        ($1, $2, $3, $4, 'in_progress', 1,
          now() + make_interval(secs => $5), now() + make_interval(secs => $6))
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token
@@ -54,7 +60,7 @@ UPDATE oncegate_keys
 SET route = $3,
     fingerprint = $4,
     state = 'in_progress',
-    fencing_token = nextval('oncegate_fencing_token'),
+    fencing_token = fencing_token + 1,
     lease_expires_at = now() + make_interval(secs => $5),
     created_at = now(),
     completed_at = NULL,
@@ -74,7 +80,7 @@ RETURNING id, fencing_token;
 -- that lost it can no longer complete or release it.
 UPDATE oncegate_keys
 SET state = 'in_progress',
-    fencing_token = nextval('oncegate_fencing_token'),
+    fencing_token = fencing_token + 1,
     lease_expires_at = now() + make_interval(secs => $3),
     -- the key must not expire while the request it now guards is in flight
     expires_at = greatest(expires_at, now() + make_interval(secs => $3) + interval '1 second')
@@ -156,7 +162,7 @@ SELECT EXISTS (SELECT FROM doomed) AS deleted,
 -- the answer an operator found out, with a new fencing token so no late gateway overwrites it.
 UPDATE oncegate_keys
 SET state = 'completed',
-    fencing_token = nextval('oncegate_fencing_token'),
+    fencing_token = fencing_token + 1,
     lease_expires_at = NULL,
     response_status = $2,
     response_headers = $3::jsonb,

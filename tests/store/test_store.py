@@ -116,7 +116,26 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
     assert await store.release(owner)
     assert await store.get(SCOPE, key) is None
     again = await claim(store, key)
-    assert again.token > owner.token
+    # A new row: the released claim names the old one, so it can settle nothing here.
+    assert again.record_id != owner.record_id
+    assert not await store.complete(owner, 500, [], b"from the released claim")
+    assert not await store.release(owner)
+
+
+async def test_replays_commit_no_transaction(store: PostgresStore, db: asyncpg.Connection) -> None:
+    """A replay's claim statement finds the row and takes no transaction id, so it never waits
+    for a WAL flush. (Sequences drawn by the conflicting insert once made one replay in 16
+    commit a transaction: migration 0004.)"""
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.complete(owner, 201, [], b"{}")
+    before = await db.fetchval("SELECT pg_current_xact_id()")
+    for _ in range(200):
+        found = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL)
+        assert isinstance(found, Record) and found.state == "completed"
+    after = await db.fetchval("SELECT pg_current_xact_id()")
+    # Our own two probes take one id each; anything the replays took would show in between.
+    assert int(after) - int(before) <= 2
 
 
 async def test_a_lease_that_runs_out_reads_as_unknown(store: PostgresStore) -> None:

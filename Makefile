@@ -19,8 +19,15 @@ run: $(STAMP)
 	trap 'kill $$demo 2>/dev/null' EXIT INT TERM; \
 	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000 --log-format text
 
+# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus (Debian's package).
+TEST_TOOLS := $(VENV)/.test-tools
+$(TEST_TOOLS): $(STAMP)
+	command -v prometheus >/dev/null || (apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+	touch $(TEST_TOOLS)
+
 # The whole suite but the slowest fault tests (a few minutes).
-test: $(STAMP)
+test: $(TEST_TOOLS)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The fault suite in full: real kills, outages under load, three gateways (docs/faults.md).

@@ -220,9 +220,15 @@ def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
         while chunk := sock.recv(65536):
             received += chunk
     head, _, body = received.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    status_line, headers = parse_head(head)
+    return int(status_line.split()[1]), headers, body
+
+
+def parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    """The first line of an HTTP message head and its headers (names in lower case)."""
+    first_line, *lines = head.decode("latin-1").split("\r\n")
     headers = {}
-    for line in header_lines:
+    for line in lines:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-    return int(status_line.split()[1]), headers, body
+    return first_line, headers

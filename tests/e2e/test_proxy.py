@@ -583,3 +583,23 @@ async def test_the_upstream_gets_the_clients_headers_and_no_others(gateway: Gate
     assert received["body"] == "abc"
     assert received["query"] == "b=2&a=1"
     assert headers["x-request-id"] == "trace-7"
+
+
+async def test_answers_without_a_body_stay_without_one(
+    client: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    # The demo upstream answers 204 with a receipt anyway; a 204 carries no body, stored or not.
+    first = await client.post(
+        "/strict/emails", json={}, headers=keyed(key, **{"X-Demo-Status": "204"})
+    )
+    assert first.status_code == 204 and first.content == b""
+    replay = await client.post(
+        "/strict/emails", json={}, headers=keyed(key, **{"X-Demo-Status": "204"})
+    )
+    assert replay.status_code == 204 and replay.content == b""
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "content-length" not in replay.headers
+    assert len(upstream.actions(key)) == 1
+    head = await client.head("/strict/actions")
+    assert head.status_code == 200 and head.content == b""

@@ -27,6 +27,7 @@ from tests.e2e.conftest import (
     client,
     module_dir,
     new_key,
+    parse_head,
     problem_name,
     row,
     upstream,
@@ -145,11 +146,7 @@ def _read_request(connection: socket.socket) -> Received | None:
                 return None
             data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
-        request_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
+        request_line, headers = parse_head(head)
         length = int(headers.get("content-length", "0"))
         while len(body) < length:
             chunk = connection.recv(65536)

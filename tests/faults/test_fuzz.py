@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.conftest import prefix_route
+from tests.e2e.conftest import parse_head, prefix_route
 from tests.faults.conftest import PROBLEM, DemoUpstream, Gateway, new_key
 
 REJECTIONS = {"missing-key", "invalid-key", "body-too-large", "route-not-found"}
@@ -92,11 +92,7 @@ def exchange(port: int, request: bytes, timeout: float = 10) -> tuple[int, dict[
     if not received:
         return 0, {}, b""
     head, _, body = received.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    status_line, headers = parse_head(head)
     return int(status_line.split()[1]), headers, body
 
 

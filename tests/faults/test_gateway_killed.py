@@ -190,11 +190,8 @@ async def test_killed_before_the_answer_reject_then_settled_by_an_operator(
     db: asyncpg.Connection,
 ) -> None:
     key, path = new_key(), "/demo-reject/charges"
-    gateway = doomed_gateway(module_dir, database_url, routes)
-    try:
+    with doomed_gateway(module_dir, database_url, routes) as gateway:
         await killed_before_the_answer(gateway, upstream, db, path, key)
-    finally:
-        gateway.stop()
     unknown = await wait_out_the_lease(client, path, key)
     assert unknown.status_code == 409 and problem_name(unknown) == "outcome-unknown"
     assert "retry-after" not in unknown.headers
@@ -231,11 +228,8 @@ async def test_killed_before_the_answer_forward_sends_it_again_with_the_same_key
     db: asyncpg.Connection,
 ) -> None:
     key, path = new_key(), "/demo-forward/charges"
-    gateway = doomed_gateway(module_dir, database_url, routes)
-    try:
+    with doomed_gateway(module_dir, database_url, routes) as gateway:
         await killed_before_the_answer(gateway, upstream, db, path, key)
-    finally:
-        gateway.stop()
     forwarded = await wait_out_the_lease(client, path, key)
     assert forwarded.status_code == 201 and "idempotent-replayed" not in forwarded.headers
     replay = await client.post(path, json={"amount": 100}, headers={"Idempotency-Key": key})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hmac
 import re
 from datetime import datetime
@@ -73,7 +72,7 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
-    head = _schema_head()
+    head = migrations.head()
     try:
         revision = await runtime.store.schema_revision()
     except errors.StoreUnavailable:
@@ -86,12 +85,6 @@ async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
             "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
         }
     return {"status": "ok", "revision": head}
-
-
-@functools.cache
-def _schema_head() -> str:
-    """Read from the migration scripts once, not on every probe."""
-    return migrations.head()
 
 
 class KeyView(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -36,8 +37,10 @@ def downgrade(url: str, revision: str) -> None:
     command.downgrade(_config(url), revision)
 
 
+@functools.cache
 def head() -> str:
-    """The newest revision this package ships."""
+    """The newest revision this package ships (read from the scripts once: readiness probes
+    ask for it every few seconds)."""
     head = ScriptDirectory.from_config(_config("postgresql://unused")).get_current_head()
     assert head is not None
     return head

@@ -6,6 +6,12 @@ Failures come in two kinds, and the difference is the whole point of the gateway
 - `AnswerLost`: the request may have reached the upstream, but no complete answer came back
   (read timeout, reset, malformed answer). The side effect may have happened, so the key turns
   `unknown`.
+A connection the upstream closes before any byte of the answer is `AnswerLost`, even a reused
+one: an idle connection closed by the server as the request left looks the same as a server that
+read the request, performed it and crashed, and only the second one matters for "at most once".
+The first is kept from happening instead: pooled connections are dropped before common servers
+drop them (`KEEPALIVE_TIMEOUT`), and a connection whose last answer broke its own framing (a 204
+with a body) is closed, never reused, so its stray bytes cannot spoil the next answer.
 Bodies travel as raw bytes in both directions: no decompression, so a stored
 `Content-Encoding: gzip` answer is replayed byte for byte.
 """
@@ -13,7 +19,7 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -90,6 +96,32 @@ def end_to_end(
     return [(name, value) for name, value in headers if name.lower() not in excluded]
 
 
+def _announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
+    """An answer that breaks its own framing: a 1xx or 204 has no body (RFC 9112 §6.3), so a
+    length or a transfer coding on one means the server sent bytes nobody will read."""
+    if not (status < 200 or status == 204):
+        return False
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
+
+
+class _Response(aiohttp.ClientResponse):
+    """Closes the connection of an answer that breaks its own framing instead of pooling it.
+
+    aiohttp returns the connection of a bodiless answer to the pool while it reads the head, so
+    the check runs here, where the connection is still in hand.
+    """
+
+    async def start(self, connection: aiohttp.connector.Connection) -> _Response:
+        protocol = connection.protocol
+        await super().start(connection)
+        if protocol is not None and _announces_forbidden_body(self.status, self.headers):
+            # The bytes it announced may still be on their way, to be read as the start of the
+            # next answer on this connection: a request that worked would read as one whose
+            # answer was lost, and its key turn `unknown` for nothing.
+            protocol.close()
+        return self
+
+
 class Upstream:
     """A pooled HTTP client. Owned by the runtime; close it with `aclose`.
 
@@ -103,6 +135,7 @@ class Upstream:
                 limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_TIMEOUT
             ),
             auto_decompress=False,
+            response_class=_Response,
             # A proxy sends what its client sent: none of the client library's own headers.
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),

@@ -33,6 +33,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 KINDS = {"/emails": "email", "/tickets": "ticket", "/charges": "charge"}
 PREFIXES = {"email": "em", "ticket": "tk", "charge": "ch"}
+_NO_CONTENT = frozenset({204, 304})
 
 
 class DemoUpstream:
@@ -146,8 +147,10 @@ async def _read_body(receive: Receive) -> bytes:
 async def _respond(
     send: Send, status: int, document: object, extra: list[tuple[str, str]] | None = None
 ) -> None:
+    if status in _NO_CONTENT:
+        document = None  # these answers have no body (RFC 9112 §6.3), whatever was asked
     body = b"" if document is None else json.dumps(document).encode()
-    headers = [(b"content-length", str(len(body)).encode())]
+    headers = [] if status in _NO_CONTENT else [(b"content-length", str(len(body)).encode())]
     if document is not None:
         headers.append((b"content-type", b"application/json"))
     headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra or []]

@@ -589,7 +589,8 @@ async def test_answers_without_a_body_stay_without_one(
     client: httpx.AsyncClient, upstream: DemoUpstream
 ) -> None:
     key = new_key()
-    # The demo upstream answers 204 with a receipt anyway; a 204 carries no body, stored or not.
+    # A 204 carries no body, stored or not. (An upstream that sends one anyway is
+    # tests/faults/test_upstream_faults.py's no-content cases.)
     first = await client.post(
         "/strict/emails", json={}, headers=keyed(key, **{"X-Demo-Status": "204"})
     )

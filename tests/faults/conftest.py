@@ -62,6 +62,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    connection: int = 0  # which connection it came on: equal values, one reused connection
 
     @property
     def key(self) -> str | None:
@@ -79,6 +80,11 @@ class RawUpstream:
     - `reset`: reads the request, then resets the connection (RST, SO_LINGER 0)
     - `half`: sends the status line, headers and 10 of the 100 promised body bytes, then closes
     - `garbage`: answers bytes that are not HTTP, then closes
+    - `kept`: 201 with a small JSON body, keeping the connection open for the next request
+    - `no-content-with-body`: 204 that announces and sends a 12-byte body in the same write (a
+      framing no HTTP/1.1 client can read: a 204 has no body), keeping the connection open
+    - `no-content-then-body`: the head of that 204 alone; its 12 bytes are sent just before the
+      answer to the next request on the same connection, as a slow broken server would
     """
 
     received: list[Received] = field(default_factory=list)
@@ -111,34 +117,56 @@ class RawUpstream:
             threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
 
     def _serve(self, connection: socket.socket) -> None:
+        connection_id = id(connection)
+        buffered = b""
+        pending = b""  # bytes a broken answer still owes this connection
         with connection:
-            request = _read_request(connection)
-            if request is None:
+            while True:
+                parsed = _read_request(connection, buffered)
+                if parsed is None:
+                    return
+                request, buffered = parsed
+                request.connection = connection_id
+                with self._lock:
+                    self.received.append(request)
+                behaviour = request.path.rstrip("/").rsplit("/", 1)[-1]
+                if behaviour == "kept":
+                    connection.sendall(pending + _response(201, {"performed": request.key}, True))
+                    pending = b""
+                    continue
+                if behaviour in ("no-content-with-body", "no-content-then-body"):
+                    head = b"HTTP/1.1 204 No Content\r\nContent-Length: 12\r\n\r\n"
+                    junk = b'{"id":"abc"}'
+                    if behaviour == "no-content-with-body":
+                        connection.sendall(pending + head + junk)
+                    else:
+                        connection.sendall(pending + head)
+                        pending = junk
+                    continue
+                if behaviour == "answer":
+                    connection.sendall(_response(201, {"performed": request.key}))
+                    if self.after_answer is not None:
+                        self.after_answer(request)
+                elif behaviour == "error500":
+                    connection.sendall(_response(500, {"error": "the upstream broke"}))
+                elif behaviour == "reset":
+                    linger = struct.pack("ii", 1, 0)
+                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                elif behaviour == "half":
+                    connection.sendall(
+                        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n" + b'{"partial'
+                    )
+                elif behaviour == "garbage":
+                    connection.sendall(b"this is not HTTP at all\r\n\r\n")
+                # `close` and everything else: leave the `with`, which closes the connection.
                 return
-            with self._lock:
-                self.received.append(request)
-            behaviour = request.path.rstrip("/").rsplit("/", 1)[-1]
-            if behaviour == "answer":
-                connection.sendall(_response(201, {"performed": request.key}))
-                if self.after_answer is not None:
-                    self.after_answer(request)
-            elif behaviour == "error500":
-                connection.sendall(_response(500, {"error": "the upstream broke"}))
-            elif behaviour == "reset":
-                connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            elif behaviour == "half":
-                connection.sendall(
-                    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 100\r\n\r\n" + b'{"partial'
-                )
-            elif behaviour == "garbage":
-                connection.sendall(b"this is not HTTP at all\r\n\r\n")
-            # `close` and everything else: leave the `with`, which closes the connection.
 
 
-def _read_request(connection: socket.socket) -> Received | None:
+def _read_request(connection: socket.socket, data: bytes) -> tuple[Received, bytes] | None:
+    """The next request on `connection`, whose first bytes may already be in `data`; and the
+    bytes read past its end."""
     connection.settimeout(10)
-    data = b""
     with contextlib.suppress(OSError):
         while b"\r\n\r\n" not in data:
             chunk = connection.recv(65536)
@@ -153,16 +181,17 @@ def _read_request(connection: socket.socket) -> Received | None:
             if not chunk:
                 return None
             body += chunk
-        return Received(request_line.split()[1], headers, body)
+        return Received(request_line.split()[1], headers, body[:length]), body[length:]
     return None
 
 
-def _response(status: int, document: object) -> bytes:
+def _response(status: int, document: object, keep_alive: bool = False) -> bytes:
     body = json.dumps(document).encode()
     reason = {201: "Created", 500: "Internal Server Error"}[status]
+    connection = "" if keep_alive else "Connection: close\r\n"
     return (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{connection}\r\n"
     ).encode() + body
 
 

@@ -15,6 +15,7 @@ Already covered in `tests/e2e/test_proxy.py`, not repeated: refused connections
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,3 +69,59 @@ async def test_a_500_is_stored_and_replayed(
     assert replay.status_code == 500 and replay.headers["idempotent-replayed"] == "true"
     assert replay.content == first.content
     assert len(raw_upstream.requests(key)) == 1
+
+
+async def test_a_no_content_answer_whose_body_comes_late_does_not_spoil_the_next_request(
+    client: httpx.AsyncClient, raw_upstream: RawUpstream, db: asyncpg.Connection
+) -> None:
+    # The 204's 12 announced bytes reach the gateway just before the next answer on the same
+    # connection; a pooled connection would read them as the start of that answer.
+    first, second = new_key(), new_key()
+    answer = await client.post("/no-content-then-body", json={}, headers={"Idempotency-Key": first})
+    assert answer.status_code == 204 and answer.content == b""
+    assert (await row(db, first))["state"] == "completed"
+    after = await client.post("/kept", json={}, headers={"Idempotency-Key": second})
+    assert after.status_code == 201 and after.json() == {"performed": second}
+    assert (await row(db, second))["state"] == "completed"
+    [no_content], [kept] = raw_upstream.requests(first), raw_upstream.requests(second)
+    assert no_content.connection != kept.connection  # never reused after such an answer
+
+
+async def test_a_no_content_answer_with_a_body_in_the_same_packet_is_an_unreadable_answer(
+    client: httpx.AsyncClient, raw_upstream: RawUpstream, db: asyncpg.Connection
+) -> None:
+    # The upstream performed the request, but what came back cannot be read as HTTP: the key
+    # turns unknown, as for any broken answer; and the connection goes with it.
+    broken, after = new_key(), new_key()
+    answer = await client.post(
+        "/no-content-with-body", json={}, headers={"Idempotency-Key": broken}
+    )
+    assert answer.status_code == 502 and problem_name(answer) == "outcome-unknown"
+    assert (await row(db, broken))["state"] == "unknown"
+    following = await client.post("/kept", json={}, headers={"Idempotency-Key": after})
+    assert following.status_code == 201
+    assert raw_upstream.requests(broken)[0].connection != raw_upstream.requests(after)[0].connection
+
+
+async def test_under_load_broken_no_content_answers_turn_no_other_key_unknown(
+    client: httpx.AsyncClient, raw_upstream: RawUpstream, db: asyncpg.Connection
+) -> None:
+    # 400 requests, 32 at a time, one in four answered by a late-bodied 204 on a kept-alive
+    # connection: every other request gets its own answer and its key completes.
+    semaphore = asyncio.Semaphore(32)
+    keys = [new_key() for _ in range(400)]
+
+    async def send(index: int, key: str) -> tuple[str, int]:
+        path = "/no-content-then-body" if index % 4 == 0 else "/kept"
+        async with semaphore:
+            response = await client.post(path, json={"n": index}, headers={"Idempotency-Key": key})
+        return path, response.status_code
+
+    results = await asyncio.gather(*(send(index, key) for index, key in enumerate(keys)))
+    assert {status for path, status in results if path == "/kept"} == {201}
+    assert {status for path, status in results if path != "/kept"} == {204}
+    states = await db.fetch(
+        "SELECT state, count(*) AS n FROM oncegate_keys WHERE key = ANY($1::text[]) GROUP BY 1",
+        keys,
+    )
+    assert {record["state"]: record["n"] for record in states} == {"completed": 400}

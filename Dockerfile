@@ -14,17 +14,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 
 # Dependencies first, in a layer of their own: it is rebuilt only when pyproject.toml changes,
-# not on every change to app/. An empty `app` directory and README stand in for the real ones so
-# that `pip install .` resolves and installs every dependency now.
+# not on every change to app/. They are read from pyproject.toml and installed without the package.
 COPY pyproject.toml ./
-RUN mkdir app && touch README.md \
-    && pip install . \
-    && pip uninstall --yes oncegate \
-    && rm -rf app build oncegate.egg-info README.md
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
 
-# The package itself; its dependencies are already there.
+# The package itself (app/ installs as `oncegate`, with migrations/ inside it); its dependencies
+# are already there.
 COPY README.md ./
 COPY app/ app/
+COPY migrations/ migrations/
 RUN pip install --no-deps . && rm -rf build oncegate.egg-info
 
 # An unprivileged user; its home holds ONCEGATE_DATA_DIR should anyone run the embedded default.

@@ -35,8 +35,8 @@ faults: $(STAMP)
 	$(BIN)/python -m pytest -q tests/faults
 
 lint: $(STAMP)
-	$(BIN)/ruff check app tests bench examples
-	$(BIN)/ruff format --check app tests bench examples
+	$(BIN)/ruff check app migrations tests bench examples
+	$(BIN)/ruff format --check app migrations tests bench examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

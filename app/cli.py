@@ -1,6 +1,6 @@
 """`oncegate`: serve | migrate | purge | demo-upstream | lab (contract section 2).
 
-Flags win over `ONCEGATE_*` variables, which win over the config file (see `app.settings`).
+Flags win over `ONCEGATE_*` variables, which win over the config file (see `oncegate.settings`).
 Configuration mistakes end the command with a message naming the field and exit status 2,
 never a traceback.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from app import errors, logs, settings
+from . import errors, logs, settings
 
 log = logging.getLogger("oncegate")
 
@@ -131,7 +131,7 @@ def _strategies(text: str) -> str:
 def _lab(arguments: argparse.Namespace) -> int:
     import json
 
-    from app.lab import crashlab, plot, stack
+    from .lab import crashlab, plot, stack
 
     if arguments.plot is not None and arguments.plot.suffix.lower() != ".svg":
         raise errors.ConfigError(f"--plot writes SVG: name the file *.svg, not {arguments.plot}")
@@ -186,7 +186,7 @@ def _serve(arguments: argparse.Namespace) -> int:
         _metrics_across_workers(config.workers),
         _database(config.database_url, config.data_dir) as database_url,
     ):
-        from app.http import server
+        from .http import server
 
         asyncio.run(_check_schema(database_url))
         for route in config.routes:
@@ -205,19 +205,19 @@ def _serve(arguments: argparse.Namespace) -> int:
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
-    from app import migrations
+    from . import schema
 
     logs.configure("text", "info")
     url, data_dir = _database_settings()
     with _database(url, data_dir) as database_url:
-        migrations.upgrade(database_url)
-    print(f"database is at schema revision {migrations.head()}")
+        schema.upgrade(database_url)
+    print(f"database is at schema revision {schema.head()}")
     return 0
 
 
 def _purge(arguments: argparse.Namespace) -> int:
-    from app import service
-    from app.store.postgres import PostgresStore
+    from . import service
+    from .store.postgres import PostgresStore
 
     logs.configure("text", "warning")
     url, data_dir = _database_settings()
@@ -238,7 +238,7 @@ def _purge(arguments: argparse.Namespace) -> int:
 def _demo_upstream(arguments: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.lab.demo_upstream import DemoUpstream
+    from .lab.demo_upstream import DemoUpstream
 
     logs.configure("text", "info")
     uvicorn.run(
@@ -280,12 +280,12 @@ def _database(url: str | None, data_dir: Path) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    from app import embedded, migrations
+    from . import embedded, schema
 
     server = embedded.start(data_dir)
     try:
-        migrations.upgrade(server.url)
-        log.info("embedded PostgreSQL migrated to revision %s", migrations.head())
+        schema.upgrade(server.url)
+        log.info("embedded PostgreSQL migrated to revision %s", schema.head())
         yield server.url
     finally:
         server.stop()
@@ -293,18 +293,18 @@ def _database(url: str | None, data_dir: Path) -> Iterator[str]:
 
 async def _check_schema(url: str) -> None:
     """Refuse to serve a database that was never migrated: every request would fail."""
-    from app import migrations
-    from app.store.postgres import PostgresStore
+    from . import schema
+    from .store.postgres import PostgresStore
 
     store = await PostgresStore.connect(url, min_size=1, max_size=1)
     try:
         revision = await store.schema_revision()
     finally:
         await store.close()
-    if revision != migrations.head():
+    if revision != schema.head():
         raise errors.ConfigError(
             f"the database is at schema revision {revision or 'none'}, this gateway needs "
-            f"{migrations.head()}: run `oncegate migrate` first"
+            f"{schema.head()}: run `oncegate migrate` first"
         )
 
 

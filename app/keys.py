@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from app import errors
+from . import errors
 
 HEADER = "idempotency-key"
 MAX_KEY_LENGTH = 255

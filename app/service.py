@@ -29,10 +29,10 @@ import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
-from app import errors, fingerprint, keys, metrics
-from app.settings import Route
-from app.store import Claim, Record, Store
-from app.upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
+from . import errors, fingerprint, keys, metrics
+from .settings import Route
+from .store import Claim, Record, Store
+from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
 
 log = logging.getLogger(__name__)
 

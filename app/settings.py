@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from app import errors
+from . import errors
 
 ENV_PREFIX = "ONCEGATE_"
 

@@ -2,9 +2,9 @@
 
 Same stack as `oncegate serve`: uvicorn (its default loop and HTTP parser, so uvloop and
 httptools when installed) with the same server options, and the gateway's own upstream client
-(`app.upstream.Upstream`, imported, not copied), so the difference between this proxy and the
+(`oncegate.upstream.Upstream`, imported, not copied), so the difference between this proxy and the
 gateway's forward path is the idempotency work and nothing else. The application is a plain ASGI
-callable like the gateway's proxy port (`app.http.proxy.ProxyApp`), or with `--stack fastapi`
+callable like the gateway's proxy port (`oncegate.http.proxy.ProxyApp`), or with `--stack fastapi`
 one catch-all FastAPI route (the gateway's proxy port before it left FastAPI). When the
 gateway's server stack changes (workers, loop, HTTP parser, framework), change it here too or
 the ratios stop meaning anything.
@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from app.upstream import AnswerLost, NotSent, Upstream
+from oncegate.upstream import AnswerLost, NotSent, Upstream
 
 # What the FastAPI route answers: every method the gateway's proxy port takes.
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -45,7 +45,7 @@ STACK_VARIABLE = "BENCH_STACK"
 
 def create_app(upstream_url: str, stack: str = "asgi") -> Any:
     """The bare proxy as a plain ASGI application (`asgi`, like the gateway's proxy port,
-    `app.http.proxy.ProxyApp`) or as one catch-all FastAPI route (`fastapi`)."""
+    `oncegate.http.proxy.ProxyApp`) or as one catch-all FastAPI route (`fastapi`)."""
     target = upstream_url.rstrip("/")
     upstream: Upstream | None = None
 

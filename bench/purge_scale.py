@@ -41,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import httpx
 
-from app import migrations
+from oncegate import schema
 
 FILL = """
 INSERT INTO oncegate_keys
@@ -75,7 +75,7 @@ def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> No
 def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with log.open("ab") as output:
         return subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *args],
+            [sys.executable, "-m", "oncegate.cli", *args],
             stdout=output,
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
@@ -111,7 +111,7 @@ def database() -> Iterator[str]:
     asyncio.run(execute(admin_url, f"CREATE DATABASE {name}"))
     url = urlunsplit(urlsplit(admin_url)._replace(path="/" + name))
     try:
-        migrations.upgrade(url)
+        schema.upgrade(url)
         yield url
     finally:
         asyncio.run(execute(admin_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -262,7 +262,7 @@ async def run(options: argparse.Namespace, url: str, directory: Path) -> list[li
                 purge = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "app.cli",
+                    "oncegate.cli",
                     "purge",
                     env={**os.environ, **env},
                     stdout=asyncio.subprocess.PIPE,

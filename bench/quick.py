@@ -305,7 +305,7 @@ def server_environment(data_dir: Path) -> dict[str, str]:
 
 
 def oncegate(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "app.cli", *arguments]
+    return [sys.executable, "-m", "oncegate.cli", *arguments]
 
 
 def count_actions(port: int) -> int:

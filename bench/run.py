@@ -60,7 +60,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(1, str(ROOT))
 
-from app import keys  # noqa: E402 - the repository root is on the path from here on
+from oncegate import keys  # noqa: E402 - the repository root is on the path from here on
 
 HOST = quick.HOST
 PATH = "/emails"
@@ -350,7 +350,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
         else:
             # Join the gateway's embedded server (pgserver counts the processes holding it) for
             # its URL; the last holder to let go stops it.
-            from app import embedded
+            from oncegate import embedded
 
             embedded_handle = embedded.start(work / "data")
             database_url = embedded_handle.url

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import httpx
 
-from app.agent.checkpoints import JSON
-from app.agent.client import ActionClient
-from app.agent.runner import Action, Step, run_agent
-from app.store.checkpoints import PostgresCheckpoints
+from oncegate.agent.checkpoints import JSON
+from oncegate.agent.client import ActionClient
+from oncegate.agent.runner import Action, Step, run_agent
+from oncegate.store.checkpoints import PostgresCheckpoints
 
 GATEWAY = os.environ.get("GATEWAY_URL", "http://127.0.0.1:8080")
 

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from app import migrations
-from app.store.postgres import PostgresStore
+from oncegate import schema
+from oncegate.store.postgres import PostgresStore
 
 TEMPLATE = "oncegate_test_template"
 _databases = itertools.count(1)
@@ -80,7 +80,7 @@ def template_url(postgres_url: str) -> str:
         )
     )
     url = with_database(postgres_url, TEMPLATE)
-    migrations.upgrade(url)
+    schema.upgrade(url)
     return url
 
 

@@ -3,12 +3,12 @@
 Recovery needs two parts (see the lab, `oncegate lab`):
 
 - a checkpoint after every step (`checkpoints.Checkpoint`, saved through a `CheckpointStore`;
-  `app.store.checkpoints.PostgresCheckpoints` is the PostgreSQL one), so a restarted run resumes
-  where it stopped with the earlier outputs in hand (`runner.run_agent`);
+  `oncegate.store.checkpoints.PostgresCheckpoints` is the PostgreSQL one), so a restarted run
+  resumes where it stopped with the earlier outputs in hand (`runner.run_agent`);
 - an idempotency key on every action, derived from the run and the step (`keys.action_key`,
   `run-81:step-10:charge`), sent through the gateway (`client.ActionClient`), so the one action
   that was sent but not yet checkpointed when the process died is replayed, not performed again.
 
 This package does no I/O of its own on PostgreSQL: it talks to it through the `CheckpointStore`
-Protocol, and only `app.store` imports the driver.
+Protocol, and only `oncegate.store` imports the driver.
 """

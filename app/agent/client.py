@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from app.agent.checkpoints import JSON
+from .checkpoints import JSON
 
 PROBLEM_PREFIX = "urn:oncegate:problem:"
 KEY_HEADER = "Idempotency-Key"

@@ -25,8 +25,8 @@ from typing import Literal, Protocol
 
 import httpx
 
-from app.agent import keys
-from app.agent.checkpoints import JSON, Checkpoint, CheckpointStore, check_belongs
+from . import keys
+from .checkpoints import JSON, Checkpoint, CheckpointStore, check_belongs
 
 Order = Literal["act-then-save", "save-then-act"]
 # Called at each point of a step: `started`, `prepared` (an action's parameters are computed and

@@ -19,10 +19,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from app import errors, migrations, service
-from app import metrics as app_metrics
-from app.http.app import Runtime
-from app.store import KeyRecord
+from .. import errors, schema, service
+from .. import metrics as app_metrics
+from ..store import KeyRecord
+from .app import Runtime
 
 router = APIRouter()
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -72,7 +72,7 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
-    head = migrations.head()
+    head = schema.head()
     try:
         revision = await runtime.store.schema_revision()
     except errors.StoreUnavailable:

@@ -1,7 +1,7 @@
 """The application factories and the runtime they share.
 
 `running` owns the database pool, the upstream client and the background purger for as long as
-the gateway runs; the proxy and admin applications reach them through `app.state.runtime`
+the gateway runs; the proxy and admin applications reach them through `oncegate.state.runtime`
 dependencies. On the way out it waits for every forward still in flight before letting go of
 anything, so a request whose client hung up is still finished and stored.
 """
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
 
-from app import errors, metrics, service
-from app.http import proxy
-from app.settings import Settings
-from app.store.postgres import PostgresStore
-from app.upstream import Upstream
+from .. import errors, metrics, service
+from ..settings import Settings
+from ..store.postgres import PostgresStore
+from ..upstream import Upstream
+from . import proxy
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:
-    from app.http import admin
+    from . import admin
 
     app = FastAPI(
         title="oncegate admin",
@@ -75,7 +75,7 @@ def create_admin_app(runtime: Runtime) -> FastAPI:
 
 
 async def _render_problem(request: Request, error: Exception) -> Response:
-    from app.http import problems
+    from . import problems
 
     assert isinstance(error, errors.GatewayError)
     return problems.render(error)

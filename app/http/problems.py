@@ -7,7 +7,7 @@ from email.utils import formatdate
 
 from starlette.responses import Response
 
-from app import errors
+from .. import errors
 
 MEDIA_TYPE = "application/problem+json"
 

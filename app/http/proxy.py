@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from app import errors, metrics
-from app.http import problems
-from app.service import Gateway, ProxyRequest, RouteTable
+from .. import errors, metrics
+from ..service import Gateway, ProxyRequest, RouteTable
+from . import problems
 
 log = logging.getLogger("oncegate.request")
 

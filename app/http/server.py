@@ -25,9 +25,9 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from app import errors
-from app.http.app import create_admin_app, create_proxy_app, running
-from app.settings import Settings
+from .. import errors
+from ..settings import Settings
+from .app import create_admin_app, create_proxy_app, running
 
 log = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -7,8 +7,8 @@ How a run goes:
   or before the action was sent (85%). The same crash points are used for every strategy, so the
   strategies are compared on the same crashes.
 - The lab forks a worker from itself (already warm: every module imported) for each process of
-  the run. The worker runs `app.agent.runner.run_agent`, which reports each point of each step on
-  a pipe; when it reaches its crash point it says so and waits, and the lab kills it with
+  the run. The worker runs `oncegate.agent.runner.run_agent`, which reports each point of each
+  step on a pipe; when it reaches its crash point it says so and waits, and the lab kills it with
   SIGKILL. Then it forks a fresh worker that resumes the run (strategy A: from step 1).
 - Duplicates and lost actions are counted from the demo upstream's `GET /actions`, by the run id
   every action body carries: what was performed, not what the agent believes. Redone steps are
@@ -46,12 +46,12 @@ from typing import Any, TextIO
 
 import httpx
 
-from app.agent.checkpoints import Checkpoint
-from app.agent.client import ActionClient, OutcomeUnknown, RetryPolicy
-from app.agent.runner import Order, run_agent
-from app.lab.stack import Stack
-from app.lab.task import ACTION_STEPS, STEPS, support_task
-from app.store.checkpoints import PostgresCheckpoints
+from ..agent.checkpoints import Checkpoint
+from ..agent.client import ActionClient, OutcomeUnknown, RetryPolicy
+from ..agent.runner import Order, run_agent
+from ..store.checkpoints import PostgresCheckpoints
+from .stack import Stack
+from .task import ACTION_STEPS, STEPS, support_task
 
 # Contract section 8: 15% of the crashes that fall on a side-effect step fall between the action
 # and the checkpoint.
@@ -88,7 +88,7 @@ class Crash:
     gap: bool  # between the action and its checkpoint (D: between the checkpoint and the action)
 
     def point(self, strategy: Strategy) -> tuple[str, int]:
-        """Where the worker is killed, as a runner event (`app.agent.runner.EventHook`)."""
+        """Where the worker is killed, as a runner event (`oncegate.agent.runner.EventHook`)."""
         if self.gap:
             return ("done" if strategy.order == "act-then-save" else "saved", self.step)
         if self.step in ACTION_STEPS:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
-from app.lab.crashlab import STRATEGIES, Outcome
-from app.lab.task import STEPS
+from .crashlab import STRATEGIES, Outcome
+from .task import STEPS
 
 WIDTH, HEIGHT = 760, 360
 PANEL_TOP, PANEL_HEIGHT = 60, 220

@@ -31,6 +31,9 @@ STARTUP_TIMEOUT = 30.0
 GATEWAY_TIMEOUT = "2s"
 GATEWAY_LEASE = "3s"
 
+# `python -m` of the command line, named from this package (installed as `oncegate`).
+CLI_MODULE = __name__.split(".")[0] + ".cli"
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -52,7 +55,7 @@ class Service:
         self._log_file = self.log.open("ab")
         # The lab's own `oncegate` commands, with arguments it built itself.
         self.popen = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "app.cli", *self.args],
+            [sys.executable, "-m", CLI_MODULE, *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -117,7 +120,7 @@ def running(
     database_url: str | None, upstream_url: str | None, gateway_url: str | None
 ) -> Iterator[Stack]:
     """The services of one lab session, started as needed and stopped at the end."""
-    from app import embedded, migrations
+    from .. import embedded, schema
 
     directory = Path(tempfile.mkdtemp(prefix="oncegate-lab-"))
     services: list[Service] = []
@@ -127,7 +130,7 @@ def running(
         if database_url is None:
             server = embedded.start(directory)
             database_url = server.url
-            migrations.upgrade(database_url)
+            schema.upgrade(database_url)
         if upstream_url is None:
             port = free_port()
             arguments = ["demo-upstream", "--port", str(port)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 
-from app.agent.checkpoints import JSON
-from app.agent.runner import Action, Step
+from ..agent.checkpoints import JSON
+from ..agent.runner import Action, Step
 
 STEPS = 12
 ACTION_STEPS = {4: "email", 7: "ticket", 10: "charge"}

@@ -1,6 +1,6 @@
 """The key store: what the state machine needs from PostgreSQL, as a Protocol.
 
-`app.store.postgres.PostgresStore` is the implementation that runs everywhere, tests included.
+`oncegate.store.postgres.PostgresStore` is the implementation that runs everywhere, tests included.
 Only this package imports asyncpg; driver errors become `errors.StoreUnavailable` here.
 """
 

@@ -1,4 +1,5 @@
-"""The agent library's checkpoint store on PostgreSQL (`app.agent.checkpoints.CheckpointStore`).
+"""The agent library's checkpoint store on PostgreSQL
+(`oncegate.agent.checkpoints.CheckpointStore`).
 
 Design rules:
 - One statement per operation, autocommitted (queries in `checkpoints.sql`).
@@ -10,16 +11,16 @@ Design rules:
 from __future__ import annotations
 
 import json
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from app import errors
-from app.agent.checkpoints import Checkpoint, CheckpointError, Pending
-from app.store.queries import load
+from .. import errors
+from ..agent.checkpoints import Checkpoint, CheckpointError, Pending
+from .queries import load
 
-QUERIES = load(resources.files("app.store").joinpath("checkpoints.sql").read_text())
+QUERIES = load((Path(__file__).parent / "checkpoints.sql").read_text())
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
 

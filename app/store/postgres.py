@@ -27,9 +27,9 @@ from typing import Any
 
 import asyncpg
 
-from app import errors, metrics
-from app.store import Claim, Headers, KeyRecord, Record
-from app.store.queries import QUERIES
+from .. import errors, metrics
+from . import Claim, Headers, KeyRecord, Record
+from .queries import QUERIES
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from importlib import resources
+from pathlib import Path
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -14,4 +14,4 @@ def load(text: str) -> dict[str, str]:
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
-QUERIES = load(resources.files("app.store").joinpath("queries.sql").read_text())
+QUERIES = load((Path(__file__).parent / "queries.sql").read_text())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app import keys as gateway_keys
-from app.agent.keys import action_key
+from oncegate import keys as gateway_keys
+from oncegate.agent.keys import action_key
 
 
 def test_the_key_names_the_run_the_step_and_the_action() -> None:

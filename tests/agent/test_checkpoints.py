@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from app import migrations
-from app.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
-from app.store.checkpoints import PostgresCheckpoints
+from oncegate import schema
+from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
+from oncegate.store.checkpoints import PostgresCheckpoints
 
 
 @pytest.fixture
@@ -105,8 +105,8 @@ async def test_migration_0002_goes_up_and_down(empty_database_url: str) -> None:
             await connection.close()
         return {row["tablename"] for row in rows}
 
-    await asyncio.to_thread(migrations.upgrade, empty_database_url, "0002")
+    await asyncio.to_thread(schema.upgrade, empty_database_url, "0002")
     assert {"oncegate_keys", "oncegate_checkpoints"} <= await tables()
-    await asyncio.to_thread(migrations.downgrade, empty_database_url, "0001")
+    await asyncio.to_thread(schema.downgrade, empty_database_url, "0001")
     assert "oncegate_checkpoints" not in await tables()
     assert "oncegate_keys" in await tables()

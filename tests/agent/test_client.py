@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.agent.client import (
+from oncegate.agent.client import (
     ActionClient,
     GaveUp,
     KeyReused,

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import httpx
 import pytest
 
-from app.agent.checkpoints import JSON, Checkpoint, CheckpointError
-from app.agent.runner import Action, Step, run_agent
-from app.lab import crashlab
-from app.lab.task import ACTION_STEPS, STEPS, support_task
-from app.store.checkpoints import PostgresCheckpoints
+from oncegate.agent.checkpoints import JSON, Checkpoint, CheckpointError
+from oncegate.agent.runner import Action, Step, run_agent
+from oncegate.lab import crashlab
+from oncegate.lab.task import ACTION_STEPS, STEPS, support_task
+from oncegate.store.checkpoints import PostgresCheckpoints
 from tests.e2e.conftest import DemoUpstream, Gateway
 
 STRATEGY_C = crashlab.STRATEGIES["C"]

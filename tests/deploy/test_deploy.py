@@ -44,7 +44,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from app import metrics, settings
+from oncegate import metrics, settings
 from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,8 +457,8 @@ def test_dockerfile_install_steps_give_a_working_oncegate(tmp_path: Path) -> Non
     run("python", "-m", "pip", "check")  # every dependency there, at a version that fits
     # The installed package, not the copied source tree, with its migrations and SQL.
     probe = (
-        "import app.cli, app.migrations, app.store.queries; "
-        "print(app.cli.__file__); print(app.migrations.head())"
+        "import oncegate.cli, oncegate.schema, oncegate.store.queries; "
+        "print(oncegate.cli.__file__); print(oncegate.schema.head())"
     )
     location, head = run("python", "-c", probe).split()
     assert "site-packages" in location

@@ -43,7 +43,7 @@ class Process:
         self.log = log
         self._log_file = log.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *args],
+            [sys.executable, "-m", "oncegate.cli", *args],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

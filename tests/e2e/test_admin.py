@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import migrations
+from oncegate import schema
 from tests.e2e.conftest import DemoUpstream, Gateway
 
 TOKEN = "s3cret-admin-token"
@@ -65,7 +65,7 @@ async def test_health_and_readiness(gateway: Gateway) -> None:
         assert (await plain.get("/healthz")).status_code == 200
         ready = await plain.get("/readyz")
         assert ready.status_code == 200
-        assert ready.json() == {"status": "ok", "revision": migrations.head()}
+        assert ready.json() == {"status": "ok", "revision": schema.head()}
         metrics = await plain.get("/metrics")
         assert metrics.status_code == 200
         assert metrics.headers["content-type"].startswith("text/plain")

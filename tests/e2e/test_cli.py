@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app import migrations
+from oncegate import schema
 from tests.e2e.conftest import free_port
 
 
@@ -18,7 +18,7 @@ def oncegate(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
     environment = {k: v for k, v in os.environ.items() if not k.startswith("ONCEGATE_")}
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
+        [sys.executable, "-m", "oncegate.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -92,7 +92,7 @@ def test_migrate_is_idempotent_and_serve_refuses_an_unmigrated_database(
     for _ in range(2):
         result = oncegate("migrate", env=env)
         assert result.returncode == 0, result.stderr
-        assert f"schema revision {migrations.head()}" in result.stdout
+        assert f"schema revision {schema.head()}" in result.stdout
 
 
 async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def lab(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", "lab", *args],
+        [sys.executable, "-m", "oncegate.cli", "lab", *args],
         capture_output=True,
         text=True,
         timeout=240,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app import migrations
+from oncegate import schema
 from tests.conftest import start_embedded
 from tests.e2e.conftest import DemoUpstream, Gateway
 
@@ -30,7 +30,7 @@ def server() -> Iterator[Any]:
     directory = Path(tempfile.mkdtemp(prefix="oncegate-test-down-"))
     server = start_embedded(directory / "data")
     try:
-        migrations.upgrade(server.get_uri())  # type: ignore[attr-defined]
+        schema.upgrade(server.get_uri())  # type: ignore[attr-defined]
         yield server
     finally:
         server.cleanup()  # type: ignore[attr-defined]

@@ -32,7 +32,7 @@ import pytest
 from fastapi import HTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 
-from app.http import admin as admin_api
+from oncegate.http import admin as admin_api
 from tests.e2e.conftest import free_port, prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, Gateway, admin_client, new_key
 

@@ -29,9 +29,9 @@ import asyncpg.connection
 import httpx
 import pytest
 
-from app import errors
-from app.store import Claim
-from app.store.postgres import PostgresStore
+from oncegate import errors
+from oncegate.store import Claim
+from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
 from tests.faults.conftest import DemoUpstream, Gateway, problem_name
 

@@ -10,9 +10,9 @@ import uuid
 import asyncpg
 import pytest
 
-from app import errors, service
-from app.store import Claim, Record
-from app.store.postgres import PostgresStore
+from oncegate import errors, service
+from oncegate.store import Claim, Record
+from oncegate.store.postgres import PostgresStore
 
 ROUTE = "payments"
 LEASE = 60.0

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from app import errors, fingerprint, keys
+from oncegate import errors, fingerprint, keys
 
 PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
 keys_text = st.text(alphabet=PRINTABLE, min_size=1, max_size=255)

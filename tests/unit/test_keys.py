@@ -1,10 +1,10 @@
-"""app.keys: parsing the Idempotency-Key header and deriving its scope (contract section 4)."""
+"""oncegate.keys: parsing the Idempotency-Key header and deriving its scope (contract section 4)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app import errors, keys
+from oncegate import errors, keys
 
 
 def test_no_header_is_not_a_key() -> None:

@@ -1,4 +1,4 @@
-"""app.settings (contract sections 2 and 3) and the route table of app.service."""
+"""oncegate.settings (contract sections 2 and 3) and the route table of oncegate.service."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app import errors, service, settings
+from oncegate import errors, service, settings
 
 UPSTREAM = "http://127.0.0.1:9001"
 

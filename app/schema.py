@@ -1,30 +1,24 @@
-"""Schema migrations, shipped inside the package so `oncegate migrate` works from anywhere."""
+"""Running the schema migrations: Alembic's `migrations/` folder, shipped inside the package as
+`oncegate.migrations`, so `oncegate migrate` works from anywhere."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+from importlib import resources
 
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 
-LOCATION = Path(__file__).parent
+# Found through the import system: the installed package's folder, or the checkout's migrations/.
+LOCATION = resources.files(f"{__package__}.migrations")
 
 
 def _config(url: str) -> Config:
     config = Config()
     config.set_main_option("script_location", str(LOCATION))
-    config.attributes["url"] = sqlalchemy_url(url)
+    config.attributes["url"] = url
     return config
-
-
-def sqlalchemy_url(url: str) -> str:
-    """`postgresql://...` as SQLAlchemy's asyncpg dialect wants it."""
-    scheme, rest = url.split("://", 1)
-    if scheme not in ("postgresql", "postgres"):
-        raise ValueError(f"not a postgresql:// URL: {scheme}://")
-    return "postgresql+asyncpg://" + rest
 
 
 def upgrade(url: str, revision: str = "head") -> None:

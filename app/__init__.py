@@ -1,0 +1,1 @@
+"""oncegate: an Idempotency-Key gateway. This folder installs as the `oncegate` package."""

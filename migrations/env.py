@@ -1,0 +1,55 @@
+"""Alembic environment: async, on asyncpg.
+
+The database URL (a plain `postgresql://` URL) arrives as `config.attributes["url"]` from
+`oncegate migrate`; under Alembic's own command line (`alembic upgrade head` beside
+`alembic.ini`) it is the ini file's `sqlalchemy.url`, else `ONCEGATE_DATABASE_URL`. The SQL of
+each revision is hand-written, so there is no metadata to autogenerate from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy import pool
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+
+def _url() -> str:
+    url = (
+        context.config.attributes.get("url")
+        or context.config.get_main_option("sqlalchemy.url")
+        or os.environ.get("ONCEGATE_DATABASE_URL")
+    )
+    if not url:
+        raise SystemExit("no database to migrate: set ONCEGATE_DATABASE_URL (a postgresql:// URL)")
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme not in ("postgresql", "postgres", "postgresql+asyncpg"):
+        raise SystemExit(f"not a postgresql:// URL: {scheme}://")
+    return "postgresql+asyncpg://" + rest  # SQLAlchemy's dialect for asyncpg
+
+
+def _run(connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=None, transaction_per_migration=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_async(url: str) -> None:
+    engine = create_async_engine(url, poolclass=pool.NullPool)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_run)
+            await connection.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    context.configure(url=_url(), literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    asyncio.run(_run_async(_url()))

@@ -57,6 +57,13 @@ class RouteNotFound(GatewayError):
     outcome = "no_route"
 
 
+class InvalidPath(GatewayError):
+    status = 400
+    name = "invalid-path"
+    title = "The request path is not a valid path"
+    outcome = "invalid_path"
+
+
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"

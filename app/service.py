@@ -54,7 +54,7 @@ PURGE_PAUSE = 0.05
 @dataclass(frozen=True, slots=True)
 class ProxyRequest:
     method: str
-    path: str  # as sent, still percent-encoded
+    path: str  # normalized (paths.normalize), still percent-encoded
     query: str
     headers: Sequence[tuple[str, str]]  # names in lower case, values as received
     body: bytes

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .. import errors, metrics
+from .. import errors, metrics, paths
 from ..service import Gateway, ProxyRequest, RouteTable
 from . import problems
 
@@ -51,17 +51,18 @@ class ProxyApp:
             return  # no lifespan (the runtime owns resources) and no websockets
         started = time.perf_counter()
         method: str = scope["method"]
-        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
         headers = [(name.decode("latin-1"), value.decode("latin-1"))
                    for name, value in scope["headers"]]  # fmt: skip
         request_id = _request_id(headers)
-        route = self._routes.match(path)
-        route_name = route.name if route else UNMATCHED
+        route_name = UNMATCHED
         upstream_seconds: float | None = None
         blocked: str | None
         try:
+            path = paths.normalize(scope.get("raw_path", b"").decode("latin-1") or scope["path"])
+            route = self._routes.match(path)
             if route is None:
                 raise errors.RouteNotFound(f"no route of this gateway matches the path {path!r}")
+            route_name = route.name
             body = await read_body(receive, headers, route.max_body)
             result = await self._gateway.handle(
                 route,

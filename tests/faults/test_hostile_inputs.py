@@ -133,3 +133,50 @@ async def test_http_clients_still_work_after_upgrade_offers(client: httpx.AsyncC
     assert response.status_code == 200
     assert response.headers["content-type"] != PROBLEM
     assert problem_name(await client.post("/emails", json={})) == "missing-key"
+
+
+@pytest.mark.parametrize("spelling", ["/%65mails", "/./emails", "/x/../emails", "//emails"])
+async def test_every_spelling_of_a_path_gets_its_route_s_policy(
+    gateway: Gateway, upstream: DemoUpstream, spelling: str
+) -> None:
+    # /emails requires a key; the catch-all would forward without one.
+    before = len(upstream.actions())
+    [answer] = exchange(gateway.port, post(spelling, b'{"n": 4}'), 1)
+    assert answer[0] == 400 and json.loads(answer[2])["type"].endswith(":missing-key")
+    assert len(upstream.actions()) == before
+
+
+async def test_one_key_sent_under_three_spellings_of_a_path_is_performed_once(
+    gateway: Gateway, upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    answers = [
+        exchange(gateway.port, post(spelling, b'{"n": 5}', f"Idempotency-Key: {key}"), 1)[0]
+        for spelling in ("/emails", "/%65mails", "/payments/../emails")
+    ]
+    assert [status for status, _, _ in answers] == [201, 201, 201]
+    assert [headers.get("idempotent-replayed") for _, headers, _ in answers] == [
+        None, "true", "true"
+    ]  # fmt: skip
+    [action] = upstream.actions(key)
+    assert action["path"] == "/emails"
+
+
+async def test_a_path_that_climbs_above_the_root_is_refused(
+    gateway: Gateway, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    [answer] = exchange(gateway.port, post("/based/../../admin/secret", b"{}",
+                                           f"Idempotency-Key: {key}"), 1)  # fmt: skip
+    assert answer[0] == 400 and answer[1]["content-type"] == PROBLEM
+    assert json.loads(answer[2])["type"] == "urn:oncegate:problem:invalid-path"
+    assert await row(db, key) is None
+
+
+async def test_the_upstream_gets_the_normalized_path_under_the_route_s_base(
+    gateway: Gateway,
+) -> None:
+    request = b"GET /based/x/../%79/./z//w HTTP/1.1\r\nHost: gateway\r\n\r\n"
+    [answer] = exchange(gateway.port, request, 1)
+    assert answer[0] == 200
+    assert json.loads(answer[2])["path"] == "/echo/api/y/z/w"

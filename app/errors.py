@@ -64,6 +64,13 @@ class InvalidPath(GatewayError):
     outcome = "invalid_path"
 
 
+class InvalidHeader(GatewayError):
+    status = 400
+    name = "invalid-header"
+    title = "A header value cannot be forwarded unchanged"
+    outcome = "invalid_header"
+
+
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"

@@ -203,15 +203,15 @@ class Gateway:
         except NotSent as exc:
             await self._settle("release", self._store.release(claim))
             raise errors.UpstreamUnavailable(
-                f"the upstream of route {route.name!r} could not be reached ({exc}); nothing was "
-                "sent, the key was released, and a retry with the same key is safe"
+                f"the upstream of route {route.name!r} could not be reached; nothing was sent, "
+                "the key was released, and a retry with the same key is safe"
             ) from exc
         except AnswerLost as exc:
             await self._settle("mark_unknown", self._store.mark_unknown(claim))
             raise errors.OutcomeUnknown(
                 f"the upstream of route {route.name!r} received the request but its answer was "
-                f"lost ({exc}); it may have been performed. Retries get 409 until an operator "
-                "resolves the key",
+                f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
+                "Retries get 409 until an operator resolves the key",
                 status=504 if exc.timed_out else 502,
             ) from exc
         if response.status in route.release_statuses:
@@ -231,11 +231,12 @@ class Gateway:
             response = await self._send(route, request)
         except NotSent as exc:
             raise errors.UpstreamUnavailable(
-                f"the upstream of route {route.name!r} could not be reached ({exc})"
+                f"the upstream of route {route.name!r} could not be reached"
             ) from exc
         except AnswerLost as exc:
             raise errors.OutcomeUnknown(
-                f"the upstream of route {route.name!r} did not answer ({exc})",
+                f"the upstream of route {route.name!r} did not answer"
+                f"{' in time' if exc.timed_out else ''}",
                 status=504 if exc.timed_out else 502,
             ) from exc
         return _answer(response, outcome)
@@ -243,14 +244,18 @@ class Gateway:
     async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
         inflight = metrics.INFLIGHT.labels(route.name)
         inflight.inc()
+        url = upstream_url(route, request.path, request.query)
         try:
             response = await self._upstream.send(
-                request.method,
-                upstream_url(route, request.path, request.query),
-                request.headers,
-                request.body,
-                route.timeout,
+                request.method, url, request.headers, request.body, route.timeout
             )
+        except (NotSent, AnswerLost) as exc:
+            # The address is for the operator's log; the client's answer names the route only.
+            log.warning(
+                "route %s: %s %s: %s: %s",
+                route.name, request.method, route.upstream, type(exc).__name__, exc,
+            )  # fmt: skip
+            raise
         finally:
             inflight.dec()
         metrics.UPSTREAM_REQUEST_DURATION.labels(route.name).observe(response.duration)

@@ -90,6 +90,15 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 def _check_upstream(value: str) -> str:
     parts = urlsplit(value)
+    if "@" in parts.netloc:
+        # Credentials in the URL would be logged with every route line and mixed into requests
+        # that carry their own Authorization; the upstream's credentials are the client's job.
+        # The message shows the URL without them.
+        shown = parts._replace(netloc="…@" + parts.netloc.rpartition("@")[2]).geturl()
+        raise ValueError(
+            f"{shown!r}: an upstream URL must not carry credentials (user:password@); let "
+            "clients send their own Authorization header"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
     if parts.query or parts.fragment:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 import yarl
@@ -104,6 +105,25 @@ def _announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
     return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
 
 
+class _Attempt:
+    """How far one request got: whether its head was handed to the connection to be written
+    (aiohttp's `on_request_headers_sent`, called just before it is), after which the upstream
+    may have seen it."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+async def _on_headers_sent(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceRequestHeadersSentParams,
+) -> None:
+    context.trace_request_ctx.sent = True
+
+
 class _Response(aiohttp.ClientResponse):
     """Closes the connection of an answer that breaks its own framing instead of pooling it.
 
@@ -120,6 +140,20 @@ class _Response(aiohttp.ClientResponse):
             # answer was lost, and its key turn `unknown` for nothing.
             protocol.close()
         return self
+
+
+def _as_sent(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header values as aiohttp must be given them to send the client's bytes unchanged.
+
+    Values arrive as Latin-1 text (one character per byte) and aiohttp writes text as UTF-8, so a
+    value with a byte above 0x7F would arrive changed (`caf\\xe9` as `caf\\xc3\\xa9`). Such a value
+    is handed over as the UTF-8 text it is; the edge refuses the values that are not UTF-8
+    (`proxy.check_header_values`): aiohttp cannot send those unchanged.
+    """
+    return [
+        (name, value if value.isascii() else value.encode("latin-1").decode("utf-8"))
+        for name, value in headers
+    ]
 
 
 class Upstream:
@@ -142,8 +176,15 @@ class Upstream:
             # Answers are relayed, not judged: accept what a real upstream may send.
             max_field_size=65536,
             max_headers=512,
+            trace_configs=[self._trace()],
         )
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    @staticmethod
+    def _trace() -> aiohttp.TraceConfig:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_on_headers_sent)
+        return trace
 
     async def aclose(self) -> None:
         await self._session.close()
@@ -168,14 +209,16 @@ class Upstream:
             )
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
+        attempt = _Attempt()
         try:
             async with self._session.request(
                 method,
                 yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                headers=end_to_end(headers, drop=_REQUEST_ONLY),
+                headers=_as_sent(end_to_end(headers, drop=_REQUEST_ONLY)),
                 data=body or None,
                 allow_redirects=False,
                 timeout=client_timeout,
+                trace_request_ctx=attempt,
             ) as response:
                 content = await response.read()
                 raw_headers = response.raw_headers
@@ -183,11 +226,22 @@ class Upstream:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise NotSent(f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
-            raise NotSent(str(exc)) from exc
+            raise NotSent(f"{type(exc).__name__}: not a URL that can be requested") from exc
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
+        except aiohttp.ClientResponseError as exc:
+            # Its text would name the URL, query included: logs hold neither.
+            raise AnswerLost(f"{type(exc).__name__}: {exc.message}", timed_out=False) from exc
         except aiohttp.ClientError as exc:
             raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
+        except Exception as exc:  # translated below, never swallowed
+            # Anything else (a bug here or in the client library) is classified by how far the
+            # request got, so that no key is left claimed by an error: released when the
+            # upstream cannot have seen the request, `unknown` when it may have.
+            reason = f"unexpected {type(exc).__name__}: {exc}"
+            if attempt.sent:
+                raise AnswerLost(reason, timed_out=False) from exc
+            raise NotSent(reason) from exc
         return UpstreamResponse(
             status=status,
             headers=end_to_end(

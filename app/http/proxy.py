@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .. import errors, metrics, paths
+from .. import errors, keys, metrics, paths
 from ..service import Gateway, ProxyRequest, RouteTable
 from . import problems
 
@@ -58,6 +58,7 @@ class ProxyApp:
         upstream_seconds: float | None = None
         blocked: str | None
         try:
+            check_header_values(headers)
             path = paths.normalize(scope.get("raw_path", b"").decode("latin-1") or scope["path"])
             route = self._routes.match(path)
             if route is None:
@@ -94,6 +95,15 @@ class ProxyApp:
             outcome, blocked = error.outcome, error.blocked_reason
         except ClientDisconnected:
             return  # nothing was claimed, and nobody is left to answer
+        except Exception:  # the edge's last resort: logged and answered, not swallowed
+            # A bug: the client still gets a problem (with the request id to report), never a
+            # bare 500; the key, if one was claimed, was settled by the layers below.
+            log.exception("unexpected error while serving request %s", request_id)
+            failure = errors.GatewayError(
+                f"the gateway failed unexpectedly; report request id {request_id} to its operator"
+            )
+            status, response_headers, body = problems.parts(failure)
+            outcome, blocked = failure.outcome, None
         response_headers.append((b"x-request-id", request_id.encode()))
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
@@ -117,6 +127,23 @@ class ProxyApp:
                     "request_id": request_id,
                 }},
             )  # fmt: skip
+
+
+def check_header_values(headers: list[tuple[str, str]]) -> None:
+    """Refuse a header value that cannot reach the upstream byte for byte: values arrive as
+    Latin-1 text, one character per byte, and the upstream client writes text as UTF-8, so a
+    value above ASCII passes unchanged only when its bytes are UTF-8."""
+    for name, value in headers:
+        if not value.isascii():
+            try:
+                value.encode("latin-1").decode("utf-8")
+            except UnicodeDecodeError:
+                if name == keys.HEADER:
+                    raise errors.InvalidKey("an Idempotency-Key is printable ASCII") from None
+                raise errors.InvalidHeader(
+                    f"the value of the {name!r} header is not UTF-8 text, and the gateway "
+                    "forwards header values unchanged or not at all; send it as UTF-8 (or ASCII)"
+                ) from None
 
 
 def _request_id(headers: list[tuple[str, str]]) -> str:

@@ -8,6 +8,7 @@ what the store holds. docs/security.md says what each defends against.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Iterator
@@ -17,13 +18,26 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import PROBLEM, parse_head
+from oncegate import errors, settings
+from oncegate.service import Gateway as InProcessGateway
+from oncegate.service import ProxyRequest
+from oncegate.store.postgres import PostgresStore
+from oncegate.upstream import NotSent, Upstream
+from tests.e2e.conftest import PROBLEM, free_port, parse_head
 from tests.faults.conftest import DemoUpstream, Gateway, new_key, problem_name, row
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+def dead_port() -> int:
+    return free_port()  # nothing listens there
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream, dead_port: int
+) -> Iterator[Gateway]:
     routes = [
+        {"name": "dead", "match": "/dead", "upstream": f"http://127.0.0.1:{dead_port}"},
         {"name": "emails", "match": "/emails", "upstream": upstream.url},
         {"name": "echo", "match": "/echo", "upstream": upstream.url},
         {"name": "based", "match": "/based", "upstream": upstream.url + "/echo/api",
@@ -180,3 +194,98 @@ async def test_the_upstream_gets_the_normalized_path_under_the_route_s_base(
     [answer] = exchange(gateway.port, request, 1)
     assert answer[0] == 200
     assert json.loads(answer[2])["path"] == "/echo/api/y/z/w"
+
+
+def raw_post(path: str, body: bytes, *headers: bytes) -> bytes:
+    head = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: gateway",
+            b"Content-Type: application/json", b"Content-Length: %d" % len(body),
+            *headers]  # fmt: skip
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def test_utf8_header_values_reach_the_upstream_byte_for_byte(gateway: Gateway) -> None:
+    key = b"Idempotency-Key: " + new_key().encode()
+    request = raw_post("/echo/h", b"{}", b"X-Name: Jos\xc3\xa9 \xe2\x82\xac", key)
+    [echoed] = exchange(gateway.port, request, 1)
+    assert echoed[0] == 200
+    received = dict(json.loads(echoed[2])["headers"])  # the demo decodes bytes as Latin-1
+    assert received["x-name"].encode("latin-1") == b"Jos\xc3\xa9 \xe2\x82\xac"
+
+
+async def test_a_header_value_that_is_not_utf8_is_refused_not_changed(
+    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    request = raw_post(
+        "/emails", b'{"n": 6}', b"X-Name: caf\xe9", b"Idempotency-Key: " + key.encode()
+    )
+    [answer] = exchange(gateway.port, request, 1)
+    assert answer[0] == 400
+    assert json.loads(answer[2])["type"] == "urn:oncegate:problem:invalid-header"
+    assert upstream.actions(key) == [] and await row(db, key) is None
+
+
+async def test_answer_header_bytes_are_relayed_and_replayed_unchanged(gateway: Gateway) -> None:
+    key = new_key().encode()
+    # The demo sends the header's value as Latin-1 bytes: caf\xe9, not UTF-8.
+    request = raw_post("/emails?header=X-Shop:caf%C3%A9", b'{"n": 7}', b"Idempotency-Key: " + key)
+    answers = [exchange(gateway.port, request, 1)[0] for _ in range(2)]
+    for _, headers, _ in answers:
+        assert headers["x-shop"].encode("latin-1") == b"caf\xe9"
+    assert answers[1][1]["idempotent-replayed"] == "true"
+
+
+async def test_gateway_answers_name_the_route_not_the_upstream_s_address(
+    gateway: Gateway, dead_port: int
+) -> None:
+    answers = [
+        exchange(gateway.port, post("/dead/x", b"{}", f"Idempotency-Key: {new_key()}"), 1)[0],
+        exchange(gateway.port, b"GET /dead/x HTTP/1.1\r\nHost: gateway\r\n\r\n", 1)[0],
+    ]
+    for status, _, body in answers:
+        assert status == 502
+        detail = json.loads(body)["detail"]
+        assert "'dead'" in detail
+        assert "127.0.0.1" not in detail and str(dead_port) not in detail
+    assert f"127.0.0.1:{dead_port}" in gateway.process.output()  # the operator's log has it
+
+
+async def test_an_unexpected_client_library_error_before_sending_is_not_sent() -> None:
+    # aiohttp refuses credentials in the URL beside an Authorization header with a ValueError,
+    # before anything is sent (the config refuses such URLs; this is the layer below it).
+    accepted: list[socket.socket] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        upstream = Upstream()
+        try:
+            with pytest.raises(NotSent, match="unexpected ValueError"):
+                await upstream.send("POST", f"http://user:pw@127.0.0.1:{port}/x",
+                                    [("authorization", "Bearer t")], b"{}", 5.0)  # fmt: skip
+        finally:
+            await upstream.aclose()
+        with contextlib.suppress(TimeoutError):
+            accepted.append(listener.accept()[0])
+    assert accepted == []
+
+
+async def test_a_key_is_released_when_an_unexpected_error_kept_the_request_from_leaving(
+    store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    # The request path of a gateway in process, on the real store and the real upstream client;
+    # only the config check is skipped, to reach the error the config now refuses.
+    valid = settings.Route(name="creds", match="/", upstream="http://127.0.0.1:9")
+    route = valid.model_copy(update={"upstream": "http://user:pw@127.0.0.1:9"})  # unvalidated
+    key = new_key()
+    request = ProxyRequest(
+        method="POST", path="/x", query="", body=b"{}",
+        headers=[("idempotency-key", key), ("authorization", "Bearer t"),
+                 ("content-type", "application/json")],
+    )  # fmt: skip
+    upstream = Upstream()
+    try:
+        with pytest.raises(errors.UpstreamUnavailable):
+            await InProcessGateway(store, upstream).handle(route, request)
+    finally:
+        await upstream.aclose()
+    assert await row(db, key) is None  # released: a retry is forwarded, not 409 for ever

@@ -163,5 +163,54 @@ class StoreUnavailable(GatewayError):
     outcome = "store_unavailable"
 
 
+# The admin port's problems (contract section 6): rendered like the proxy's.
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    name = "unauthorized"
+    title = "A valid admin bearer token is required"
+
+
+class AdminDisabled(GatewayError):
+    status = 404
+    name = "admin-disabled"
+    title = "The admin API is not enabled"
+
+
+class NotFound(GatewayError):
+    status = 404
+    name = "not-found"
+    title = "No such resource"
+
+
+class KeyInFlight(GatewayError):
+    status = 409
+    name = "key-in-flight"
+    title = "The key's request is in flight"
+
+
+class KeyNotUnknown(GatewayError):
+    status = 409
+    name = "key-not-unknown"
+    title = "The key is not in state unknown"
+
+
+class InvalidRequest(GatewayError):
+    """Admin input that does not validate: 400 for the path and query, 422 for a body."""
+
+    status = 400
+    name = "invalid-request"
+    title = "The request is not valid"
+
+    def __init__(self, detail: str, *, status: int = 400) -> None:
+        super().__init__(detail)
+        self._status = status
+
+    @property
+    def status_code(self) -> int:
+        return self._status
+
+
 class ConfigError(Exception):
     """Settings that cannot work; the message names the field. Raised before anything starts."""

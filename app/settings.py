@@ -84,7 +84,8 @@ DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
 _METHOD = re.compile(r"^[A-Z]+$")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A route name: a metric label, a log field and the admin API's `route=`.
+ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
@@ -129,7 +130,7 @@ class Route(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not ROUTE_NAME.match(value):
             raise ValueError(
                 f"{value!r}: a route name is 1-64 letters, digits, '.', '_' or '-' "
                 "(it becomes a metric label)"

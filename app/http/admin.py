@@ -1,8 +1,10 @@
 """The admin port (contract section 6): metrics, health, and the admin API over the key store.
 
-The admin API answers 404 unless `ONCEGATE_ADMIN_TOKEN` is set, and 401 for a missing or wrong
-bearer token; the token is compared in constant time. Bodies are shown only when asked for
-(`?body=1`), and stored headers never hold credentials (the proxy never stores them).
+The admin API answers 404 problem `admin-disabled` unless `ONCEGATE_ADMIN_TOKEN` is set, and 401
+`unauthorized` for a missing or wrong bearer token; the token is compared in constant time.
+Bodies are shown only when asked for (`?body=1`), and stored headers never hold credentials (the
+proxy never stores them). Every error is a problem (`errors`), like the proxy port's; input that
+cannot name a key (an id beyond 64 bits, a NUL in a key) is 400 or 404, never a store error.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import re
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from .. import errors, schema, service
+from .. import errors, keys, schema, service, settings
 from .. import metrics as app_metrics
 from ..store import KeyRecord
 from .app import Runtime
@@ -44,12 +46,15 @@ async def require_admin(
 ) -> None:
     token = runtime.settings.admin_token
     if not token:
-        # No token configured: the admin API does not exist.
-        raise HTTPException(404, "Not Found")
+        raise errors.AdminDisabled(
+            "the admin API is off: start the gateway with ONCEGATE_ADMIN_TOKEN set to a secret, "
+            "then send it as 'Authorization: Bearer <token>'"
+        )
     given = credentials.credentials if credentials else ""
     if not hmac.compare_digest(given.encode(), token.encode()):
-        raise HTTPException(
-            401, "a valid admin bearer token is required", {"WWW-Authenticate": "Bearer"}
+        raise errors.Unauthorized(
+            "send the admin token (ONCEGATE_ADMIN_TOKEN) as 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
@@ -132,11 +137,15 @@ def _view(record: KeyRecord, with_body: bool) -> KeyView:
     responses={401: {"description": "no or wrong token"}, 404: {"description": "no token set"}},
 )
 async def find_keys(
-    runtime: RuntimeDep,
-    key: Annotated[str, Query(min_length=1, max_length=255)],
-    route: str | None = None,
-    body: bool = False,
+    runtime: RuntimeDep, key: str, route: str | None = None, body: bool = False
 ) -> KeyList:
+    if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not key.isprintable() or not key.isascii():
+        raise errors.InvalidRequest(
+            f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
+            "Idempotency-Key is"
+        )
+    if route is not None and not settings.ROUTE_NAME.match(route):
+        raise errors.InvalidRequest(f"route must be a route name ({settings.ROUTE_NAME.pattern})")
     records = await runtime.store.find(key, route)
     return KeyList(records=[_view(record, body) for record in records])
 
@@ -152,16 +161,30 @@ async def find_keys(
     },
 )
 async def delete_key(runtime: RuntimeDep, record_id: int) -> Response:
-    deleted = await runtime.store.delete(record_id)
+    deleted = await runtime.store.delete(_existing_id(record_id))
     if deleted is None:
-        raise HTTPException(404, f"no key with id {record_id}")
+        raise errors.NotFound(f"no key with id {record_id}")
     if not deleted:
-        raise HTTPException(
-            409,
+        raise errors.KeyInFlight(
             f"key {record_id} has a request in flight; deleting it now would let a retry be "
-            "forwarded while the first is still at the upstream. Try again when it has settled.",
+            "forwarded while the first is still at the upstream. Try again when it has settled."
         )
     return Response(status_code=204)
+
+
+def _existing_id(record_id: int) -> int:
+    """Row ids are positive 64-bit integers: any other number names no key."""
+    if not 0 < record_id < 2**63:
+        raise errors.NotFound(f"no key with id {record_id}: key ids are positive 64-bit integers")
+    return record_id
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Resolution(BaseModel):
@@ -184,6 +207,8 @@ class Resolution(BaseModel):
             raise ValueError("give body or body_base64, not both")
         if self.status in (204, 304) and (self.body or self.body_base64):
             raise ValueError(f"a {self.status} answer has no body")
+        if self.body is not None and not _encodes(self.body):
+            raise ValueError("body is not UTF-8 text (a lone surrogate?); send it as body_base64")
         for name, value in self.headers:
             if not _TOKEN.match(name):
                 raise ValueError(f"{name!r} is not a header name")
@@ -196,7 +221,7 @@ class Resolution(BaseModel):
             try:
                 return base64.b64decode(self.body_base64, validate=True)
             except binascii.Error:
-                raise HTTPException(422, "body_base64 is not valid base64") from None
+                raise errors.InvalidRequest("body_base64 is not valid base64", status=422) from None
         return (self.body or "").encode()
 
 
@@ -209,6 +234,7 @@ class Resolution(BaseModel):
 async def resolve_key(
     runtime: RuntimeDep, record_id: int, resolution: Resolution
 ) -> dict[str, object]:
+    record_id = _existing_id(record_id)
     if resolution.action == "complete":
         assert resolution.status is not None
         settled = await runtime.store.settle(
@@ -220,5 +246,5 @@ async def resolve_key(
     else:
         settled = await runtime.store.release_unknown(record_id)
     if not settled:
-        raise HTTPException(409, f"key {record_id} does not exist or is not in state unknown")
+        raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
     return {"id": record_id, "resolved": resolution.action}

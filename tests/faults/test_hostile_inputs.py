@@ -289,3 +289,20 @@ async def test_a_key_is_released_when_an_unexpected_error_kept_the_request_from_
     finally:
         await upstream.aclose()
     assert await row(db, key) is None  # released: a retry is forwarded, not 409 for ever
+
+
+async def test_a_large_json_body_is_the_same_request_only_as_the_same_bytes(
+    client: httpx.AsyncClient, upstream: DemoUpstream
+) -> None:
+    # Over 64 KiB, JSON is compared as bytes (parsing it would hold up every other request).
+    items = [(f"k{index:06d}", index) for index in range(8000)]
+    body, reordered = json.dumps(dict(items)), json.dumps(dict(reversed(items)))
+    key = new_key()
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    first = await client.post("/emails", content=body, headers=headers)
+    assert first.status_code == 201
+    again = await client.post("/emails", content=body, headers=headers)
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    other = await client.post("/emails", content=reordered, headers=headers)
+    assert other.status_code == 422 and problem_name(other) == "key-reused"
+    assert len(upstream.actions(key)) == 1

@@ -71,6 +71,25 @@ class InvalidHeader(GatewayError):
     outcome = "invalid_header"
 
 
+class MalformedRequest(GatewayError):
+    """HTTP that a proxy must not pass on (RFC 9112 §3.2: no Host, or two)."""
+
+    status = 400
+    name = "invalid-request"
+    title = "The request is not valid"
+    outcome = "invalid_request"
+
+
+class UnsupportedTransferCoding(GatewayError):
+    """A transfer coding other than chunked: the gateway reads the body without it and sends it
+    with a Content-Length, so the upstream would get bytes it cannot decode (RFC 9112 §6.1)."""
+
+    status = 501
+    name = "unsupported-transfer-coding"
+    title = "The request's transfer coding is not supported"
+    outcome = "unsupported_transfer_coding"
+
+
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"

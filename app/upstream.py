@@ -44,6 +44,11 @@ HOP_BY_HOP = frozenset(
 )
 # Set by the client for the upstream's address, never copied from the incoming request.
 _REQUEST_ONLY = frozenset({"host", "expect"})
+# Always sent, even when the client names it in `Connection`: the contract promises the upstream
+# the key, and an upstream that deduplicates by key (`on_unknown: forward`) relies on it.
+_ALWAYS_SENT = frozenset({"idempotency-key"})
+# A HEAD answer's Content-Length is the size of the GET's body (RFC 9110 §8.6), not a framing.
+_HEAD_ANSWER_KEEPS = frozenset({"content-length"})
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -90,10 +95,13 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
 
 
 def end_to_end(
-    headers: Sequence[tuple[str, str]], drop: frozenset[str] = frozenset()
+    headers: Sequence[tuple[str, str]],
+    drop: frozenset[str] = frozenset(),
+    keep: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
-    """`headers` without hop-by-hop fields and without the names in `drop` (lower case)."""
-    excluded = HOP_BY_HOP | drop | _connection_tokens(headers)
+    """`headers` without hop-by-hop fields and without the names in `drop`, but with the names in
+    `keep` whatever `Connection` says (names in lower case)."""
+    excluded = (HOP_BY_HOP | drop | _connection_tokens(headers)) - keep
     return [(name, value) for name, value in headers if name.lower() not in excluded]
 
 
@@ -214,7 +222,7 @@ class Upstream:
             async with self._session.request(
                 method,
                 yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                headers=_as_sent(end_to_end(headers, drop=_REQUEST_ONLY)),
+                headers=_as_sent(end_to_end(headers, drop=_REQUEST_ONLY, keep=_ALWAYS_SENT)),
                 data=body or None,
                 allow_redirects=False,
                 timeout=client_timeout,
@@ -245,7 +253,8 @@ class Upstream:
         return UpstreamResponse(
             status=status,
             headers=end_to_end(
-                [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers]
+                [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers],
+                keep=_HEAD_ANSWER_KEEPS if method == "HEAD" else frozenset(),
             ),
             body=content,
             duration=time.perf_counter() - started,

@@ -12,10 +12,15 @@ which reads the body by its framing, ignores the offer and serves every later re
 connection: the head is rebuilt from what httptools parsed (as uvicorn does for its WebSocket
 hand-over) and fed to h11 with the bytes that followed it. Every other connection stays on
 httptools, the cheaper parser (measured: 45-60 against 110-140 µs of server CPU per request).
+
+A request's head must arrive whole within `HEAD_TIMEOUT` of the connection's start or of its
+first byte: uvicorn closes connections that are idle between requests, but not one that sends
+nothing at all, or its head a byte at a time, and each such connection is a socket held for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httptools
@@ -30,16 +35,54 @@ class IgnoringUpgradesH11(H11Protocol):
         pass
 
 
+# Generous for any client that means to send a request (a head is a few hundred bytes), short
+# enough that holding sockets open costs an attacker a connection every ten seconds.
+HEAD_TIMEOUT = 10.0
+
+
 class HttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._arguments = (args, kwargs)
         self._offers_upgrade = False
+        self._head_timer: asyncio.TimerHandle | None = None
         # The bytes after the head of a request that offered an upgrade, kept until the requests
         # before it on this connection are answered: h11 must answer it after them, in order.
         self._handed_over: bytes | None = None
 
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm_head_timer()  # an answer is on its way: closing now would cut it off
+        elif not self.transport.is_closing():
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.close()
+
     def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
         if self.parser.should_upgrade():
             # Not served here: httptools would drop the body. `data_received` hands it over.
             self._offers_upgrade = True
@@ -85,7 +128,9 @@ class HttpProtocol(HttpToolsProtocol):
         for name, value in self.headers:
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
-        self._unset_keepalive_if_required()  # this protocol's timer must not close the successor's
+        # This protocol's timers must not close the successor's connection.
+        self._unset_keepalive_if_required()
+        self._cancel_head_timer()
         self.connections.discard(self)
         successor.connection_made(self.transport)
         self.transport.set_protocol(successor)

@@ -58,7 +58,7 @@ class ProxyApp:
         upstream_seconds: float | None = None
         blocked: str | None
         try:
-            check_header_values(headers)
+            check_head(scope.get("http_version", "1.1"), headers)
             path = paths.normalize(scope.get("raw_path", b"").decode("latin-1") or scope["path"])
             route = self._routes.match(path)
             if route is None:
@@ -129,11 +129,23 @@ class ProxyApp:
             )  # fmt: skip
 
 
-def check_header_values(headers: list[tuple[str, str]]) -> None:
-    """Refuse a header value that cannot reach the upstream byte for byte: values arrive as
-    Latin-1 text, one character per byte, and the upstream client writes text as UTF-8, so a
-    value above ASCII passes unchanged only when its bytes are UTF-8."""
+def check_head(http_version: str, headers: list[tuple[str, str]]) -> None:
+    """Refuse what cannot be passed on as the client meant it (docs/security.md):
+    - an HTTP/1.1 request without exactly one Host (RFC 9112 §3.2 says 400);
+    - a transfer coding other than chunked: the body is read without it and sent with a
+      Content-Length, so the upstream would get coded bytes it has no way to decode (501);
+    - a header value that cannot reach the upstream byte for byte: values arrive as Latin-1
+      text, one character per byte, and the upstream client writes text as UTF-8, so a value
+      above ASCII passes unchanged only when its bytes are UTF-8."""
+    hosts = 0
     for name, value in headers:
+        if name == "host":
+            hosts += 1
+        elif name == "transfer-encoding" and value.strip().lower() != "chunked":
+            raise errors.UnsupportedTransferCoding(
+                f"the gateway supports the chunked transfer coding alone, not {value!r}; send "
+                "the body without a transfer coding (a Content-Encoding is passed on unchanged)"
+            )
         if not value.isascii():
             try:
                 value.encode("latin-1").decode("utf-8")
@@ -144,6 +156,10 @@ def check_header_values(headers: list[tuple[str, str]]) -> None:
                     f"the value of the {name!r} header is not UTF-8 text, and the gateway "
                     "forwards header values unchanged or not at all; send it as UTF-8 (or ASCII)"
                 ) from None
+    if hosts != 1 and (hosts or http_version == "1.1"):
+        raise errors.MalformedRequest(
+            f"an HTTP/{http_version} request carries exactly one Host header, not {hosts}"
+        )
 
 
 def _request_id(headers: list[tuple[str, str]]) -> str:

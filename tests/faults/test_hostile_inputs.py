@@ -306,3 +306,81 @@ async def test_a_large_json_body_is_the_same_request_only_as_the_same_bytes(
     other = await client.post("/emails", content=reordered, headers=headers)
     assert other.status_code == 422 and problem_name(other) == "key-reused"
     assert len(upstream.actions(key)) == 1
+
+
+async def test_a_transfer_coding_other_than_chunked_is_refused(
+    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    request = (
+        b"POST /emails HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Idempotency-Key: " + key.encode() + b"\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+        b'8\r\n{"n": 8}\r\n0\r\n\r\n'
+    )
+    [answer] = exchange(gateway.port, request, 1)
+    assert answer[0] == 501
+    assert json.loads(answer[2])["type"] == "urn:oncegate:problem:unsupported-transfer-coding"
+    assert upstream.actions(key) == [] and await row(db, key) is None
+    chunked = request.replace(b"gzip, chunked", b"chunked")
+    [accepted] = exchange(gateway.port, chunked, 1)
+    assert accepted[0] == 201 and [a["request"] for a in upstream.actions(key)] == [{"n": 8}]
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /echo/h HTTP/1.1\r\n\r\n", 400),  # no Host
+        (b"GET /echo/h HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),  # two
+        (b"GET /echo/h HTTP/1.0\r\n\r\n", 200),  # HTTP/1.0 has no Host to send
+    ],
+    ids=["none", "two", "http/1.0"],
+)
+async def test_an_http11_request_needs_exactly_one_host(
+    gateway: Gateway, head: bytes, status: int
+) -> None:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(head)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 %d" % status), received[:200]
+    if status == 400:
+        assert b"urn:oncegate:problem:invalid-request" in received
+
+
+async def test_naming_the_key_in_connection_does_not_keep_it_from_the_upstream(
+    gateway: Gateway,
+) -> None:
+    key = new_key()
+    request = post("/echo/k", b"{}", f"Idempotency-Key: {key}", "Connection: Idempotency-Key")
+    [echoed] = exchange(gateway.port, request, 1)
+    received = dict(json.loads(echoed[2])["headers"])
+    assert received["idempotency-key"] == key
+
+
+async def test_a_head_answer_keeps_the_upstream_s_content_length(gateway: Gateway) -> None:
+    request = (
+        b"GET /emails HTTP/1.1\r\nHost: gateway\r\n\r\nHEAD /emails HTTP/1.1\r\nHost: g\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(request)
+        received = b""
+        while received.count(b"\r\n\r\n") < 2 or not received.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk
+            received += chunk
+    get_head, _, rest = received.partition(b"\r\n\r\n")
+    _, get_headers = parse_head(get_head)
+    length = int(get_headers["content-length"])
+    head_head = rest[length:].partition(b"\r\n\r\n")[0]
+    assert head_head.startswith(b"HTTP/1.1 405")
+    assert parse_head(head_head)[1]["content-length"] == str(length)
+
+
+async def test_a_connection_that_sends_no_head_is_closed(gateway: Gateway) -> None:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
+        sock.sendall(b"POST /emails HTTP/1.1\r\nHost: ga")  # and nothing more
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 408")

@@ -10,10 +10,20 @@ Read `Gateway.handle` top to bottom:
    fencing token: `completed` with the answer, released (row deleted) when nothing was sent or the
    upstream asked for a retry, or `unknown` when the request may have been performed but the
    answer was lost. A token that was superseded settles nothing.
-4. Anyone else reads the row: a different fingerprint is a reused key (422); a completed key is
-   replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim whose
-   lease ran out because its gateway died) is 409 until resolved, or with `on_unknown: forward`
-   is taken over with a new token and forwarded again. An expired row is claimed as new.
+4. Anyone else gets the row, and `decide` (pure, no I/O) says what to do with it: an expired
+   row is reclaimed as a new key; a different fingerprint is a reused key (422); a completed key
+   is replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim
+   whose lease ran out because its gateway died) is 409 until resolved, or with
+   `on_unknown: forward` is taken over with a new token and forwarded again. A reclaim or a
+   take-over that finds the row changed since it was read looks again, a few times at most.
+
+Changing the lease rule (when an in-flight claim counts as abandoned) safely: the rule lives in
+one SQL function, `oncegate_key_state` (migration 0005; change it with a new migration), which
+every query and the admin API read states through; `decide` acts on the state it returns and
+never on the clock, and `tests/store/test_conformance.py` runs the same cases against the
+PostgreSQL store and the in-memory one (`store/memory.py`), whose `state_of` must say the same.
+A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
+live request would read as `unknown`, and be taken over under `on_unknown: forward`.
 
 The forward and its settlement run in a task of their own, shielded from the request: a client
 that hangs up does not cancel them, so its retry finds the answer stored. `drain` waits for
@@ -132,44 +142,24 @@ class Gateway:
                 if found is None:
                     continue  # and already released: claim again
             if isinstance(found, Record):
-                decision = await self._existing(route, found, digest)
-                if isinstance(decision, ProxyResponse):
-                    return decision
-                if decision is None:
-                    continue  # it changed under us: look again
-                found = decision
+                decision = decide(found, digest, route)
+                if isinstance(decision, Replay):
+                    return decision.response
+                if isinstance(decision, Refuse):
+                    raise decision.error
+                if isinstance(decision, Reclaim):
+                    claimed = await self._store.reclaim_expired(
+                        found, route.name, digest, route.lease_seconds, route.ttl
+                    )
+                else:
+                    claimed = await self._store.take_over(found, route.lease_seconds)
+                if claimed is None:
+                    continue  # it changed since we read it: look again
+                found = claimed
             return await self._forward_protected(route, request, found)
         raise errors.RequestInProgress(
             "this Idempotency-Key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
-        )
-
-    async def _existing(
-        self, route: Route, record: Record, digest: bytes
-    ) -> Claim | ProxyResponse | None:
-        """Decide what to do with a key someone claimed before: the stored answer, a claim when
-        this request is to be forwarded after all, None to look again, or raise the answer."""
-        if record.expired:
-            return await self._store.reclaim_expired(
-                record, route.name, digest, route.lease_seconds, route.ttl
-            )
-        if record.fingerprint != digest:
-            raise errors.KeyReused(
-                "this Idempotency-Key was first used with a different request (method, path, "
-                "query or body); use a new key for a new request"
-            )
-        if record.state == "completed":
-            return replay(record)
-        if record.state == "in_progress":
-            raise errors.RequestInProgress(
-                "a request with this Idempotency-Key is still being processed; retry later",
-                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
-            )
-        if route.on_unknown == "forward":
-            return await self._store.take_over(record, route.lease_seconds)
-        raise errors.OutcomeUnknown(
-            "the request with this Idempotency-Key may have been performed, but its answer was "
-            "lost; an operator must resolve the key before it can be answered"
         )
 
     async def _forward_protected(
@@ -298,21 +288,84 @@ def storable_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]
     return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
 
 
-def replay(record: Record) -> ProxyResponse:
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer with the stored response."""
+
+    response: ProxyResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer with this problem; nothing is forwarded."""
+
+    error: errors.GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """The key expired: claim its row as a new key, then forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """The outcome is unknown and the route says `on_unknown: forward`: take the row over with
+    a new fencing token, then forward again."""
+
+
+Decision = Replay | Refuse | Reclaim | TakeOver
+
+
+def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
+    """What to do with a request whose key someone claimed before (contract sections 4 and 5).
+    Pure: `Gateway.handle` applies the decision through the store."""
+    if record.state == "expired":
+        return Reclaim()  # a new key, whatever was sent under it before
+    if record.fingerprint != fingerprint:
+        return Refuse(
+            errors.KeyReused(
+                "this Idempotency-Key was first used with a different request (method, path, "
+                "query or body); use a new key for a new request"
+            )
+        )
+    if record.state == "completed":
+        return _replay(record)
+    if record.state == "in_progress":
+        return Refuse(
+            errors.RequestInProgress(
+                "a request with this Idempotency-Key is still being processed; retry later",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+            )
+        )
+    if route.on_unknown == "forward":
+        return TakeOver()
+    return Refuse(
+        errors.OutcomeUnknown(
+            "the request with this Idempotency-Key may have been performed, but its answer was "
+            "lost; an operator must resolve the key before it can be answered"
+        )
+    )
+
+
+def _replay(record: Record) -> Replay | Refuse:
     assert record.status is not None
     if not record.stored:
-        raise errors.ResponseNotStored(
-            f"the request with this Idempotency-Key completed with status {record.status}, but "
-            "its response was larger than max_stored_response and cannot be replayed; it was "
-            "not performed again"
+        return Refuse(
+            errors.ResponseNotStored(
+                f"the request with this Idempotency-Key completed with status {record.status}, "
+                "but its response was larger than max_stored_response and cannot be replayed; "
+                "it was not performed again"
+            )
         )
     assert record.headers is not None and record.body is not None
-    return ProxyResponse(
-        status=record.status,
-        headers=[*record.headers, REPLAYED_HEADER],
-        body=record.body,
-        outcome="replayed",
-        blocked="replayed",
+    return Replay(
+        ProxyResponse(
+            status=record.status,
+            headers=[*record.headers, REPLAYED_HEADER],
+            body=record.body,
+            outcome="replayed",
+            blocked="replayed",
+        )
     )
 
 

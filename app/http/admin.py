@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from .. import errors, keys, schema, service, settings
 from .. import metrics as app_metrics
-from ..store import KeyRecord
+from ..store import KeyRecord, State
 from .app import Runtime
 
 router = APIRouter()
@@ -96,7 +96,7 @@ class KeyView(BaseModel):
     id: int
     route: str
     key: str
-    state: Literal["in_progress", "completed", "unknown"]
+    state: State
     status: int | None
     created_at: datetime
     completed_at: datetime | None

@@ -40,8 +40,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from . import errors, fingerprint, keys, metrics
-from .settings import Route
-from .store import Claim, Record, Store
+from .settings import ROUTE_NAME, Route
+from .store import AdminStore, Claim, KeyRecord, Record, Store
 from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
 
 log = logging.getLogger(__name__)
@@ -377,6 +377,59 @@ def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
         outcome=outcome,
         upstream_seconds=response.duration,
     )
+
+
+class Operator:
+    """What an operator may do to keys, for the admin API (contract section 6): look a key up in
+    every scope, release it, or settle an `unknown` one. The rules are here, not in the HTTP
+    layer: a key in flight is never released under its request, only an `unknown` key is
+    resolved, and input that cannot name a key never reaches the store."""
+
+    def __init__(self, store: AdminStore) -> None:
+        self._store = store
+
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not (key.isascii() and key.isprintable()):
+            raise errors.InvalidRequest(
+                f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
+                "Idempotency-Key is"
+            )
+        if route is not None and not ROUTE_NAME.match(route):
+            raise errors.InvalidRequest(f"route must be a route name ({ROUTE_NAME.pattern})")
+        return await self._store.find(key, route)
+
+    async def release(self, record_id: int) -> None:
+        deleted = await self._store.delete(_existing_id(record_id))
+        if deleted is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        if not deleted:
+            raise errors.KeyInFlight(
+                f"key {record_id} has a request in flight; deleting it now would let a retry be "
+                "forwarded while the first is still at the upstream. Try again when it has "
+                "settled."
+            )
+
+    async def resolve(
+        self, record_id: int, answer: tuple[int, Sequence[tuple[str, str]], bytes] | None
+    ) -> None:
+        """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
+        released when `answer` is None."""
+        record_id = _existing_id(record_id)
+        if answer is None:
+            settled = await self._store.release_unknown(record_id)
+        else:
+            status, headers, body = answer
+            # Content-Length is recomputed on replay, and credentials are never stored.
+            settled = await self._store.settle(record_id, status, storable_headers(headers), body)
+        if not settled:
+            raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
+
+
+def _existing_id(record_id: int) -> int:
+    """Row ids are positive 64-bit integers: any other number names no key."""
+    if not 0 < record_id < 2**63:
+        raise errors.NotFound(f"no key with id {record_id}: key ids are positive 64-bit integers")
+    return record_id
 
 
 async def purge_expired(

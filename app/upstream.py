@@ -60,15 +60,11 @@ MAX_CONNECTIONS = 512
 KEEPALIVE_TIMEOUT = 4.0
 
 
-class UpstreamError(Exception):
-    pass
-
-
-class NotSent(UpstreamError):
+class NotSent(Exception):
     """The request did not reach the upstream."""
 
 
-class AnswerLost(UpstreamError):
+class AnswerLost(Exception):
     """The request may have reached the upstream; its answer did not come back."""
 
     def __init__(self, message: str, *, timed_out: bool) -> None:

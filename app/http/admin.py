@@ -21,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from .. import errors, keys, schema, service, settings
+from .. import errors, schema
 from .. import metrics as app_metrics
 from ..store import KeyRecord, State
 from .app import Runtime
@@ -139,14 +139,7 @@ def _view(record: KeyRecord, with_body: bool) -> KeyView:
 async def find_keys(
     runtime: RuntimeDep, key: str, route: str | None = None, body: bool = False
 ) -> KeyList:
-    if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not key.isprintable() or not key.isascii():
-        raise errors.InvalidRequest(
-            f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
-            "Idempotency-Key is"
-        )
-    if route is not None and not settings.ROUTE_NAME.match(route):
-        raise errors.InvalidRequest(f"route must be a route name ({settings.ROUTE_NAME.pattern})")
-    records = await runtime.store.find(key, route)
+    records = await runtime.operator.find(key, route)
     return KeyList(records=[_view(record, body) for record in records])
 
 
@@ -161,22 +154,8 @@ async def find_keys(
     },
 )
 async def delete_key(runtime: RuntimeDep, record_id: int) -> Response:
-    deleted = await runtime.store.delete(_existing_id(record_id))
-    if deleted is None:
-        raise errors.NotFound(f"no key with id {record_id}")
-    if not deleted:
-        raise errors.KeyInFlight(
-            f"key {record_id} has a request in flight; deleting it now would let a retry be "
-            "forwarded while the first is still at the upstream. Try again when it has settled."
-        )
+    await runtime.operator.release(record_id)
     return Response(status_code=204)
-
-
-def _existing_id(record_id: int) -> int:
-    """Row ids are positive 64-bit integers: any other number names no key."""
-    if not 0 < record_id < 2**63:
-        raise errors.NotFound(f"no key with id {record_id}: key ids are positive 64-bit integers")
-    return record_id
 
 
 def _encodes(text: str) -> bool:
@@ -234,17 +213,9 @@ class Resolution(BaseModel):
 async def resolve_key(
     runtime: RuntimeDep, record_id: int, resolution: Resolution
 ) -> dict[str, object]:
-    record_id = _existing_id(record_id)
+    answer = None
     if resolution.action == "complete":
         assert resolution.status is not None
-        settled = await runtime.store.settle(
-            record_id,
-            resolution.status,
-            service.storable_headers(resolution.headers),  # Content-Length is recomputed
-            resolution.body_bytes(),
-        )
-    else:
-        settled = await runtime.store.release_unknown(record_id)
-    if not settled:
-        raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
+        answer = (resolution.status, resolution.headers, resolution.body_bytes())
+    await runtime.operator.resolve(record_id, answer)
     return {"id": record_id, "resolved": resolution.action}

@@ -32,6 +32,7 @@ class Runtime:
     settings: Settings
     store: PostgresStore
     gateway: service.Gateway
+    operator: service.Operator
     routes: service.RouteTable
 
 
@@ -47,7 +48,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         for reason in metrics.BLOCK_REASONS:
             metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
-        yield Runtime(settings, store, gateway, service.RouteTable(settings.routes))
+        yield Runtime(
+            settings, store, gateway, service.Operator(store), service.RouteTable(settings.routes)
+        )
     finally:
         await gateway.drain()
         purger.cancel()

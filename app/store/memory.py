@@ -184,6 +184,43 @@ class MemoryStore:
             if row.key == key and (route is None or row.route == route)
         ]
 
+    async def delete(self, record_id: int) -> bool | None:
+        await self._yield()
+        row = self._by_id(record_id)
+        if row is None:
+            return None
+        if state_of(row, self._clock()) == "in_progress":
+            return False
+        del self._rows[(row.scope, row.key)]
+        return True
+
+    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+        await self._yield()
+        now = self._clock()
+        row = self._by_id(record_id)
+        if row is None or state_of(row, now) != "unknown":
+            return False
+        self._rows[(row.scope, row.key)] = replace(
+            row,
+            state="completed",
+            token=row.token + 1,
+            lease_expires_at=None,
+            status=status,
+            headers=list(headers),
+            body=body,
+            stored=True,
+            completed_at=now,
+        )
+        return True
+
+    async def release_unknown(self, record_id: int) -> bool:
+        await self._yield()
+        row = self._by_id(record_id)
+        if row is None or state_of(row, self._clock()) != "unknown":
+            return False
+        del self._rows[(row.scope, row.key)]
+        return True
+
     def _by_id(self, record_id: int) -> _Row | None:
         return next((row for row in self._rows.values() if row.id == record_id), None)
 

@@ -13,11 +13,12 @@ import hashlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import pytest
 
 from oncegate import errors
-from oncegate.store import Claim, Record, Store
+from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
 from oncegate.store.postgres import PostgresStore
@@ -35,8 +36,14 @@ def digest(text: str) -> bytes:
 FINGERPRINT = digest("the request")
 
 
+class AdminAndKeyStore(Store, AdminStore, Protocol):
+    pass
+
+
 @pytest.fixture(params=["postgres", "memory"])
-async def store(request: pytest.FixtureRequest, database_url: str) -> AsyncIterator[Store]:
+async def store(
+    request: pytest.FixtureRequest, database_url: str
+) -> AsyncIterator[AdminAndKeyStore]:
     if request.param == "memory":
         yield MemoryStore()
         return
@@ -192,6 +199,27 @@ async def test_purge_deletes_expired_keys_only(store: Store) -> None:
     assert purged >= 1
     assert await store.get(SCOPE, gone) is None
     assert (await record(store, kept)).state == "in_progress"
+
+
+async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAndKeyStore) -> None:
+    settled, released, in_flight = new_key(), new_key(), new_key()
+    for key in (settled, released):
+        assert await store.mark_unknown(await claim(store, key))
+    busy = await claim(store, in_flight)
+    settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
+    assert await store.settle(settled_id, 201, [("x-a", "b")], b"found")
+    assert not await store.settle(settled_id, 201, [], b"twice")  # completed now
+    found = await record(store, settled)
+    assert (found.state, found.body, found.token) == ("completed", b"found", 2)
+    assert await store.release_unknown(released_id)
+    assert await store.get(SCOPE, released) is None
+    assert not await store.release_unknown(busy.record_id)
+    assert not await store.settle(busy.record_id, 201, [], b"")
+    assert await store.delete(busy.record_id) is False  # its request is in flight
+    assert await store.delete(settled_id) is True
+    assert await store.delete(settled_id) is None
+    assert [row.key for row in await store.find(in_flight, None)] == [in_flight]
+    assert await store.find(in_flight, "another-route") == []
 
 
 @pytest.mark.parametrize("kind", [PostgresStore, PostgresCheckpoints])

@@ -39,16 +39,13 @@ import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
-from . import errors, fingerprint, keys, metrics
+from . import errors, fingerprint, headers, keys, metrics
 from .settings import ROUTE_NAME, Route
 from .store import AdminStore, Claim, KeyRecord, Record, Store
-from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
+from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
-REPLAYED_HEADER = ("idempotent-replayed", "true")
-# Never stored: credentials of one client must not be replayed to anyone.
-NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
 # What a client waiting on an in-flight key should wait before asking again. Short, because most
 # upstream calls take well under a second; clients back off further themselves.
 IN_PROGRESS_RETRY_AFTER = 1
@@ -204,7 +201,7 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, "released")
-        stored_headers = storable_headers(response.headers)
+        stored_headers = headers.storable(response.headers)
         body = response.body if len(response.body) <= route.max_stored_response else None
         await self._settle(
             "complete", self._store.complete(claim, response.status, stored_headers, body)
@@ -282,12 +279,6 @@ async def _fingerprint(request: ProxyRequest) -> bytes:
     return await asyncio.to_thread(fingerprint.compute, *arguments)
 
 
-def storable_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The headers of an answer that may be stored and replayed: end-to-end ones, and no
-    credentials (contract section 4: Set-Cookie is not stored)."""
-    return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
-
-
 @dataclass(frozen=True, slots=True)
 class Replay:
     """Answer with the stored response."""
@@ -361,7 +352,7 @@ def _replay(record: Record) -> Replay | Refuse:
     return Replay(
         ProxyResponse(
             status=record.status,
-            headers=[*record.headers, REPLAYED_HEADER],
+            headers=[*record.headers, headers.REPLAYED],
             body=record.body,
             outcome="replayed",
             blocked="replayed",
@@ -418,9 +409,11 @@ class Operator:
         if answer is None:
             settled = await self._store.release_unknown(record_id)
         else:
-            status, headers, body = answer
+            status, answer_headers, body = answer
             # Content-Length is recomputed on replay, and credentials are never stored.
-            settled = await self._store.settle(record_id, status, storable_headers(headers), body)
+            settled = await self._store.settle(
+                record_id, status, headers.storable(answer_headers), body
+            )
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 

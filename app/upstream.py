@@ -1,4 +1,4 @@
-"""The upstream HTTP client: one pooled client for all routes, timeouts, hop-by-hop filtering.
+"""The upstream HTTP client: one pooled client for all routes, timeouts, what the request got to.
 
 Failures come in two kinds, and the difference is the whole point of the gateway:
 - `NotSent`: the request never left (connection refused, connect or pool timeout). Retrying it
@@ -19,36 +19,14 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import aiohttp
 import yarl
 
-# RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
-# Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "content-length",
-    }
-)
-# Set by the client for the upstream's address, never copied from the incoming request.
-_REQUEST_ONLY = frozenset({"host", "expect"})
-# Always sent, even when the client names it in `Connection`: the contract promises the upstream
-# the key, and an upstream that deduplicates by key (`on_unknown: forward`) relies on it.
-_ALWAYS_SENT = frozenset({"idempotency-key"})
-# A HEAD answer's Content-Length is the size of the GET's body (RFC 9110 §8.6), not a framing.
-_HEAD_ANSWER_KEEPS = frozenset({"content-length"})
+from . import headers
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -80,35 +58,6 @@ class UpstreamResponse:
     duration: float
 
 
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """Headers named in `Connection: a, b` are hop-by-hop too."""
-    return {
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == "connection"
-        for token in value.split(",")
-    }
-
-
-def end_to_end(
-    headers: Sequence[tuple[str, str]],
-    drop: frozenset[str] = frozenset(),
-    keep: frozenset[str] = frozenset(),
-) -> list[tuple[str, str]]:
-    """`headers` without hop-by-hop fields and without the names in `drop`, but with the names in
-    `keep` whatever `Connection` says (names in lower case)."""
-    excluded = (HOP_BY_HOP | drop | _connection_tokens(headers)) - keep
-    return [(name, value) for name, value in headers if name.lower() not in excluded]
-
-
-def _announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
-    """An answer that breaks its own framing: a 1xx or 204 has no body (RFC 9112 §6.3), so a
-    length or a transfer coding on one means the server sent bytes nobody will read."""
-    if not (status < 200 or status == 204):
-        return False
-    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
-
-
 class _Attempt:
     """How far one request got: whether its head was handed to the connection to be written
     (aiohttp's `on_request_headers_sent`, called just before it is), after which the upstream
@@ -138,7 +87,7 @@ class _Response(aiohttp.ClientResponse):
     async def start(self, connection: aiohttp.connector.Connection) -> _Response:
         protocol = connection.protocol
         await super().start(connection)
-        if protocol is not None and _announces_forbidden_body(self.status, self.headers):
+        if protocol is not None and headers.announces_forbidden_body(self.status, self.headers):
             # The bytes it announced may still be on their way, to be read as the start of the
             # next answer on this connection: a request that worked would read as one whose
             # answer was lost, and its key turn `unknown` for nothing.
@@ -146,17 +95,17 @@ class _Response(aiohttp.ClientResponse):
         return self
 
 
-def _as_sent(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def _as_sent(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Header values as aiohttp must be given them to send the client's bytes unchanged.
 
     Values arrive as Latin-1 text (one character per byte) and aiohttp writes text as UTF-8, so a
     value with a byte above 0x7F would arrive changed (`caf\\xe9` as `caf\\xc3\\xa9`). Such a value
     is handed over as the UTF-8 text it is; the edge refuses the values that are not UTF-8
-    (`proxy.check_header_values`): aiohttp cannot send those unchanged.
+    (`headers.check_request`): aiohttp cannot send those unchanged.
     """
     return [
         (name, value if value.isascii() else value.encode("latin-1").decode("utf-8"))
-        for name, value in headers
+        for name, value in fields
     ]
 
 
@@ -197,7 +146,7 @@ class Upstream:
         self,
         method: str,
         url: str,
-        headers: Sequence[tuple[str, str]],
+        request_headers: Sequence[tuple[str, str]],
         body: bytes,
         timeout: float,  # noqa: ASYNC109 - a per-route budget, applied by aiohttp
     ) -> UpstreamResponse:
@@ -218,7 +167,11 @@ class Upstream:
             async with self._session.request(
                 method,
                 yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                headers=_as_sent(end_to_end(headers, drop=_REQUEST_ONLY, keep=_ALWAYS_SENT)),
+                headers=_as_sent(
+                    headers.end_to_end(
+                        request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
+                    )
+                ),
                 data=body or None,
                 allow_redirects=False,
                 timeout=client_timeout,
@@ -248,9 +201,9 @@ class Upstream:
             raise NotSent(reason) from exc
         return UpstreamResponse(
             status=status,
-            headers=end_to_end(
+            headers=headers.end_to_end(
                 [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers],
-                keep=_HEAD_ANSWER_KEEPS if method == "HEAD" else frozenset(),
+                keep=headers.HEAD_ANSWER_KEEPS if method == "HEAD" else frozenset(),
             ),
             body=content,
             duration=time.perf_counter() - started,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import re
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -21,14 +20,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from .. import errors, schema
+from .. import errors, headers, schema
 from .. import metrics as app_metrics
 from ..store import KeyRecord, State
 from .app import Runtime
 
 router = APIRouter()
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_FIELD_VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
 
 
@@ -189,9 +186,9 @@ class Resolution(BaseModel):
         if self.body is not None and not _encodes(self.body):
             raise ValueError("body is not UTF-8 text (a lone surrogate?); send it as body_base64")
         for name, value in self.headers:
-            if not _TOKEN.match(name):
+            if not headers.NAME.match(name):
                 raise ValueError(f"{name!r} is not a header name")
-            if not _FIELD_VALUE.match(value):
+            if not headers.VALUE.match(value):
                 raise ValueError(f"the value of {name} is not a valid header value")
         return self
 

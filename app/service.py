@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from . import errors, fingerprint, headers, keys, metrics
+from .routing import upstream_url
 from .settings import ROUTE_NAME, Route
 from .store import AdminStore, Claim, KeyRecord, Record, Store
 from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
@@ -82,30 +83,6 @@ class ProxyResponse:
     # Set when the answer came from the store: the reason counted as a blocked duplicate.
     blocked: str | None = None
     upstream_seconds: float | None = field(default=None)
-
-
-class RouteTable:
-    """Longest matching prefix wins; a prefix matches whole path segments only, so `/pay`
-    matches `/pay` and `/pay/x` but not `/payments`."""
-
-    def __init__(self, routes: Sequence[Route]) -> None:
-        self._routes = sorted(routes, key=lambda route: len(route.match), reverse=True)
-
-    def match(self, path: str) -> Route | None:
-        for route in self._routes:
-            prefix = route.match
-            within = prefix if prefix.endswith("/") else prefix + "/"
-            if path == prefix or path.startswith(within):
-                return route
-        return None
-
-
-def upstream_url(route: Route, path: str, query: str) -> str:
-    if route.strip_prefix:
-        path = path[len(route.match) :]
-        if not path.startswith("/"):
-            path = "/" + path
-    return route.upstream + path + ("?" + query if query else "")
 
 
 class Gateway:
@@ -407,11 +384,11 @@ class Operator:
         released when `answer` is None."""
         record_id = _existing_id(record_id)
         if answer is None:
-            settled = await self._store.release_unknown(record_id)
+            settled = await self._store.resolve_released(record_id)
         else:
             status, answer_headers, body = answer
             # Content-Length is recomputed on replay, and credentials are never stored.
-            settled = await self._store.settle(
+            settled = await self._store.resolve_completed(
                 record_id, status, headers.storable(answer_headers), body
             )
         if not settled:

@@ -1,1 +1,2 @@
-"""The HTTP edge: FastAPI applications for the proxy port (and, later, the admin port)."""
+"""The HTTP edge: the proxy port (a plain ASGI application), the admin port (FastAPI), and the
+server that runs both."""

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors, metrics, service
+from ..routing import RouteTable
 from ..settings import Settings
 from ..store.postgres import PostgresStore
 from ..upstream import Upstream
@@ -33,7 +34,7 @@ class Runtime:
     store: PostgresStore
     gateway: service.Gateway
     operator: service.Operator
-    routes: service.RouteTable
+    routes: RouteTable
 
 
 @contextlib.asynccontextmanager
@@ -49,7 +50,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
         yield Runtime(
-            settings, store, gateway, service.Operator(store), service.RouteTable(settings.routes)
+            settings, store, gateway, service.Operator(store), RouteTable(settings.routes)
         )
     finally:
         await gateway.drain()

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors, headers, metrics, paths
-from ..service import Gateway, ProxyRequest, ProxyResponse, RouteTable
+from ..routing import RouteTable
+from ..service import Gateway, ProxyRequest, ProxyResponse
 from . import problems
 
 log = logging.getLogger("oncegate.request")

@@ -1,1 +1,2 @@
-"""The demo upstream (and, later, the crash-recovery lab)."""
+"""The demo upstream, and the crash-recovery lab that shows why an agent needs both checkpoints
+and idempotency keys."""

@@ -99,10 +99,12 @@ class AdminStore(Protocol):
     async def delete(self, record_id: int) -> bool | None:
         """Delete a key: True; False when its request is in flight now; None if no such key."""
 
-    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+    async def resolve_completed(
+        self, record_id: int, status: int, headers: Headers, body: bytes
+    ) -> bool:
         """Complete an `unknown` key; False if there is no such `unknown` key."""
 
-    async def release_unknown(self, record_id: int) -> bool:
+    async def resolve_released(self, record_id: int) -> bool:
         """Delete an `unknown` key; False if there is no such `unknown` key."""
 
     async def schema_revision(self) -> str | None: ...

@@ -194,7 +194,9 @@ class MemoryStore:
         del self._rows[(row.scope, row.key)]
         return True
 
-    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+    async def resolve_completed(
+        self, record_id: int, status: int, headers: Headers, body: bytes
+    ) -> bool:
         await self._yield()
         now = self._clock()
         row = self._by_id(record_id)
@@ -213,7 +215,7 @@ class MemoryStore:
         )
         return True
 
-    async def release_unknown(self, record_id: int) -> bool:
+    async def resolve_released(self, record_id: int) -> bool:
         await self._yield()
         row = self._by_id(record_id)
         if row is None or state_of(row, self._clock()) != "unknown":

@@ -178,16 +178,22 @@ class PostgresStore:
             return True
         return False if row["exists"] else None
 
-    @translated("admin_settle")
-    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+    @translated("admin_resolve_completed")
+    async def resolve_completed(
+        self, record_id: int, status: int, headers: Headers, body: bytes
+    ) -> bool:
         row = await self._fetchrow(
-            "admin_settle", id=record_id, status=status, headers=_headers_json(headers), body=body
+            "admin_resolve_completed",
+            id=record_id,
+            status=status,
+            headers=_headers_json(headers),
+            body=body,
         )
         return row is not None
 
-    @translated("admin_release_unknown")
-    async def release_unknown(self, record_id: int) -> bool:
-        return await self._fetchrow("admin_release_unknown", id=record_id) is not None
+    @translated("admin_resolve_released")
+    async def resolve_released(self, record_id: int) -> bool:
+        return await self._fetchrow("admin_resolve_released", id=record_id) is not None
 
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:

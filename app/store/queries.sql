@@ -158,7 +158,7 @@ WITH doomed AS (
 SELECT EXISTS (SELECT FROM doomed) AS deleted,
        EXISTS (SELECT FROM oncegate_keys WHERE id = :id) AS exists;
 
--- name: admin_settle
+-- name: admin_resolve_completed
 -- Settle an `unknown` key as completed with the answer an operator found out, with a new fencing
 -- token so no late gateway overwrites it.
 UPDATE oncegate_keys
@@ -173,7 +173,7 @@ SET state = 'completed',
 WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
 
--- name: admin_release_unknown
+-- name: admin_resolve_released
 DELETE FROM oncegate_keys
 WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;

@@ -207,14 +207,14 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
         assert await store.mark_unknown(await claim(store, key))
     busy = await claim(store, in_flight)
     settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
-    assert await store.settle(settled_id, 201, [("x-a", "b")], b"found")
-    assert not await store.settle(settled_id, 201, [], b"twice")  # completed now
+    assert await store.resolve_completed(settled_id, 201, [("x-a", "b")], b"found")
+    assert not await store.resolve_completed(settled_id, 201, [], b"twice")  # completed now
     found = await record(store, settled)
     assert (found.state, found.body, found.token) == ("completed", b"found", 2)
-    assert await store.release_unknown(released_id)
+    assert await store.resolve_released(released_id)
     assert await store.get(SCOPE, released) is None
-    assert not await store.release_unknown(busy.record_id)
-    assert not await store.settle(busy.record_id, 201, [], b"")
+    assert not await store.resolve_released(busy.record_id)
+    assert not await store.resolve_completed(busy.record_id, 201, [], b"")
     assert await store.delete(busy.record_id) is False  # its request is in flight
     assert await store.delete(settled_id) is True
     assert await store.delete(settled_id) is None

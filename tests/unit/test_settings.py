@@ -1,4 +1,4 @@
-"""oncegate.settings (contract sections 2 and 3) and the route table of oncegate.service."""
+"""oncegate.settings (contract sections 2 and 3) and the route table of oncegate.routing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from oncegate import errors, service, settings
+from oncegate import errors, routing, settings
 
 UPSTREAM = "http://127.0.0.1:9001"
 
@@ -98,7 +98,7 @@ def test_upstream_alone_is_one_catch_all_route_named_default() -> None:
     assert default.name == "default"
     assert default.match == "/"
     assert default.upstream == UPSTREAM
-    table = service.RouteTable(loaded.routes)
+    table = routing.RouteTable(loaded.routes)
     assert table.match("/") is default
     assert table.match("/anything/at/all") is default
 
@@ -112,7 +112,7 @@ def test_upstream_alongside_file_routes_adds_default(tmp_path: Path) -> None:
     path = write(tmp_path, f"routes:\n  - name: pay\n    match: /pay\n    upstream: {UPSTREAM}\n")
     loaded = settings.load({"upstream": "http://127.0.0.1:9002"}, {}, path)
     assert sorted(r.name for r in loaded.routes) == ["default", "pay"]
-    table = service.RouteTable(loaded.routes)
+    table = routing.RouteTable(loaded.routes)
     assert table.match("/pay/x").name == "pay"  # type: ignore[union-attr]
     assert table.match("/other").name == "default"  # type: ignore[union-attr]
 
@@ -522,8 +522,8 @@ def test_config_error_is_not_a_traceback(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def table() -> service.RouteTable:
-    return service.RouteTable(
+def table() -> routing.RouteTable:
+    return routing.RouteTable(
         [
             route(name="root", match="/"),
             route(name="pay", match="/pay"),
@@ -550,14 +550,14 @@ def table() -> service.RouteTable:
         ("/other", "root"),
     ],
 )
-def test_longest_whole_segment_prefix_wins(table: service.RouteTable, path: str, name: str) -> None:
+def test_longest_whole_segment_prefix_wins(table: routing.RouteTable, path: str, name: str) -> None:
     matched = table.match(path)
     assert matched is not None
     assert matched.name == name
 
 
 def test_pay_does_not_match_payments() -> None:
-    table = service.RouteTable([route(name="pay", match="/pay")])
+    table = routing.RouteTable([route(name="pay", match="/pay")])
     assert table.match("/pay").name == "pay"  # type: ignore[union-attr]
     assert table.match("/pay/x").name == "pay"  # type: ignore[union-attr]
     assert table.match("/payments") is None
@@ -567,11 +567,11 @@ def test_pay_does_not_match_payments() -> None:
 def test_order_of_routes_does_not_matter() -> None:
     short, long = route(name="short", match="/a"), route(name="long", match="/a/b")
     for routes in ([short, long], [long, short]):
-        assert service.RouteTable(routes).match("/a/b/c").name == "long"  # type: ignore[union-attr]
+        assert routing.RouteTable(routes).match("/a/b/c").name == "long"  # type: ignore[union-attr]
 
 
 def test_no_route_matches() -> None:
-    assert service.RouteTable([]).match("/x") is None
+    assert routing.RouteTable([]).match("/x") is None
 
 
 # -- upstream URLs ----------------------------------------------------------------------------
@@ -590,9 +590,9 @@ def test_no_route_matches() -> None:
     ],
 )
 def test_upstream_url(match: str, strip: bool, path: str, query: str, expected: str) -> None:
-    assert service.upstream_url(route(match=match, strip_prefix=strip), path, query) == expected
+    assert routing.upstream_url(route(match=match, strip_prefix=strip), path, query) == expected
 
 
 def test_upstream_url_keeps_the_upstream_base_path() -> None:
     based = route(match="/payments/", strip_prefix=True, upstream="http://h:1/api/")
-    assert service.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"
+    assert routing.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"

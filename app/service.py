@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import errors, fingerprint, headers, keys, metrics
 from .routing import upstream_url
 from .settings import ROUTE_NAME, Route
 from .store import AdminStore, Claim, KeyRecord, Record, Store
+from .store.notify import Watch
 from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,17 @@ CLAIM_ATTEMPTS = 5
 # Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
 # a millisecond, less than handing them to a thread costs.
 OFF_LOOP_BODY = 1024 * 1024
+# A waiting request looks at its row this often, in case a settle notification was lost: often
+# enough that a lost one costs half a second, rare enough that a hundred waiters cost PostgreSQL
+# two hundred cheap reads a second.
+WAIT_POLL_INTERVAL = 0.5
+PREFERENCE_APPLIED = "preference-applied"
 PURGE_BATCH_SIZE = 1000
 PURGE_PAUSE = 0.05
+
+
+# Resolves when the client has hung up (the proxy port watches its connection).
+ClientGoneProbe = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +80,7 @@ class ProxyRequest:
     query: str
     headers: Sequence[tuple[str, str]]  # names in lower case, values as received
     body: bytes
+    client_gone: ClientGoneProbe | None = None
 
     def header_values(self, name: str) -> list[str]:
         return [value for header, value in self.headers if header == name]
@@ -106,7 +118,31 @@ class Gateway:
             route.name, [request.header_values(name) for name in route.scope_headers]
         )
         digest = await _fingerprint(request)
-        for _ in range(CLAIM_ATTEMPTS):
+        wait = _Wait.asked(request, route, self._store)
+        try:
+            response = await self._claim_or_answer(route, request, scope, key, digest, wait)
+        except errors.GatewayError as error:
+            if wait is not None and wait.used:
+                error.headers[PREFERENCE_APPLIED] = wait.applied
+            raise
+        finally:
+            if wait is not None:
+                wait.end(route)
+        if wait is not None and wait.used:
+            response.headers = [*response.headers, (PREFERENCE_APPLIED, wait.applied)]
+        return response
+
+    async def _claim_or_answer(
+        self,
+        route: Route,
+        request: ProxyRequest,
+        scope: bytes,
+        key: str,
+        digest: bytes,
+        wait: _Wait | None,
+    ) -> ProxyResponse:
+        laps = 0
+        while laps < CLAIM_ATTEMPTS:
             found = await self._store.claim(
                 route.name, scope, key, digest, route.lease_seconds, route.ttl
             )
@@ -114,12 +150,20 @@ class Gateway:
                 # Held by a claim that committed while ours ran: read it now.
                 found = await self._store.get(scope, key)
                 if found is None:
+                    laps += 1
                     continue  # and already released: claim again
             if isinstance(found, Record):
                 decision = decide(found, digest, route)
                 if isinstance(decision, Replay):
                     return decision.response
                 if isinstance(decision, Refuse):
+                    in_flight = isinstance(decision.error, errors.RequestInProgress)
+                    if (
+                        in_flight
+                        and wait is not None
+                        and await wait.until_settled(found, scope, key)
+                    ):
+                        continue  # it settled (or changed): answer as if we came after it
                     raise decision.error
                 if isinstance(decision, Reclaim):
                     claimed = await self._store.reclaim_expired(
@@ -128,6 +172,7 @@ class Gateway:
                 else:
                     claimed = await self._store.take_over(found, route.lease_seconds)
                 if claimed is None:
+                    laps += 1
                     continue  # it changed since we read it: look again
                 found = claimed
             return await self._forward_protected(route, request, found)
@@ -254,6 +299,79 @@ async def _fingerprint(request: ProxyRequest) -> bytes:
     # SHA-256 releases the GIL over large buffers, so a worker thread hashes a large body
     # without holding up the requests on the event loop (10 MiB: about 10 ms of hashing).
     return await asyncio.to_thread(fingerprint.compute, *arguments)
+
+
+class ClientGone(Exception):
+    """The client hung up while its request waited (`Prefer: wait`): nobody is left to answer,
+    and nothing was claimed for it."""
+
+
+class _Wait:
+    """A request's `Prefer: wait=N` (contract section 9): while its key is in flight, it waits,
+    up to N seconds and the route's `max_wait`, for the key to settle, then is answered as if it
+    had arrived afterwards. Woken by the store's settle notification; it also polls the row, so
+    a lost notification costs time, not the answer. It holds no pooled connection while it
+    waits, and stops when the client hangs up."""
+
+    def __init__(self, seconds: int, store: Store, client_gone: ClientGoneProbe | None) -> None:
+        self._store = store
+        self.applied = f"wait={seconds}"
+        self.used = False
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + seconds
+        self._spent = 0.0
+        self._client_gone = client_gone
+        self._gone: asyncio.Future[None] | None = None  # watching the client, once it waits
+
+    @classmethod
+    def asked(cls, request: ProxyRequest, route: Route, store: Store) -> _Wait | None:
+        requested = headers.requested_wait(request.header_values(headers.PREFER))
+        if not requested:
+            return None
+        return cls(min(requested, int(route.max_wait)), store, request.client_gone)
+
+    async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
+        """Wait for `record`'s claim to settle: True when it did (or changed), False when the
+        time ran out with it still in flight."""
+        loop = asyncio.get_running_loop()
+        if self._deadline <= loop.time():
+            return False
+        self.used = True
+        started = loop.time()
+        watch = self._store.watch(record.id)
+        try:
+            if not await self._store.mark_waited(record):
+                return True  # settled between our read and now
+            while (remaining := self._deadline - loop.time()) > 0:
+                if await self._woken(watch, min(WAIT_POLL_INTERVAL, remaining)):
+                    return True
+                now = await self._store.get(scope, key)
+                if now is None or now.token != record.token or now.state != "in_progress":
+                    return True
+            return False
+        finally:
+            watch.close()
+            self._spent += loop.time() - started
+
+    async def _woken(self, watch: Watch, timeout: float) -> bool:  # noqa: ASYNC109 - a poll
+        if self._client_gone is None:
+            return await watch.wait(timeout)
+        if self._gone is None:
+            self._gone = asyncio.ensure_future(self._client_gone())
+        gone = self._gone
+        woken = asyncio.ensure_future(watch.wait(timeout))
+        racing: list[asyncio.Future[Any]] = [woken, gone]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if gone.done():
+            woken.cancel()
+            raise ClientGone
+        return woken.result()
+
+    def end(self, route: Route) -> None:
+        if self._gone is not None:
+            self._gone.cancel()
+        if self.used:
+            metrics.WAIT_DURATION.labels(route.name).observe(self._spent)
 
 
 @dataclass(frozen=True, slots=True)

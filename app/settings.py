@@ -83,6 +83,7 @@ Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
+DEFAULT_MAX_WAIT = 10.0
 _METHOD = re.compile(r"^[A-Z]+$")
 # A route name: a metric label, a log field and the admin API's `route=`.
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -126,6 +127,8 @@ class Route(BaseModel):
     scope_headers: tuple[str, ...] = Field(("Authorization",), validate_default=True)
     release_statuses: frozenset[int] = frozenset({429, 503})
     on_unknown: Literal["reject", "forward"] = "reject"
+    # The longest a request with `Prefer: wait=N` waits for its key to settle (contract section 9).
+    max_wait: Duration = DEFAULT_MAX_WAIT
 
     @field_validator("name")
     @classmethod

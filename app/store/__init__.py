@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
+from .notify import Watch
+
 # What a key is now (`oncegate_key_state` in SQL, migration 0005): `in_progress` while its lease
 # runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran out,
 # `completed` with its answer stored.
@@ -83,6 +85,13 @@ class Store(Protocol):
 
     async def mark_unknown(self, claim: Claim) -> bool:
         """The request may have reached the upstream and its answer is lost."""
+
+    async def mark_waited(self, record: Record) -> bool:
+        """Ask to be told when this in-flight claim settles (`watch`). False when it is not in
+        flight any more: there is nothing to wait for."""
+
+    def watch(self, record_id: int) -> Watch:
+        """A `Watch` woken when the row settles, for as long as it is not closed."""
 
     async def purge(self, batch_size: int) -> int:
         """Delete one batch of expired keys; return how many."""

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from . import Claim, Headers, KeyRecord, Record, State
+from .notify import Watch, Watchers
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,19 @@ class MemoryStore:
         self._clock = clock
         self._rows: dict[tuple[bytes, str], _Row] = {}
         self._ids = itertools.count(1)
+        self._watchers = Watchers()
+
+    def watch(self, record_id: int) -> Watch:
+        return self._watchers.watch(record_id)
+
+    async def mark_waited(self, record: Record) -> bool:
+        await self._yield()
+        row = self._by_id(record.id)
+        return (
+            row is not None
+            and row.token == record.token
+            and state_of(row, self._clock()) == "in_progress"
+        )
 
     async def _yield(self) -> None:
         # Every operation is a round trip in the real store: let other tasks run in between.
@@ -135,6 +149,7 @@ class MemoryStore:
             completed_at=self._clock(),
             lease_expires_at=None,
         )
+        self._watchers.settled(row.id)
         return True
 
     async def release(self, claim: Claim) -> bool:
@@ -143,6 +158,7 @@ class MemoryStore:
         if row is None:
             return False
         del self._rows[(row.scope, row.key)]
+        self._watchers.settled(row.id)
         return True
 
     async def mark_unknown(self, claim: Claim) -> bool:
@@ -151,6 +167,7 @@ class MemoryStore:
         if row is None:
             return False
         self._rows[(row.scope, row.key)] = replace(row, state="unknown", lease_expires_at=None)
+        self._watchers.settled(row.id)
         return True
 
     async def purge(self, batch_size: int) -> int:

@@ -3,8 +3,9 @@
 Design rules:
 - One statement per operation, autocommitted: one round trip, no transaction held open.
 - The pool does not reset connections on release. Nothing here changes session state (no SET,
-  no LISTEN, no advisory locks, no open transaction), so asyncpg's reset query would only add a
-  round trip to every request.
+  no LISTEN, no advisory locks, no open transaction) on a pooled connection, so asyncpg's reset
+  query would only add a round trip to every request. The one LISTEN is on a connection of its
+  own (`watch`).
 - asyncpg prepares each statement once per connection and reuses it (its statement cache).
 - Storing an answer (`complete`) commits without waiting for the WAL flush (a second, small pool
   whose sessions run with synchronous_commit off): one fsync fewer on every forward. The claim
@@ -19,6 +20,8 @@ Design rules:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -26,7 +29,8 @@ from typing import Any
 import asyncpg
 
 from . import Claim, Headers, KeyRecord, Record
-from .errors import translated
+from .errors import DRIVER_ERRORS, translated
+from .notify import Watch, Watchers
 from .queries import QUERIES
 
 log = logging.getLogger(__name__)
@@ -42,10 +46,21 @@ async def _no_reset(connection: asyncpg.Connection) -> None:
     """See the module docstring: nothing to reset."""
 
 
+# `Prefer: wait`: settles of rows someone waits on are announced on this channel (queries.sql),
+# and one connection per process listens to it, opened when the first request waits. Waiters
+# also poll their row, so a broken listener only slows them until it is back.
+CHANNEL = "oncegate_settled"
+LISTENER_NAME = "oncegate-listener"  # its application_name, to find it in pg_stat_activity
+LISTEN_RETRY = 1.0
+
+
 class PostgresStore:
-    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, url: str) -> None:
         self._pool = pool
         self._answer_pool = answer_pool
+        self._url = url
+        self._watchers = Watchers()
+        self._listening: asyncio.Task[None] | None = None
 
     @classmethod
     @translated("connect", "cannot connect to PostgreSQL")
@@ -68,11 +83,52 @@ class PostgresStore:
         except BaseException:
             await pool.close()
             raise
-        return cls(pool, answer_pool)
+        return cls(pool, answer_pool, url)
 
     async def close(self) -> None:
+        if self._listening is not None:
+            self._listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listening
         await self._answer_pool.close()
         await self._pool.close()
+
+    def watch(self, record_id: int) -> Watch:
+        if self._listening is None:
+            self._listening = asyncio.create_task(self._listen_forever())
+        return self._watchers.watch(record_id)
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen_once()
+            except DRIVER_ERRORS as exc:
+                log.warning("listening for settled keys failed: %s: %s", type(exc).__name__, exc)
+            self._watchers.wake_all()  # what settled while nobody listened: look again now
+            await asyncio.sleep(LISTEN_RETRY)
+
+    async def _listen_once(self) -> None:
+        connection = await asyncpg.connect(
+            self._url, timeout=CONNECT_TIMEOUT, server_settings={"application_name": LISTENER_NAME}
+        )
+        closed = asyncio.Event()
+        connection.add_termination_listener(lambda _: closed.set())
+        try:
+            await connection.add_listener(CHANNEL, self._notified)
+            self._watchers.wake_all()
+            await closed.wait()
+            log.warning("the connection listening for settled keys was lost; reconnecting")
+        finally:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await connection.close(timeout=CONNECT_TIMEOUT)
+
+    def _notified(self, connection: object, pid: int, channel: str, payload: str) -> None:
+        self._watchers.settled(int(payload))
+
+    @translated("mark_waited")
+    async def mark_waited(self, record: Record) -> bool:
+        row = await self._fetchrow("mark_waited", id=record.id, token=record.token)
+        return row is not None
 
     async def _fetchrow(
         self, operation: str, pool: asyncpg.Pool | None = None, **parameters: object

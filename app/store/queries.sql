@@ -69,7 +69,8 @@ SET route = :route,
     response_status = NULL,
     response_headers = NULL,
     response_body = NULL,
-    response_stored = false
+    response_stored = false,
+    waited = false
 WHERE id = :id
   AND fencing_token = :token
   AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
@@ -91,7 +92,8 @@ RETURNING id, fencing_token;
 
 -- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
--- better than `unknown`); a take-over changed the token and refuses it.
+-- better than `unknown`); a take-over changed the token and refuses it. A settle wakes the
+-- requests waiting on the key (`mark_waited`), delivered when it commits.
 UPDATE oncegate_keys
 SET state = 'completed',
     response_status = :status,
@@ -101,18 +103,29 @@ SET state = 'completed',
     completed_at = now(),
     lease_expires_at = NULL
 WHERE id = :id AND fencing_token = :token AND state IN ('in_progress', 'unknown')
-RETURNING id;
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
 
 -- name: release
 DELETE FROM oncegate_keys
 WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
-RETURNING id;
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
 
 -- name: mark_unknown
 UPDATE oncegate_keys
 SET state = 'unknown',
     lease_expires_at = NULL
 WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
+
+-- name: mark_waited
+-- `Prefer: wait`: ask for a notification when this in-flight key settles (complete, release
+-- and mark_unknown send one for a row marked so; migration 0006). Nothing returned: it is not
+-- in flight any more (or not this claim), so there is nothing to wait for.
+UPDATE oncegate_keys
+SET waited = true
+WHERE id = :id
+  AND fencing_token = :token
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'in_progress'
 RETURNING id;
 
 -- name: purge

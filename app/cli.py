@@ -74,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     purge = commands.add_parser("purge", help="delete expired keys once, in batches")
     purge.set_defaults(run=_purge)
 
+    rekey = commands.add_parser(
+        "rekey",
+        help="re-seal stored answers under the newest key of ONCEGATE_ENCRYPTION_KEYS",
+        description="Re-seal every stored answer (and seal plaintext ones) under the first key "
+        "of ONCEGATE_ENCRYPTION_KEYS, in bounded batches, so an older key can be removed. Safe "
+        "beside running gateways, and to stop and start again.",
+    )
+    rekey.add_argument("--batch-size", type=_positive, default=500, help="rows per batch (500)")
+    rekey.set_defaults(run=_rekey)
+
     demo = commands.add_parser(
         "demo-upstream", help="a fake email/ticket/payment service for demos, the lab and tests"
     )
@@ -232,6 +242,33 @@ def _purge(arguments: argparse.Namespace) -> int:
     with _database(url, data_dir) as database_url:
         deleted = asyncio.run(purge(database_url))
     print(f"purged {deleted} expired keys")
+    return 0
+
+
+def _rekey(arguments: argparse.Namespace) -> int:
+    from . import rekey
+    from .sealing import Keyring
+
+    logs.configure("text", "warning")
+    text = os.environ.get("ONCEGATE_ENCRYPTION_KEYS")
+    if not text:
+        raise errors.ConfigError(
+            "rekey needs ONCEGATE_ENCRYPTION_KEYS (name:base64-key,...): the first key seals"
+        )
+    keyring = Keyring.parse(text)
+    url, data_dir = _database_settings()
+    with _database(url, data_dir) as database_url:
+        done, unopenable = rekey.run(database_url, keyring, sys.stdout, arguments.batch_size)
+    print(f"re-sealed {done} stored answers under key {keyring.current!r}")
+    if unopenable:
+        print(
+            f"{len(unopenable)} stored answers could not be opened and were left as they are "
+            "(keep their key until they expire, or resolve them on the admin API):",
+            file=sys.stderr,
+        )
+        for record_id, reason in unopenable[:20]:
+            print(f"  key id {record_id}: {reason}", file=sys.stderr)
+        return 1
     return 0
 
 

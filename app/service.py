@@ -40,8 +40,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import errors, fingerprint, headers, keys, metrics
+from . import errors, fingerprint, headers, keys, metrics, sealing
 from .routing import upstream_url
+from .sealing import Keyring, SealedAnswer
 from .settings import ROUTE_NAME, Route
 from .store import AdminStore, Claim, KeyRecord, Record, Store
 from .store.notify import Watch
@@ -98,10 +99,13 @@ class ProxyResponse:
 
 
 class Gateway:
-    def __init__(self, store: Store, upstream: Upstream) -> None:
+    def __init__(self, store: Store, upstream: Upstream, keyring: Keyring | None = None) -> None:
         self._store = store
         self._upstream = upstream
+        # Seals every stored answer when set (ONCEGATE_ENCRYPTION_KEYS); opens sealed ones.
+        self._keyring = keyring
         self._inflight: set[asyncio.Task[ProxyResponse]] = set()
+        self._unopenable_logged: set[str] = set()
 
     async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
         if request.method not in route.methods:
@@ -153,10 +157,11 @@ class Gateway:
                     laps += 1
                     continue  # and already released: claim again
             if isinstance(found, Record):
-                decision = decide(found, digest, route)
+                decision = decide(found, digest, route, self._keyring, scope)
                 if isinstance(decision, Replay):
                     return decision.response
                 if isinstance(decision, Refuse):
+                    self._log_sealed(decision.error)
                     in_flight = isinstance(decision.error, errors.RequestInProgress)
                     if (
                         in_flight
@@ -175,16 +180,24 @@ class Gateway:
                     laps += 1
                     continue  # it changed since we read it: look again
                 found = claimed
-            return await self._forward_protected(route, request, found)
+            return await self._forward_protected(route, request, found, scope)
         raise errors.RequestInProgress(
             "this Idempotency-Key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
         )
 
+    def _log_sealed(self, error: errors.GatewayError) -> None:
+        """Say once per key name that stored answers cannot be opened: an operator must add
+        the key; every retry meanwhile gets 503 answer-sealed."""
+        if isinstance(error, errors.AnswerSealed) and error.key_name not in self._unopenable_logged:
+            self._unopenable_logged.add(error.key_name)
+            log.error("stored answers sealed with key %r cannot be opened: %s", error.key_name,
+                      error.reason)  # fmt: skip
+
     async def _forward_protected(
-        self, route: Route, request: ProxyRequest, claim: Claim
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> ProxyResponse:
-        task = asyncio.create_task(self._forward_and_settle(route, request, claim))
+        task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
         self._inflight.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)
@@ -202,7 +215,7 @@ class Gateway:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def _forward_and_settle(
-        self, route: Route, request: ProxyRequest, claim: Claim
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> ProxyResponse:
         try:
             response = await self._send(route, request)
@@ -223,12 +236,19 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, "released")
-        stored_headers = headers.storable(response.headers)
-        body = response.body if len(response.body) <= route.max_stored_response else None
-        await self._settle(
-            "complete", self._store.complete(claim, response.status, stored_headers, body)
-        )
+        answer = None  # too large to store: the status alone
+        if len(response.body) <= route.max_stored_response:
+            body = response.body if route.store == "full" else b""
+            answer = self._sealed(claim.record_id, scope, headers.storable(response.headers), body)
+        await self._settle("complete", self._store.complete(claim, response.status, answer))
         return _answer(response, "forwarded")
+
+    def _sealed(
+        self, record_id: int, scope: bytes, answer_headers: Sequence[tuple[str, str]], body: bytes
+    ) -> SealedAnswer:
+        if self._keyring is None:
+            return sealing.plaintext(answer_headers, body)
+        return self._keyring.seal(record_id, scope, answer_headers, body)
 
     async def _forward_unprotected(
         self, route: Route, request: ProxyRequest, outcome: str
@@ -402,9 +422,16 @@ class TakeOver:
 Decision = Replay | Refuse | Reclaim | TakeOver
 
 
-def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
+def decide(
+    record: Record,
+    fingerprint: bytes,
+    route: Route,
+    keyring: Keyring | None = None,
+    scope: bytes = b"",
+) -> Decision:
     """What to do with a request whose key someone claimed before (contract sections 4 and 5).
-    Pure: `Gateway.handle` applies the decision through the store."""
+    Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
+    with `keyring`, bound to the row's id and `scope`."""
     if record.state == "expired":
         return Reclaim()  # a new key, whatever was sent under it before
     if record.fingerprint != fingerprint:
@@ -415,7 +442,7 @@ def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
             )
         )
     if record.state == "completed":
-        return _replay(record)
+        return _replay(record, keyring, scope)
     if record.state == "in_progress":
         return Refuse(
             errors.RequestInProgress(
@@ -433,7 +460,7 @@ def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
     )
 
 
-def _replay(record: Record) -> Replay | Refuse:
+def _replay(record: Record, keyring: Keyring | None, scope: bytes) -> Replay | Refuse:
     assert record.status is not None
     if not record.stored:
         return Refuse(
@@ -443,12 +470,31 @@ def _replay(record: Record) -> Replay | Refuse:
                 "it was not performed again"
             )
         )
-    assert record.headers is not None and record.body is not None
+    body: bytes | None
+    if record.sealed_with is None:
+        assert record.headers is not None and record.body is not None
+        answer_headers, body = list(record.headers), record.body
+    else:
+        try:
+            if keyring is None:
+                answer_headers, body = sealing.open_plain(record.stored_answer())
+            else:
+                answer_headers, body = keyring.open(record.id, scope, record.stored_answer())
+        except sealing.Unopenable as exc:
+            return Refuse(
+                errors.AnswerSealed(
+                    f"the request with this Idempotency-Key was performed (status "
+                    f"{record.status}), but its stored answer cannot be opened; it is replayed "
+                    "once the gateway has its key. It will not be performed again",
+                    key_name=exc.key_name,
+                    reason=str(exc),
+                )
+            )
     return Replay(
         ProxyResponse(
             status=record.status,
-            headers=[*record.headers, headers.REPLAYED],
-            body=record.body,
+            headers=[*answer_headers, headers.REPLAYED],
+            body=body or b"",
             outcome="replayed",
             blocked="replayed",
         )
@@ -469,10 +515,23 @@ class Operator:
     """What an operator may do to keys, for the admin API (contract section 6): look a key up in
     every scope, release it, or settle an `unknown` one. The rules are here, not in the HTTP
     layer: a key in flight is never released under its request, only an `unknown` key is
-    resolved, and input that cannot name a key never reaches the store."""
+    resolved, and input that cannot name a key never reaches the store. With a keyring, the
+    answers it stores are sealed and the ones it shows are opened."""
 
-    def __init__(self, store: AdminStore) -> None:
+    def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
         self._store = store
+        self._keyring = keyring
+
+    def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
+        """A record's stored headers and body, opened; (None, None) when they cannot be."""
+        if record.sealed_with is None:
+            return (None if record.headers is None else list(record.headers)), record.body
+        try:
+            if self._keyring is None:
+                return sealing.open_plain(record.stored_answer())
+            return self._keyring.open(record.id, record.scope, record.stored_answer())
+        except sealing.Unopenable:
+            return None, None
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not (key.isascii() and key.isprintable()):
@@ -505,10 +564,17 @@ class Operator:
             settled = await self._store.resolve_released(record_id)
         else:
             status, answer_headers, body = answer
+            scope = await self._store.scope_of(record_id)
+            if scope is None:
+                raise errors.NotFound(f"no key with id {record_id}")
             # Content-Length is recomputed on replay, and credentials are never stored.
-            settled = await self._store.resolve_completed(
-                record_id, status, headers.storable(answer_headers), body
+            storable = headers.storable(answer_headers)
+            sealed = (
+                sealing.plaintext(storable, body)
+                if self._keyring is None
+                else self._keyring.seal(record_id, scope, storable, body)
             )
+            settled = await self._store.resolve_completed(record_id, status, sealed)
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 

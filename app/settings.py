@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from . import errors
+from .sealing import Keyring
 
 ENV_PREFIX = "ONCEGATE_"
 
@@ -129,6 +130,9 @@ class Route(BaseModel):
     on_unknown: Literal["reject", "forward"] = "reject"
     # The longest a request with `Prefer: wait=N` waits for its key to settle (contract section 9).
     max_wait: Duration = DEFAULT_MAX_WAIT
+    # `status_only`: keep the status and headers of answers, not their bodies (for APIs whose
+    # answers must not be kept); a replay then has an empty body.
+    store: Literal["full", "status_only"] = "full"
 
     @field_validator("name")
     @classmethod
@@ -218,7 +222,22 @@ class Settings(BaseModel):
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     purge_interval: Duration = 60.0
+    # `name:base64,...`: seal stored answers (oncegate.sealing). Checked at load, never echoed.
+    encryption_keys: str | None = None
     routes: tuple[Route, ...] = ()
+
+    @field_validator("encryption_keys")
+    @classmethod
+    def _encryption_keys(cls, value: str | None) -> str | None:
+        if value:
+            try:
+                Keyring.parse(value)
+            except errors.ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value or None
+
+    def keyring(self) -> Keyring | None:
+        return Keyring.parse(self.encryption_keys) if self.encryption_keys else None
 
     @field_validator("database_url")
     @classmethod

@@ -41,7 +41,8 @@ class Runtime:
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
     store = await PostgresStore.connect(database_url)
     upstream = Upstream()
-    gateway = service.Gateway(store, upstream)
+    keyring = settings.keyring()
+    gateway = service.Gateway(store, upstream, keyring)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
     for route in settings.routes:
         # Every route's block counters exist from the start, at zero, so a dashboard's rate()
@@ -50,7 +51,11 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
         yield Runtime(
-            settings, store, gateway, service.Operator(store), RouteTable(settings.routes)
+            settings,
+            store,
+            gateway,
+            service.Operator(store, keyring),
+            RouteTable(settings.routes),
         )
     finally:
         await gateway.drain()

@@ -24,10 +24,13 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
+from .. import sealing
+from ..sealing import Keyring, SealedAnswer
 from . import Claim, Headers, KeyRecord, Record
 from .errors import DRIVER_ERRORS, translated
 from .notify import Watch, Watchers
@@ -171,19 +174,15 @@ class PostgresStore:
         return Claim(row["id"], row["fencing_token"]) if row else None
 
     @translated("complete")
-    async def complete(
-        self, claim: Claim, status: int, headers: Headers, body: bytes | None
-    ) -> bool:
-        stored = body is not None
+    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         row = await self._fetchrow(
             "complete",
             pool=self._answer_pool,
             id=claim.record_id,
             token=claim.token,
             status=status,
-            headers=_headers_json(headers) if stored else None,
-            body=body,
-            stored=stored,
+            stored=answer is not None,
+            **_answer_columns(answer),
         )
         return row is not None
 
@@ -215,6 +214,7 @@ class PostgresStore:
             KeyRecord(
                 id=row["id"],
                 route=row["route"],
+                scope=bytes(row["scope"]),
                 key=row["key"],
                 state=row["state"],
                 status=row["response_status"],
@@ -223,6 +223,8 @@ class PostgresStore:
                 created_at=row["created_at"],
                 completed_at=row["completed_at"],
                 expires_at=row["expires_at"],
+                sealed_with=row["sealed_with"],
+                sealed_headers=row["sealed_headers"],
             )
             for row in rows
         ]
@@ -235,17 +237,55 @@ class PostgresStore:
         return False if row["exists"] else None
 
     @translated("admin_resolve_completed")
-    async def resolve_completed(
-        self, record_id: int, status: int, headers: Headers, body: bytes
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
         row = await self._fetchrow(
-            "admin_resolve_completed",
-            id=record_id,
-            status=status,
-            headers=_headers_json(headers),
-            body=body,
+            "admin_resolve_completed", id=record_id, status=status, **_answer_columns(answer)
         )
         return row is not None
+
+    @translated("admin_scope")
+    async def scope_of(self, record_id: int) -> bytes | None:
+        row = await self._fetchrow("admin_scope", id=record_id)
+        return None if row is None else bytes(row["scope"])
+
+    @translated("rekey")
+    async def rekey(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
+        """Re-seal the next batch of stored answers (ids above `after`) under the keyring's
+        newest key, in one transaction. An answer that cannot be opened is left as it is and
+        reported: re-sealing must never lose one."""
+        batch, update, remaining = (
+            QUERIES["rekey_batch"], QUERIES["rekey_row"], QUERIES["rekey_remaining"]
+        )  # fmt: skip
+        resealed, unopenable, last = 0, [], after
+        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+            async with connection.transaction():
+                rows = await connection.fetch(
+                    batch.sql,
+                    *batch.arguments(
+                        {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                    ),
+                )
+                for row in rows:
+                    last = row["id"]
+                    scope = bytes(row["scope"])
+                    try:
+                        headers, body = keyring.open(row["id"], scope, _stored(row))
+                    except sealing.Unopenable as exc:
+                        unopenable.append((row["id"], str(exc)))
+                        continue
+                    sealed = keyring.seal(row["id"], scope, headers, body)
+                    await connection.execute(
+                        update.sql,
+                        *update.arguments(
+                            {"id": row["id"], "token": row["fencing_token"], "body": sealed.body,
+                             "sealed_with": sealed.key_name, "sealed_headers": sealed.headers}
+                        ),
+                    )  # fmt: skip
+                    resealed += 1
+            left: int = await connection.fetchval(
+                remaining.sql, *remaining.arguments({"newest": keyring.current, "after": last})
+            )
+        return RekeyBatch(resealed, unopenable, last, left, done=not rows)
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:
@@ -268,10 +308,6 @@ def _headers(document: str | None) -> Headers | None:
     return [(name, value) for name, value in json.loads(document)] if document else None
 
 
-def _headers_json(headers: Headers) -> str:
-    return json.dumps([list(pair) for pair in headers])
-
-
 def _record(row: asyncpg.Record) -> Record:
     return Record(
         id=row["id"],
@@ -282,4 +318,33 @@ def _record(row: asyncpg.Record) -> Record:
         headers=_headers(row["response_headers"]),
         body=row["response_body"],
         stored=row["response_stored"],
+        sealed_with=row["sealed_with"],
+        sealed_headers=row["sealed_headers"],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RekeyBatch:
+    resealed: int
+    unopenable: list[tuple[int, str]]  # row id and why
+    last: int  # the highest id looked at: the next batch starts after it
+    left: int  # answers after it still to re-seal
+    done: bool  # nothing was left to look at
+
+
+def _answer_columns(answer: SealedAnswer | None) -> dict[str, object]:
+    """The columns of a stored answer: sealed ones in `sealed_headers` and `response_body`,
+    plaintext headers as JSON in `response_headers`."""
+    if answer is None:
+        return {"headers": None, "body": None, "sealed_with": None, "sealed_headers": None}
+    if answer.key_name is None:
+        return {"headers": answer.headers.decode(), "body": answer.body, "sealed_with": None,
+                "sealed_headers": None}  # fmt: skip
+    return {"headers": None, "body": answer.body, "sealed_with": answer.key_name,
+            "sealed_headers": answer.headers}  # fmt: skip
+
+
+def _stored(row: asyncpg.Record) -> SealedAnswer:
+    if row["sealed_with"] is not None:
+        return SealedAnswer(row["sealed_with"], row["sealed_headers"], row["response_body"])
+    return sealing.plaintext(_headers(row["response_headers"]) or [], row["response_body"])

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from oncegate import errors, fingerprint, headers, keys, service, settings
+from oncegate.sealing import plaintext
 from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
@@ -159,7 +160,9 @@ async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
                 self.calls.append("claim")
                 winner = await MemoryStore.claim(self, *args, **kwargs)  # type: ignore[arg-type]
                 assert isinstance(winner, Claim)
-                await self.complete(winner, 201, [("location", "/a/1")], b'{"first": true}')
+                await self.complete(
+                    winner, 201, plaintext([("location", "/a/1")], b'{"first": true}')
+                )
                 return None
             return await super().claim(*args, **kwargs)
 
@@ -218,7 +221,9 @@ async def test_an_unknown_key_on_a_forwarding_route_is_taken_over_and_forwarded(
     assert (answer.status, answer.outcome) == (201, "forwarded")
     [found] = await store.find("k5", None)
     assert found.state == "completed"
-    assert not await store.complete(first, 500, [], b"late")  # the old token settles nothing
+    assert not await store.complete(
+        first, 500, plaintext([], b"late")
+    )  # the old token settles nothing
 
 
 def waiting(key: str, gone: asyncio.Event | None = None) -> ProxyRequest:
@@ -244,7 +249,7 @@ async def test_a_waiting_request_is_woken_by_the_settle_and_replayed(
     waiter = asyncio.create_task(Gateway(store, upstream).handle(route, waiting("w1")))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # waiting, not answered 409
-    assert await store.complete(first, 201, [("location", "/a/1")], b"settled")
+    assert await store.complete(first, 201, plaintext([("location", "/a/1")], b"settled"))
     answer = await asyncio.wait_for(waiter, 10)
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert ("preference-applied", "wait=10") in answer.headers

@@ -163,7 +163,7 @@ def _lab_costs() -> str:
     lines += ["", "The model expects, per run (docs/lab.md shows the arithmetic):"]
     for name in "ABD":
         tokens, seconds = crashlab.expectation(crashlab.STRATEGIES[name])
-        also = {"B": " (and C, E, F)"}.get(name, "")
+        also = {"B": " (and C, E)", "D": " (and F)"}.get(name, "")
         lines.append(f"  {name} {tokens:>8,.0f} tokens {seconds:>6.2f} s wasted{also}")
     return "\n".join(lines)
 

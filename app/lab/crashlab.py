@@ -144,11 +144,13 @@ def expectation(strategy: Strategy) -> tuple[float, float]:
     action step, GAP_SHARE of the crashes fall after the action instead, its step finished.
     Restarting (A) redoes every step before the crashed one; a checkpoint redoes none. A
     finished step caught in the gap is redone in full when the action comes before its
-    checkpoint (A, B, C), and not at all when the checkpoint comes first (D)."""
+    checkpoint (A, B, C, E), and not at all when the checkpoint comes first (D) or when the
+    run stops for reconciliation and the step is marked done from the upstream's records (F)."""
+    redoes_gap = strategy.order == "act-then-save" and not (strategy.late and strategy.age_check)
     tokens = seconds = 0.0
     for step in range(1, STEPS + 1):
         gap = GAP_SHARE if step in ACTION_STEPS else 0.0
-        share = (1 - gap) / 2 + (gap if strategy.order == "act-then-save" else 0.0)
+        share = (1 - gap) / 2 + (gap if redoes_gap else 0.0)
         before = [] if strategy.checkpoints else [COSTS[earlier] for earlier in range(1, step)]
         tokens += share * COSTS[step].tokens + sum(cost.tokens for cost in before)
         seconds += share * COSTS[step].seconds + sum(cost.seconds for cost in before)

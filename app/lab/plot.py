@@ -12,7 +12,7 @@ from pathlib import Path
 from .crashlab import STRATEGIES, Outcome
 from .task import STEPS
 
-WIDTH, HEIGHT = 760, 640
+WIDTH, HEIGHT = 760, 660
 PANEL_WIDTH, PANEL_HEIGHT = 340, 200
 ROWS = (60, 340)  # the top of each row of panels
 COLUMNS = (20, 400)
@@ -73,17 +73,19 @@ def svg(outcome: Outcome) -> str:
         (COLUMNS[1], ROWS[1]), "seconds wasted / saving checkpoints (avg per run)", names,
         seconds, _ceiling(top), "{:.2f}".format,
     )  # fmt: skip
-    legend_y = HEIGHT - 40
+    # Three strategies to a line: six on one would run off the chart.
+    for line, first in enumerate(range(0, len(names), 3)):
+        descriptions = "; ".join(f"{name}: {STRATEGIES[name].title}" for name in names[first:][:3])
+        parts.append(
+            f'<text x="{WIDTH / 2}" y="{HEIGHT - 68 + line * 14}" text-anchor="middle" '
+            f'font-size="10">{escape(descriptions)}</text>'
+        )
+    legend_y = HEIGHT - 22
     for index, (label, kind) in enumerate(LEGEND):
         x = 40 + (index % 3) * 240
-        y = legend_y + (index // 3) * 18
+        y = legend_y + (index // 3) * 16
         parts.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{COLOURS[kind]}"/>')
         parts.append(f'<text x="{x + 18}" y="{y}">{escape(label)}</text>')
-    descriptions = "; ".join(f"{name}: {STRATEGIES[name].title}" for name in names)
-    parts.append(
-        f'<text x="{WIDTH / 2}" y="{HEIGHT - 62}" text-anchor="middle" font-size="10">'
-        f"{escape(descriptions)}</text>"
-    )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 

@@ -183,8 +183,12 @@ def test_a_late_resume_duplicates_without_the_age_check_and_stops_with_it(
 
 
 @pytest.mark.timeout(300)
-def test_late_resume_adds_its_two_rows_to_the_json_and_the_table() -> None:
-    result = lab("--runs", "6", "--seed", "11", "--strategies", "C", "--late-resume", "--json")
+def test_late_resume_adds_its_two_rows_to_the_json_and_the_chart(tmp_path: Path) -> None:
+    chart = tmp_path / "late.svg"
+    result = lab(
+        "--runs", "6", "--seed", "11", "--strategies", "C", "--late-resume", "--json",
+        "--plot", str(chart),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert list(document["strategies"]) == ["C", "E", "F"]
@@ -194,3 +198,8 @@ def test_late_resume_adds_its_two_rows_to_the_json_and_the_table() -> None:
     late = document["late_resume"]
     assert late["F"]["runs_stopped"] == late["F"]["runs_left_pending"]
     assert late["F"]["marked_done"] + late["F"]["resent"] == late["F"]["runs_stopped"]
+    drawing = chart.read_text()
+    for title in ("tokens wasted (avg per run", "seconds wasted / saving checkpoints"):
+        assert title in drawing
+    assert "F: E with the key-age check" in drawing
+    assert f">{checked['wasted_tokens_avg']:,.0f}</text>" in drawing

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -12,15 +11,6 @@ import pytest
 from oncegate import schema
 from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
 from oncegate.store.checkpoints import PostgresCheckpoints
-
-
-@pytest.fixture
-async def checkpoints(database_url: str) -> AsyncIterator[PostgresCheckpoints]:
-    store = await PostgresCheckpoints.connect(database_url)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def test_a_run_never_saved_has_no_checkpoint(checkpoints: PostgresCheckpoints) -> None:

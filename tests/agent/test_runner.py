@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -150,15 +150,6 @@ PAY_STEPS = [
 LIFETIME = KeyLifetime(ttl=timedelta(hours=24), margin=timedelta(hours=1))
 
 
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[PostgresCheckpoints]:
-    checkpoints = await PostgresCheckpoints.connect(database_url)
-    try:
-        yield checkpoints
-    finally:
-        await checkpoints.close()
-
-
 async def left_pending(store: PostgresCheckpoints, age: timedelta) -> str:
     """A run stopped at step 2 with its charge saved `age` ago (maybe sent); its id."""
     run_id = f"late-{uuid.uuid4().hex[:8]}"
@@ -168,12 +159,12 @@ async def left_pending(store: PostgresCheckpoints, age: timedelta) -> str:
 
 
 async def test_an_action_saved_longer_ago_than_the_key_lifetime_is_not_resent(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(hours=30))
+    run_id = await left_pending(checkpoints, timedelta(hours=30))
     sender = Recorder(LIFETIME)
     with pytest.raises(StaleAction) as raised:
-        await run_agent(run_id, PAY_STEPS, store, sender, task="pay-task")
+        await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
     assert sender.sent == []
     stale = raised.value
     key = f"{run_id}:step-2:charge"
@@ -183,65 +174,67 @@ async def test_an_action_saved_longer_ago_than_the_key_lifetime_is_not_resent(
     for part in (repr(run_id), "step 2", key, "30.0 h", "mark_done(store,", "allow_resend(store,"):
         assert part in message
     # Nothing moved: the run stays stopped at its pending action until someone reconciles it.
-    checkpoint = await store.load(run_id)
+    checkpoint = await checkpoints.load(run_id)
     assert checkpoint is not None and checkpoint.next_step == 2 and checkpoint.pending is not None
 
 
 async def test_within_the_margin_of_the_lifetime_is_too_late_already(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(hours=23, minutes=30))
+    run_id = await left_pending(checkpoints, timedelta(hours=23, minutes=30))
     with pytest.raises(StaleAction):
-        await run_agent(run_id, PAY_STEPS, store, Recorder(LIFETIME), task="pay-task")
+        await run_agent(run_id, PAY_STEPS, checkpoints, Recorder(LIFETIME), task="pay-task")
 
 
 async def test_a_fresh_pending_action_is_resent_with_the_same_key(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(hours=22))
+    run_id = await left_pending(checkpoints, timedelta(hours=22))
     sender = Recorder(LIFETIME)
-    outputs = await run_agent(run_id, PAY_STEPS, store, sender, task="pay-task")
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
     assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
     assert outputs == ("thought", {"sent": 1}, "closed")
 
 
-async def test_with_the_check_off_a_late_action_is_resent(store: PostgresCheckpoints) -> None:
-    run_id = await left_pending(store, timedelta(days=3))
+async def test_with_the_check_off_a_late_action_is_resent(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(days=3))
     sender = Recorder(key_lifetime=None)
-    await run_agent(run_id, PAY_STEPS, store, sender, task="pay-task")
+    await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
     assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
 
 
 async def test_allowing_the_resend_explicitly_resends_it_with_the_same_key(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(days=3))
+    run_id = await left_pending(checkpoints, timedelta(days=3))
     with pytest.raises(StaleAction):
-        await run_agent(run_id, PAY_STEPS, store, Recorder(LIFETIME), task="pay-task")
-    await allow_resend(store, run_id, 2)
+        await run_agent(run_id, PAY_STEPS, checkpoints, Recorder(LIFETIME), task="pay-task")
+    await allow_resend(checkpoints, run_id, 2)
     sender = Recorder(LIFETIME)
-    outputs = await run_agent(run_id, PAY_STEPS, store, sender, task="pay-task")
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
     assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
     assert outputs == ("thought", {"sent": 1}, "closed")
 
 
 async def test_marking_the_step_done_records_the_answer_and_sends_nothing(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(days=3))
+    run_id = await left_pending(checkpoints, timedelta(days=3))
     receipt: JSON = {"id": "ch_81", "amount_cents": 4200}
-    await mark_done(store, run_id, 2, receipt)
+    await mark_done(checkpoints, run_id, 2, receipt)
     sender = Recorder(LIFETIME)
-    outputs = await run_agent(run_id, PAY_STEPS, store, sender, task="pay-task")
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
     assert sender.sent == []
     assert outputs == ("thought", receipt, "closed")
 
 
 async def test_reconciling_a_step_that_has_nothing_pending_is_refused(
-    store: PostgresCheckpoints,
+    checkpoints: PostgresCheckpoints,
 ) -> None:
-    run_id = await left_pending(store, timedelta(days=3))
+    run_id = await left_pending(checkpoints, timedelta(days=3))
     with pytest.raises(CheckpointError, match="no pending action at step 3"):
-        await mark_done(store, run_id, 3, {})
+        await mark_done(checkpoints, run_id, 3, {})
     with pytest.raises(CheckpointError, match="has no checkpoint"):
-        await allow_resend(store, "never-ran", 2)
+        await allow_resend(checkpoints, "never-ran", 2)

@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from oncegate.agent.client import (
     ActionClient,
     GaveUp,
+    KeyLifetime,
     KeyReused,
     OutcomeUnknown,
     RetryPolicy,
@@ -163,3 +165,15 @@ def test_only_the_gateways_problems_have_a_problem_name() -> None:
     )
     assert problem_name(problem) == "request-in-progress"
     assert problem_name(httpx.Response(409, json={"type": "x"})) is None
+
+
+def test_a_key_lifetime_resends_until_its_ttl_less_the_margin() -> None:
+    assert KeyLifetime().resend_until == timedelta(hours=23)
+    lifetime = KeyLifetime(ttl=timedelta(seconds=2), margin=timedelta(seconds=0.5))
+    assert lifetime.resend_until == timedelta(seconds=1.5)
+    with pytest.raises(ValueError, match="must be positive"):
+        KeyLifetime(ttl=timedelta(0))
+    with pytest.raises(ValueError, match="less than the ttl"):
+        KeyLifetime(ttl=timedelta(hours=1), margin=timedelta(hours=1))
+    with pytest.raises(ValueError, match="at least 0"):
+        KeyLifetime(margin=timedelta(seconds=-1))

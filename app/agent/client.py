@@ -1,6 +1,9 @@
 """Send an action through the gateway with its key, and retry only what is safe to retry.
 
-Rules (issue 5):
+Rules:
+- Every keyed request says `Prefer: wait=N` (`RetryPolicy.wait`, 10 s; 0 turns it off): a retry
+  that finds the first attempt still in flight waits at the gateway for its answer, instead of
+  a 409 and a poll.
 - 2xx: done. A replay (`Idempotent-Replayed: true`) is as good as the first answer.
 - 409 `request-in-progress`: the first attempt is still running; wait `Retry-After`, ask again.
 - Connection errors: with a key, retry with backoff. Nothing was sent (connect refused or timed
@@ -73,6 +76,9 @@ class RetryPolicy:
     backoff_cap: float = 2.0
     # The longest a `Retry-After` is honoured; a larger one is treated as this.
     max_retry_after: float = 10.0
+    # Seconds a keyed request asks the gateway to wait for a first attempt in flight
+    # (`Prefer: wait`); the gateway caps it by the route's max_wait. 0: do not ask.
+    wait: int = 10
     # Overall bound on one action, retries and waits included.
     deadline: float = 60.0
 
@@ -167,6 +173,8 @@ class ActionClient:
         request_headers = dict(headers or {})
         if key is not None:
             request_headers[KEY_HEADER] = key
+            if self._policy.wait:
+                request_headers.setdefault("Prefer", f"wait={self._policy.wait}")
         url = self._base_url + path
         deadline = time.monotonic() + self._policy.deadline
         attempt = 0

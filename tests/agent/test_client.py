@@ -54,10 +54,27 @@ async def test_a_sent_action_and_its_resend_are_performed_once(
     assert len(upstream.actions(key)) == 1
 
 
-async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
+async def test_a_retry_waits_at_the_gateway_for_the_first_attempt_by_default(
     gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
+    slow = asyncio.create_task(
+        client.send("/emails", {"to": "cy@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
+    )
+    await asyncio.sleep(0.2)  # the first attempt holds the key now
+    retried = await client.send("/emails", {"to": "cy@example.com"}, key)
+    first = await slow
+    assert retried.status_code == 201 and retried.json() == first.json()
+    assert retried.headers["preference-applied"] == "wait=10"  # answered by waiting, no 409
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    # Without `Prefer: wait`, the client polls as the gateway's 409 and Retry-After say.
+    client = ActionClient(http, gateway.url, policy=RetryPolicy(deadline=10.0, wait=0))
+    key = new_key()
     slow = asyncio.create_task(
         client.send("/emails", {"to": "bo@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
     )

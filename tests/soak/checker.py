@@ -170,10 +170,13 @@ class _Checker:
         self.by_serial = {record.serial: record for record in self.performed}
         self.by_attempt: dict[str, list[Performed]] = collections.defaultdict(list)
         self.by_key: dict[Identity, list[Performed]] = collections.defaultdict(list)
+        sent_by = {attempt.attempt: attempt for attempt in attempts}
         for record in self.performed:
             if record.attempt is not None:
                 self.by_attempt[record.attempt].append(record)
-            self.by_key[identity(record)].append(record)
+            # Filed under the key its client sent, not the one the upstream got: they must agree.
+            client = sent_by.get(record.attempt or "")
+            self.by_key[identity(client or record)].append(record)
         self.attempts_by_key: dict[Identity, list[Attempt]] = collections.defaultdict(list)
         for attempt in attempts:
             self.attempts_by_key[identity(attempt)].append(attempt)
@@ -313,7 +316,7 @@ class _Checker:
             done = [record for record in records if record.performed]
             if not done:
                 continue
-            if any(record.key is None for record in done):
+            if any(record.key != key[2] for record in done):
                 self.violation("duplicate", key, "forwarded without its Idempotency-Key")
             if len(done) > 1 and key[0] not in self.forward_routes:
                 serials = ", ".join(f"#{record.serial}" for record in done)

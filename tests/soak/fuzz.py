@@ -61,10 +61,9 @@ def encode(request: dict[str, Any], framing: str, form: str) -> bytes:
     if framing == "chunked":
         lines.append("Transfer-Encoding: chunked")
         middle = len(body) // 2
-        payload = b"".join(
-            f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:middle], body[middle:])
-            if part
-        ) + b"0\r\n\r\n"  # fmt: skip
+        parts = [part for part in (body[:middle], body[middle:]) if part]
+        payload = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in parts)
+        payload += b"0\r\n\r\n"
     else:
         lines.append(f"{'content-length' if framing == 'lower-case' else 'Content-Length'}: "
                      f"{len(body)}")  # fmt: skip
@@ -128,8 +127,8 @@ def run(port: int, count: int, seed_value: int, out: Path) -> None:
     def one(request: dict[str, Any], framing: str, form: str) -> None:
         answer = exchange(port, encode(request, framing, form))
         if answer is None:
-            line = {"status": None, "refused": True, "key": None,
-                    "violation": f"hang: no answer in {PATIENCE:g}s to {request!r:.300}"}  # fmt: skip
+            hang = f"hang: no answer in {PATIENCE:g}s to {request!r:.300}"
+            line = {"status": None, "refused": True, "key": None, "violation": hang}
         else:
             status, headers, body = answer
             refused = status == 0 or rejected(status, headers, body)

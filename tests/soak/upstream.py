@@ -70,9 +70,13 @@ class Journal:
                     done.set_result(None)
 
     async def close(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0.01)
+        """Called once the server stopped reading: whatever is pending gets written first."""
         self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._file.write(b"".join(line for line, _ in self._pending))
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
 
 

@@ -33,8 +33,8 @@ def main() -> int:
                 out=out,
                 clients=options.clients,
                 fuzz_requests=options.fuzz,
-                # About 150 gateway signals in 10 minutes, and an outage of PostgreSQL every ~90 s.
-                kill_interval=4.0,
+                # About 170 gateway signals in 10 minutes, and an outage of PostgreSQL every ~90 s.
+                kill_interval=3.5,
                 postgres_outages=max(1, round(seconds / 90)),
             )
         )

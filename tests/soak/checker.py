@@ -386,3 +386,21 @@ def check(
 ) -> Result:
     """Every violation of the rules above in one run's histories."""
     return _Checker(attempts, performed, rows, events, forward_routes).run()
+
+
+def check_fuzz(
+    results: Sequence[dict[str, Any]], stored: Iterable[str], requested: int
+) -> list[str]:
+    """The fuzzer's own verdicts (5xx outside the contract, hangs), that it sent all it was asked
+    to, and that no row of the fuzzing gateway's key table belongs to a request it refused: every
+    stored key was sent by at least one request that was accepted."""
+    violations = [str(result["violation"]) for result in results if result["violation"]]
+    if len(results) < requested:
+        violations.append(f"the fuzzer sent {len(results)} of its {requested} requests")
+    accepted = {result["key"] for result in results if not result["refused"] and result["key"]}
+    violations += [
+        f"a row for key {key!r}, which only refused requests sent"
+        for key in stored
+        if key not in accepted
+    ]
+    return violations

@@ -28,9 +28,13 @@ from hypothesis import strategies as st
 
 from oncegate import errors, keys
 from tests.e2e.conftest import parse_head
-from tests.faults.test_fuzz import rejected, requests
+from tests.faults.test_fuzz import requests
 from tests.soak.checker import CONTRACT_PROBLEMS, PROBLEM, PROBLEM_PREFIX
 
+# The gateway's refusals that come before any claim: such a request must leave no row.
+REFUSALS = frozenset(
+    {"missing-key", "invalid-key", "invalid-path", "body-too-large", "route-not-found"}
+)
 # Far beyond the gateway's own bounds (its store gives up after 10 s): silence this long is a hang.
 PATIENCE = 30.0
 
@@ -98,6 +102,19 @@ def stored_key(values: list[str]) -> str | None:
         return None
 
 
+def refused(status: int, headers: dict[str, str], body: bytes) -> bool:
+    """Refused before a claim: one of `REFUSALS`, the HTTP parser's own 400, or a close."""
+    if status == 0:
+        return True
+    if headers.get("content-type") == PROBLEM:
+        try:
+            name = str(json.loads(body).get("type", "")).removeprefix(PROBLEM_PREFIX)
+        except (ValueError, AttributeError):
+            return False
+        return name in REFUSALS
+    return status == 400 and "idempotent-replayed" not in headers and "etag" not in headers
+
+
 def verdict(status: int, headers: dict[str, str], body: bytes) -> str | None:
     if status < 500:
         return None
@@ -131,9 +148,9 @@ def run(port: int, count: int, seed_value: int, out: Path) -> None:
             line = {"status": None, "refused": True, "key": None, "violation": hang}
         else:
             status, headers, body = answer
-            refused = status == 0 or rejected(status, headers, body)
-            line = {"status": status, "refused": refused,
-                    "key": None if refused else stored_key(request["keys"]),
+            refusal = refused(status, headers, body)
+            line = {"status": status, "refused": refusal,
+                    "key": None if refusal else stored_key(request["keys"]),
                     "violation": verdict(status, headers, body)}  # fmt: skip
         results.write(json.dumps(line) + "\n")
         results.flush()

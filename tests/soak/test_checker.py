@@ -277,3 +277,28 @@ def test_an_outcome_unknown_first_answer_may_follow_a_forward() -> None:
     upstream = [performed(1, "a1", status=None), performed(2, "a2", status=None)]
     result = checker.check(attempts, upstream, rows, [READ])
     assert "refused-but-sent" in rules(result)
+
+
+def fuzzed(key: str | None, refused: bool, violation: str | None = None) -> dict[str, object]:
+    return {"status": 400 if refused else 201, "refused": refused, "key": key,
+            "violation": violation}  # fmt: skip
+
+
+def test_fuzz_results_pass_when_every_row_belongs_to_an_accepted_request() -> None:
+    results = [fuzzed("a", False), fuzzed(None, True), fuzzed("a", True)]
+    assert checker.check_fuzz(results, ["a"], 3) == []
+
+
+def test_fuzz_a_row_left_by_a_refused_request_is_caught() -> None:
+    results = [fuzzed("a", False), fuzzed("b", True)]
+    assert checker.check_fuzz(results, ["a", "b"], 2) == [
+        "a row for key 'b', which only refused requests sent"
+    ]
+
+
+def test_fuzz_verdicts_and_a_short_count_are_reported() -> None:
+    results = [fuzzed(None, True, "hang: no answer in 30s to ..."), fuzzed("a", False)]
+    assert checker.check_fuzz(results, ["a"], 3) == [
+        "hang: no answer in 30s to ...",
+        "the fuzzer sent 2 of its 3 requests",
+    ]

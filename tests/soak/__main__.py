@@ -1,5 +1,7 @@
 """`python -m tests.soak [--minutes M] [--seed S] [--out DIR]`: one chaos soak, its table, and
-every violation with its timeline. Exit status 1 if the checker or the fuzzer found any."""
+every violation with its timeline. Exit status 1 if the checker or the fuzzer found any.
+
+`python -m tests.soak --check DIR` runs the checker again on the histories a run left in DIR."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.soak.driver import Options, run
+from tests.soak import checker, history
+from tests.soak.driver import FORWARD_ROUTES, Options, run
 
 
 def main() -> int:
@@ -20,7 +23,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the histories go")
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--fuzz", type=int, default=10_000, help="fuzzed requests (10,000)")
+    parser.add_argument("--check", type=Path, metavar="DIR", help="only check a run's histories")
     options = parser.parse_args()
+    if options.check is not None:
+        return check_again(options.check)
     seed = options.seed if options.seed is not None else random.SystemRandom().randrange(10**6)
     out = options.out or Path(tempfile.mkdtemp(prefix=f"oncegate-soak-{seed}-"))
     seconds = options.minutes * 60
@@ -46,6 +52,20 @@ def main() -> int:
         print(f"[fuzz] {line}")  # noqa: T201
     print(f"histories: {out} (replay with --seed {seed})")  # noqa: T201
     return 0 if summary.ok else 1
+
+
+def check_again(directory: Path) -> int:
+    result = checker.check(
+        history.read(directory / "attempts.jsonl", history.Attempt),
+        history.read(directory / "upstream.jsonl", history.Performed),
+        history.read(directory / "keys.jsonl", history.Row),
+        history.read(directory / "events.jsonl", history.Event),
+        forward_routes=FORWARD_ROUTES,
+    )
+    for violation in result.violations:
+        print(violation.report())  # noqa: T201
+    print(f"{len(result.violations)} violations")  # noqa: T201
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

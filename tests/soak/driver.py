@@ -39,7 +39,8 @@ from tests.soak import checker, history
 from tests.soak.history import ATTEMPT_HEADER, Attempt, Event, Performed, Row
 from tests.soak.postgres import Postgres
 
-ROUTES = {"mail": "reject", "charge": "reject", "ticket": "forward"}
+ROUTES = {"mail": "reject", "charge": "reject", "ticket": "forward"}  # name: on_unknown
+FORWARD_ROUTES = frozenset(name for name, policy in ROUTES.items() if policy == "forward")
 ROUTE_WEIGHTS = {"mail": 4, "charge": 3, "ticket": 3}
 TENANTS = ("", "Bearer alpha", "Bearer beta")
 # The route timeout is short so that `slow` answers and dead gateways' leases (2 x timeout) turn
@@ -526,7 +527,7 @@ async def run(options: Options) -> Summary:
     history.write(out / "events.jsonl", events)
     result = checker.check(
         traffic.attempts, performed, rows, events,
-        forward_routes={name for name, policy in ROUTES.items() if policy == "forward"},
+        forward_routes=FORWARD_ROUTES,
     )  # fmt: skip
     figures = tally(traffic, performed, events, result, fuzz_results, options)
     table = render(figures)

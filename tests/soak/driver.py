@@ -20,10 +20,12 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -464,7 +466,10 @@ async def run(options: Options) -> Summary:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(options.seed)
     events: list[Event] = []
-    postgres = await asyncio.to_thread(Postgres, out / "postgres")
+    # Not under `out`, which may be pytest's temporary tree: pytest makes its directories
+    # private as it goes, and PostgreSQL runs as pgserver's own user when we are root.
+    postgres_directory = Path(tempfile.mkdtemp(prefix="oncegate-soak-pg-"))
+    postgres = await asyncio.to_thread(Postgres, postgres_directory / "data")
     children: list[Child] = []
     gateways: list[GatewayProcess] = []
     fuzz_gateway: GatewayProcess | None = None
@@ -536,6 +541,7 @@ async def run(options: Options) -> Summary:
         for child in children:
             child.end()
         await asyncio.to_thread(postgres.close)
+        shutil.rmtree(postgres_directory, ignore_errors=True)
 
     performed = history.read(upstream_log, Performed)
     history.write(out / "attempts.jsonl", traffic.attempts)

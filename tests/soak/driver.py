@@ -551,7 +551,7 @@ async def run(options: Options) -> Summary:
         traffic.attempts, performed, rows, events,
         forward_routes=FORWARD_ROUTES,
     )  # fmt: skip
-    figures = tally(traffic, performed, events, result, fuzz_results, options)
+    figures = tally(traffic, performed, rows, events, result, fuzz_results, options)
     table = render(figures)
     (out / "summary.json").write_text(json.dumps(figures, indent=2))
     with (out / "violations.txt").open("w") as file:
@@ -583,6 +583,7 @@ async def check_fuzz(results: Path, database: str, requested: int) -> list[str]:
 def tally(
     traffic: Traffic,
     performed: list[Performed],
+    rows: list[Row],
     events: list[Event],
     result: checker.Result,
     fuzz_results: Path,
@@ -598,6 +599,15 @@ def tally(
     soak_records = [record for record in performed if record.route in ROUTES]
     faults = collections.Counter(record.fault for record in soak_records)
     fuzzed = len(fuzz_results.read_text().splitlines()) if fuzz_results.exists() else 0
+    unknown = {checker.identity(row) for row in rows if row.state == "unknown"}
+    # Keys whose client got the upstream's stored answer, and that still ended `unknown`: the
+    # answer was lost with PostgreSQL (or could not be written while it was down).
+    seen_then_unknown = {
+        checker.identity(attempt) for attempt in chaos
+        if attempt.outcome == "answer" and not attempt.replayed
+        and attempt.content_type != checker.PROBLEM
+        and attempt.status not in checker.RELEASE_STATUSES
+    } & unknown  # fmt: skip
     return {
         "seed": options.seed,
         "seconds": options.seconds,
@@ -621,6 +631,9 @@ def tally(
         "upstream_performed": sum(1 for record in soak_records if record.performed),
         "upstream_faults": {fault: faults[fault] for fault in sorted(faults) if fault != "answer"},
         "fuzzed_requests": fuzzed,
+        "rows": len(rows),
+        "unknown": len(unknown),
+        "answered_then_unknown": len(seen_then_unknown),
         "duplicates": result.count("duplicate") + result.count("sent-twice"),
         "lost": result.count("lost"),
         "cross_scope": result.count("cross-scope"),
@@ -644,6 +657,8 @@ def render(figures: dict[str, Any]) -> str:
         ("upstream requests", f"{figures['upstream_requests']:,} "
          f"({figures['upstream_performed']:,} performed)"),
         ("upstream faults", ", ".join(f"{name} {count}" for name, count in faults.items()) or "0"),
+        ("keys at the end", f"{figures['rows']:,} rows, {figures['unknown']:,} unknown (of "
+         f"which {figures['answered_then_unknown']:,} after a client had its answer)"),
         ("probes after the chaos", f"{figures['probes']:,}"),
         ("fuzzed requests", f"{figures['fuzzed_requests']:,}"),
         ("duplicates", str(figures["duplicates"])),

@@ -646,6 +646,8 @@ def render(figures: dict[str, Any]) -> str:
     faults = figures["upstream_faults"]
     outages = figures["postgres_outages"]
     rows = [
+        ("chaos", f"{figures['seconds']:g} s, {figures['clients']} clients, "
+         f"seed {figures['seed']}"),
         ("requests (clients)", f"{figures['requests']:,} ({figures['answered']:,} answered, "
          f"{figures['no_answer']:,} no answer, {figures['hung_up']:,} hung up on purpose)"),
         ("replays served", f"{figures['replayed']:,}"),

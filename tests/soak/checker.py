@@ -11,7 +11,8 @@ The rules (issue 14), each with the name a report counts it under:
 2. `wrong-answer`: every answer a client got from the upstream, replayed or not, is the answer the
    upstream gave to a request of that key with the same body; a replay is of a stored answer
    (never of a released 429/503, never of a reset), and a fresh one is the answer to this very
-   request.
+   request. `answer-changed`: two replays of one key replay the same answer, unless PostgreSQL
+   crashed between them (the only way a stored answer can go, and a forward route re-forward).
 3. `cross-scope`: no client was ever answered with another route's, tenant's or key's answer.
 4. `off-contract`: every answer the gateway made itself is one of the contract's problems, with
    its status, `title` and `detail`; every other answer is the upstream's. No 500, no bare text.
@@ -28,6 +29,7 @@ ones, one per violation.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,11 +60,15 @@ CONTRACT_PROBLEMS: dict[str, frozenset[int]] = {
 FORWARDED_PROBLEM_STATUSES = frozenset({502, 504})
 RELEASE_STATUSES = frozenset({429, 503})
 ROWS_READ = "key-table-read"  # the event that says when the key table was read
+# The faults that can lose an answer PostgreSQL acknowledged without flushing it (the store
+# commits answers with synchronous_commit off); a clean `stop -m fast` flushes everything first.
+CRASHES = frozenset({"postgres-kill", "postgres-immediate"})
 RULES = (
     "duplicate",
     "sent-twice",
     "refused-but-sent",
     "wrong-answer",
+    "answer-changed",
     "cross-scope",
     "off-contract",
     "lost",
@@ -189,6 +195,8 @@ class _Checker:
         times = [attempt.sent for attempt in attempts] + [record.received for record in performed]
         self.origin = min(times, default=0.0)
         self.result = Result()
+        # Replays of a stored answer that passed every other check, by key: (attempt, serial).
+        self.replays: dict[Identity, list[tuple[Attempt, int]]] = collections.defaultdict(list)
 
     def violation(self, rule: str, key: Identity, what: str) -> None:
         self.result.violations.append(Violation(rule, key, what, self.timeline(key)))
@@ -228,12 +236,14 @@ class _Checker:
         row = self.rows.get(key)
         tail = [f"key table: {row.state} {row.status}" if row else "key table: no row"]
         return tuple(
-            f"{at - self.origin:9.3f}s {text}" for at, text in sorted(entries, key=lambda e: e[0])
+            f"{at - self.origin:9.3f}s {text}"
+            for at, text in sorted(entries, key=lambda entry: entry[0])
         ) + tuple(tail)
 
     def run(self) -> Result:
         for attempt in self.attempts:
             self.check_attempt(attempt)
+        self.check_replays_agree()
         self.check_duplicates()
         self.check_rows()
         return self.result
@@ -304,12 +314,31 @@ class _Checker:
                     f"{attempt.attempt} got a replay of #{record.serial}, an answer that must "
                     "not be stored",
                 )  # fmt: skip
+            else:
+                self.replays[key].append((attempt, record.serial))
         elif record.attempt != attempt.attempt:
             self.violation(
                 "wrong-answer", key,
                 f"{attempt.attempt} got #{record.serial}, the answer to {record.attempt}, "
                 "without Idempotent-Replayed",
             )  # fmt: skip
+
+    def check_replays_agree(self) -> None:
+        crashes = [event.at for event in self.events if event.what in CRASHES]
+        for key, replays in self.replays.items():
+            ordered = sorted(replays, key=lambda replay: replay[0].ended)
+            for (earlier, before), (later, after) in itertools.pairwise(ordered):
+                if before == after:
+                    continue
+                # The earlier replay read the answer between its sending and its end; a crash
+                # that lost it came after that read (one second of slack between clocks).
+                if any(earlier.sent - 1 <= at <= later.ended for at in crashes):
+                    continue
+                self.violation(
+                    "answer-changed", key,
+                    f"{earlier.attempt} was replayed #{before}, then {later.attempt} #{after}, "
+                    "with no PostgreSQL crash between",
+                )  # fmt: skip
 
     def check_duplicates(self) -> None:
         for key, records in self.by_key.items():

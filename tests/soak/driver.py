@@ -205,16 +205,17 @@ class GatewayProcess:
 
 
 @dataclass
-class KeySpec:
+class Operation:
+    """What a client means to do once, and retries: one key, in one scope, with one body."""
+
     route: str
     tenant: str
     key: str
     number: int
-    variant: int = 0
 
-    def body(self, variant: int | None = None) -> str:
-        chosen = self.variant if variant is None else variant
-        return json.dumps({"to": f"user{self.number}@example.com", "n": self.number, "v": chosen})
+    def body(self, variant: int = 0) -> str:
+        """The operation's body; another `variant` is another request reusing its key."""
+        return json.dumps({"to": f"user{self.number}@example.com", "n": self.number, "v": variant})
 
 
 @dataclass
@@ -222,55 +223,55 @@ class Traffic:
     """The shared state of the clients: the keys in play and every attempt."""
 
     seed: int
-    recent: collections.deque[KeySpec] = field(
+    recent: collections.deque[Operation] = field(
         default_factory=lambda: collections.deque(maxlen=400)
     )
-    every: list[KeySpec] = field(default_factory=list)
+    every: list[Operation] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     numbers: int = 0
 
-    def new_key(self, rng: random.Random) -> KeySpec:
+    def new_key(self, dice: random.Random) -> Operation:
         self.numbers += 1
-        route = rng.choices(list(ROUTE_WEIGHTS), list(ROUTE_WEIGHTS.values()))[0]
-        tenant = rng.choice(TENANTS)
+        route = dice.choices(list(ROUTE_WEIGHTS), list(ROUTE_WEIGHTS.values()))[0]
+        tenant = dice.choice(TENANTS)
         # One new key in five reuses a key string in play under another route or tenant: the same
         # key in another scope, which must never see this one's answers.
-        if self.recent and rng.random() < 0.2:
-            key = rng.choice(self.recent).key
+        if self.recent and dice.random() < 0.2:
+            key = dice.choice(self.recent).key
         else:
-            key = f"soak-{self.seed}-{self.numbers}-{rng.getrandbits(32):08x}"
-        spec = KeySpec(route, tenant, key, self.numbers)
+            key = f"soak-{self.seed}-{self.numbers}-{dice.getrandbits(32):08x}"
+        operation = Operation(route, tenant, key, self.numbers)
         if any(
             (other.route, other.tenant, other.key) == (route, tenant, key) for other in self.recent
         ):
-            return rng.choice(self.recent)
-        self.recent.append(spec)
-        self.every.append(spec)
-        return spec
+            return dice.choice(self.recent)
+        self.recent.append(operation)
+        self.every.append(operation)
+        return operation
 
 
 async def send(
     session: aiohttp.ClientSession,
     gateway: GatewayProcess,
-    spec: KeySpec,
+    operation: Operation,
     attempt_id: str,
     body: str,
     hang_up_after: float | None = None,
     phase: str = "chaos",
 ) -> Attempt:
     headers = {
-        "Idempotency-Key": spec.key,
+        "Idempotency-Key": operation.key,
         "Content-Type": "application/json",
         ATTEMPT_HEADER: attempt_id,
     }
-    if spec.tenant:
-        headers["Authorization"] = spec.tenant
+    if operation.tenant:
+        headers["Authorization"] = operation.tenant
     sent = time.time()
     outcome, status, content_type, replayed, answer = "no-answer", None, None, False, None
     try:
         async with asyncio.timeout(hang_up_after or CLIENT_PATIENCE):
             async with session.post(
-                f"{gateway.url}/{spec.route}/emails", data=body.encode(), headers=headers
+                f"{gateway.url}/{operation.route}/emails", data=body.encode(), headers=headers
             ) as response:
                 answer = await response.text(errors="replace")
                 status = response.status
@@ -282,8 +283,8 @@ async def send(
     except (aiohttp.ClientError, OSError):
         outcome = "no-answer"
     return Attempt(
-        attempt=attempt_id, route=spec.route, tenant=spec.tenant, key=spec.key, body=body,
-        sent=sent, ended=time.time(), outcome=outcome, status=status,
+        attempt=attempt_id, route=operation.route, tenant=operation.tenant, key=operation.key,
+        body=body, sent=sent, ended=time.time(), outcome=outcome, status=status,
         content_type=content_type, replayed=replayed, answer=answer, gateway=gateway.name,
         phase=phase,
     )  # fmt: skip
@@ -295,7 +296,7 @@ async def client(
     gateways: list[GatewayProcess],
     until: float,
 ) -> None:
-    rng = random.Random(traffic.seed * 1000 + number)
+    dice = random.Random(traffic.seed * 1000 + number)
     keep_alive = number % 2 == 0
     # Idle connections are dropped well before the gateway's own 5 s keep-alive timeout, so a
     # client does not reuse one the gateway is closing at that very moment.
@@ -308,24 +309,24 @@ async def client(
     async with aiohttp.ClientSession(connector=connector) as session:
         while time.monotonic() < until:
             up = [gateway for gateway in gateways if gateway.up] or gateways
-            draw = rng.random()
+            draw = dice.random()
             if draw < 0.3 or not traffic.recent:
-                spec, variant, copies = traffic.new_key(rng), None, 1
+                operation, variant, copies = traffic.new_key(dice), 0, 1
             elif draw < 0.8:
-                spec, variant, copies = rng.choice(traffic.recent), None, 1
+                operation, variant, copies = dice.choice(traffic.recent), 0, 1
             elif draw < 0.85:
-                spec = rng.choice(traffic.recent)
-                variant, copies = spec.variant + rng.randint(1, 3), 1  # a reused key
+                operation = dice.choice(traffic.recent)
+                variant, copies = dice.randint(1, 3), 1  # a reused key
             else:
-                pool = traffic.recent if rng.random() < 0.5 else [traffic.new_key(rng)]
-                spec, variant, copies = rng.choice(pool), None, rng.randint(2, 4)
+                pool = traffic.recent if dice.random() < 0.5 else [traffic.new_key(dice)]
+                operation, variant, copies = dice.choice(pool), 0, dice.randint(2, 4)
             sends = []
             for _ in range(copies):
                 serial += 1
-                hang_up = rng.uniform(0.001, 0.3) if rng.random() < 0.03 else None
+                hang_up = dice.uniform(0.001, 0.3) if dice.random() < 0.03 else None
                 sends.append(
-                    send(session, rng.choice(up), spec, f"c{number}-{serial}",
-                         spec.body(variant), hang_up)
+                    send(session, dice.choice(up), operation, f"c{number}-{serial}",
+                         operation.body(variant), hang_up)
                 )  # fmt: skip
             done = await asyncio.gather(*sends)
             traffic.attempts.extend(done)
@@ -335,37 +336,37 @@ async def client(
 
 async def gateway_chaos(
     gateways: list[GatewayProcess],
-    rng: random.Random,
+    dice: random.Random,
     until: float,
     interval: float,
     events: list[Event],
     restarts: set[asyncio.Task[None]],
 ) -> None:
     while True:
-        await asyncio.sleep(rng.uniform(0.5, 1.5) * interval)
+        await asyncio.sleep(dice.uniform(0.5, 1.5) * interval)
         if time.monotonic() >= until:
             return
         up = [gateway for gateway in gateways if gateway.up]
         if len(up) < 2:
             continue  # keep one serving: the clients' traffic is what makes kills interesting
-        number = signal.SIGKILL if rng.random() < 0.85 else signal.SIGTERM
-        task = asyncio.create_task(rng.choice(up).hit(number, events))
+        number = signal.SIGKILL if dice.random() < 0.85 else signal.SIGTERM
+        task = asyncio.create_task(dice.choice(up).hit(number, events))
         restarts.add(task)
         task.add_done_callback(restarts.discard)
 
 
 def postgres_plan(
-    rng: random.Random, seconds: float, outages: int
+    dice: random.Random, seconds: float, outages: int
 ) -> list[tuple[float, str, float]]:
     """When (seconds into the chaos), how and for how long PostgreSQL goes down. One outage is
     always a `kill -9`; the others are drawn."""
     if outages <= 0:
         return []
     slot = seconds / (outages + 1)
-    kinds = ["kill"] + [rng.choice(["fast", "immediate", "kill"]) for _ in range(outages - 1)]
-    rng.shuffle(kinds)
+    kinds = ["kill"] + [dice.choice(["fast", "immediate", "kill"]) for _ in range(outages - 1)]
+    dice.shuffle(kinds)
     return [
-        (slot * (index + 1) + rng.uniform(-0.2, 0.2) * slot, kind, rng.uniform(1.0, 3.0))
+        (slot * (index + 1) + dice.uniform(-0.2, 0.2) * slot, kind, dice.uniform(1.0, 3.0))
         for index, kind in enumerate(kinds)
     ]
 
@@ -433,21 +434,23 @@ async def settled_rows(url: str) -> tuple[float, list[Row]]:
 
 
 async def probe(
-    traffic: Traffic, gateways: list[GatewayProcess], rng: random.Random, count: int
+    traffic: Traffic, gateways: list[GatewayProcess], dice: random.Random, count: int
 ) -> list[Attempt]:
     """Each of `count` keys once more, through a healthy gateway, after everything settled."""
-    chosen = rng.sample(traffic.every, min(count, len(traffic.every)))
+    chosen = dice.sample(traffic.every, min(count, len(traffic.every)))
     limit = asyncio.Semaphore(16)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as session:
 
-        async def one(index: int, spec: KeySpec) -> Attempt:
+        async def one(index: int, operation: Operation) -> Attempt:
             async with limit:
                 return await send(
-                    session, gateways[index % len(gateways)], spec, f"probe-{index}",
-                    spec.body(), phase="probe",
+                    session, gateways[index % len(gateways)], operation, f"probe-{index}",
+                    operation.body(), phase="probe",
                 )  # fmt: skip
 
-        return list(await asyncio.gather(*(one(i, spec) for i, spec in enumerate(chosen))))
+        return list(
+            await asyncio.gather(*(one(index, operation) for index, operation in enumerate(chosen)))
+        )
 
 
 async def create_database(postgres: Postgres, name: str) -> str:
@@ -464,7 +467,7 @@ async def create_database(postgres: Postgres, name: str) -> str:
 async def run(options: Options) -> Summary:
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(options.seed)
+    dice = random.Random(options.seed)
     events: list[Event] = []
     # Not under `out`, which may be pytest's temporary tree: pytest makes its directories
     # private as it goes, and PostgreSQL runs as pgserver's own user when we are root.
@@ -510,11 +513,11 @@ async def run(options: Options) -> Summary:
         restarts: set[asyncio.Task[None]] = set()
         chaos = [
             asyncio.create_task(
-                gateway_chaos(gateways, random.Random(rng.random()), until,
+                gateway_chaos(gateways, random.Random(dice.random()), until,
                               options.kill_interval, events, restarts)
             ),
             asyncio.create_task(
-                postgres_chaos(postgres, postgres_plan(random.Random(rng.random()),
+                postgres_chaos(postgres, postgres_plan(random.Random(dice.random()),
                                options.seconds, options.postgres_outages), start, events)
             ),
         ]  # fmt: skip
@@ -527,7 +530,7 @@ async def run(options: Options) -> Summary:
             await asyncio.gather(*list(restarts))
         read_at, rows = await settled_rows(database)
         events.append(Event(read_at, checker.ROWS_READ))
-        probes = await probe(traffic, gateways, random.Random(rng.random()), options.probes)
+        probes = await probe(traffic, gateways, random.Random(dice.random()), options.probes)
         traffic.attempts.extend(probes)
         # The fuzzer is bounded by its request count; it has had the whole chaos to get there.
         if not await fuzzer.wait(600):

@@ -146,6 +146,36 @@ def test_a_replay_that_differs_from_the_upstreams_answer_is_caught() -> None:
     assert "never answered so" in result.violations[0].what
 
 
+def changed_replays() -> tuple[list[Attempt], list[Performed], list[Row]]:
+    """Key `key-1` on a forward route: replayed #1, then forwarded again (#2) and replayed #2."""
+    attempts, upstream, _ = clean()
+    upstream.append(performed(2, "a6"))
+    attempts.append(answered("a7", 110.0, 2, replayed=True, source="a6"))
+    return attempts, upstream, [completed(2, "a6")]
+
+
+def test_a_stored_answer_that_changes_between_two_replays_is_caught() -> None:
+    attempts, upstream, rows = changed_replays()
+    result = checker.check(attempts, upstream, rows, [READ], forward_routes={ROUTE})
+    assert rules(result) == ["answer-changed"]
+    assert "replayed #1, then a7 #2" in result.violations[0].what
+
+
+@pytest.mark.parametrize(
+    ("fault", "at", "allowed"),
+    [("postgres-kill", 105.0, True), ("postgres-immediate", 108.0, True),
+     ("postgres-fast", 105.0, False), ("postgres-kill", 100.0, False)],
+    ids=["kill-between", "immediate-between", "clean-stop", "kill-before-the-first-replay"],
+)  # fmt: skip
+def test_only_a_postgres_crash_between_two_replays_may_change_the_answer(
+    fault: str, at: float, allowed: bool
+) -> None:
+    attempts, upstream, rows = changed_replays()
+    events = [READ, Event(at, fault)]
+    result = checker.check(attempts, upstream, rows, events, forward_routes={ROUTE})
+    assert result.ok == allowed
+
+
 def test_a_replay_to_a_different_body_is_caught() -> None:
     attempts, upstream, rows = clean()
     attempts[3] = answered("a4", 103.0, 1, replayed=True, body='{"n": 2}')

@@ -54,6 +54,9 @@ SLOW_ANSWER = ROUTE_TIMEOUT + 0.5
 # timeouts are 10 s), so a "timeout" in a history is worth a look.
 CLIENT_PATIENCE = 30.0
 STARTUP_PATIENCE = 60.0
+# How a gateway is hit: mostly killed, sometimes stopped cleanly, sometimes frozen.
+SIGNALS = {signal.SIGKILL: 0.75, signal.SIGTERM: 0.15, signal.SIGSTOP: 0.10}
+PAUSE = LEASE + 1.0  # a frozen gateway wakes after its leases ran out
 STARTS = 10  # attempts to start a gateway before the soak gives up on the machine
 SETTLE_READS = 5
 GATEWAYS = 3
@@ -188,12 +191,21 @@ class GatewayProcess:
         raise RuntimeError(f"{self.name} did not start {STARTS} times; see {self.log}")
 
     async def hit(self, number: int, events: list[Event]) -> None:
-        """Send `number` (SIGKILL or SIGTERM), wait for the exit, start it again."""
+        """Send `number` (SIGKILL or SIGTERM), wait for the exit, start it again; or SIGSTOP,
+        and SIGCONT once its leases have run out."""
         assert self.child is not None
         self.up = False
-        what = "gateway-kill" if number == signal.SIGKILL else "gateway-term"
-        events.append(Event(time.time(), what, self.name))
+        what = {signal.SIGKILL: "gateway-kill", signal.SIGTERM: "gateway-term"}
+        events.append(Event(time.time(), what.get(number, "gateway-pause"), self.name))
         self.child.signal(number)
+        if number == signal.SIGSTOP:
+            # A gateway frozen (a long GC pause, a stopped VM) while others take its keys over;
+            # when it wakes, its fencing token must no longer settle anything.
+            await asyncio.sleep(PAUSE)
+            self.child.signal(signal.SIGCONT)
+            events.append(Event(time.time(), "gateway-resume", self.name))
+            self.up = True
+            return
         await self.child.wait(30)
         self.child.end()
         await self.keep_up(events)
@@ -349,7 +361,7 @@ async def gateway_chaos(
         up = [gateway for gateway in gateways if gateway.up]
         if len(up) < 2:
             continue  # keep one serving: the clients' traffic is what makes kills interesting
-        number = signal.SIGKILL if dice.random() < 0.85 else signal.SIGTERM
+        number = dice.choices(list(SIGNALS), list(SIGNALS.values()))[0]
         task = asyncio.create_task(dice.choice(up).hit(number, events))
         restarts.add(task)
         task.add_done_callback(restarts.discard)
@@ -626,6 +638,7 @@ def tally(
         "probes": len(traffic.attempts) - len(chaos),
         "gateway_kills": happened["gateway-kill"],
         "gateway_terms": happened["gateway-term"],
+        "gateway_pauses": happened["gateway-pause"],
         "postgres_restarts": happened["postgres-start"],
         "postgres_outages": {
             kind: happened[f"postgres-{kind}"] for kind in ("fast", "immediate", "kill")
@@ -655,8 +668,8 @@ def render(figures: dict[str, Any]) -> str:
          f"{figures['no_answer']:,} no answer, {figures['hung_up']:,} hung up on purpose)"),
         ("replays served", f"{figures['replayed']:,}"),
         ("keys", f"{figures['keys']:,}"),
-        ("gateway kills", f"{figures['gateway_kills']} SIGKILL, "
-         f"{figures['gateway_terms']} SIGTERM"),
+        ("gateway kills", f"{figures['gateway_kills']} SIGKILL, {figures['gateway_terms']} "
+         f"SIGTERM, {figures['gateway_pauses']} SIGSTOP for {PAUSE:g} s"),
         ("PostgreSQL restarts", f"{figures['postgres_restarts']} (stop fast {outages['fast']}, "
          f"stop immediate {outages['immediate']}, kill -9 {outages['kill']})"),
         ("upstream requests", f"{figures['upstream_requests']:,} "

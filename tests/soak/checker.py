@@ -12,7 +12,8 @@ The rules (issue 14), each with the name a report counts it under:
    upstream gave to a request of that key with the same body; a replay is of a stored answer
    (never of a released 429/503, never of a reset), and a fresh one is the answer to this very
    request. `answer-changed`: two replays of one key replay the same answer, unless PostgreSQL
-   crashed between them (the only way a stored answer can go, and a forward route re-forward).
+   crashed between them (only a crash can take a stored answer away; then a forward route may
+   forward the key again and store another).
 3. `cross-scope`: no client was ever answered with another route's, tenant's or key's answer.
 4. `off-contract`: every answer the gateway made itself is one of the contract's problems, with
    its status, `title` and `detail`; every other answer is the upstream's. No 500, no bare text.
@@ -56,8 +57,9 @@ CONTRACT_PROBLEMS: dict[str, frozenset[int]] = {
     "answer-sealed": frozenset({503}),
 }
 # The one gateway answer that may follow a request that reached the upstream: the first caller's
-# 502/504 `outcome-unknown`. Every other problem means "not forwarded".
-FORWARDED_PROBLEM_STATUSES = frozenset({502, 504})
+# 502/504 `outcome-unknown`. Every other problem means "not forwarded" (`upstream-unavailable`
+# too: it says nothing was sent).
+FORWARDED_PROBLEM = ("outcome-unknown", frozenset({502, 504}))
 RELEASE_STATUSES = frozenset({429, 503})
 ROWS_READ = "key-table-read"  # the event that says when the key table was read
 # The faults that can lose an answer PostgreSQL acknowledged without flushing it (the store
@@ -265,7 +267,8 @@ class _Checker:
                     "of the contract with that status",
                 )  # fmt: skip
                 return
-            if attempt.status not in FORWARDED_PROBLEM_STATUSES and sent:
+            forwarded = name == FORWARDED_PROBLEM[0] and attempt.status in FORWARDED_PROBLEM[1]
+            if sent and not forwarded:
                 self.violation(
                     "refused-but-sent", key,
                     f"{attempt.attempt} was answered {attempt.status} {name}, yet the upstream "

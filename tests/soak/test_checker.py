@@ -124,9 +124,12 @@ def test_one_request_sent_upstream_twice_is_caught() -> None:
     assert rules(result) == ["sent-twice"]
 
 
-@pytest.mark.parametrize("refused", ["a2", "a4", "a5"], ids=["in-progress", "reused", "store-down"])
+@pytest.mark.parametrize(
+    "refused", ["a2", "a4", "a5", "a7"], ids=["in-progress", "reused", "store-down", "not-sent"]
+)
 def test_a_refused_request_that_reached_the_upstream_is_caught(refused: str) -> None:
     attempts, upstream, rows = clean()
+    attempts.append(problem("a7", 106.0, "upstream-unavailable", 502))
     upstream.append(performed(2, refused, status=503))
     result = checker.check(attempts, upstream, rows, [READ])
     assert rules(result) == ["refused-but-sent"]

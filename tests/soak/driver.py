@@ -674,7 +674,8 @@ def render(figures: dict[str, Any]) -> str:
          f"stop immediate {outages['immediate']}, kill -9 {outages['kill']})"),
         ("upstream requests", f"{figures['upstream_requests']:,} "
          f"({figures['upstream_performed']:,} performed)"),
-        ("upstream faults", ", ".join(f"{name} {count}" for name, count in faults.items()) or "0"),
+        ("upstream faults", ", ".join(f"{name} {count:,}" for name, count in faults.items())
+         or "0"),
         ("keys at the end", f"{figures['rows']:,} rows, {figures['unknown']:,} unknown (of "
          f"which {figures['answered_then_unknown']:,} after a client had its answer)"),
         ("probes after the chaos", f"{figures['probes']:,}"),

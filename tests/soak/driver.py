@@ -133,6 +133,7 @@ class Child:
     def end(self) -> None:
         if self.alive():
             self.signal(signal.SIGTERM)
+            self.signal(signal.SIGCONT)  # a frozen process acts on its SIGTERM only once woken
             try:
                 self.popen.wait(20)
             except subprocess.TimeoutExpired:
@@ -488,6 +489,8 @@ async def run(options: Options) -> Summary:
     children: list[Child] = []
     gateways: list[GatewayProcess] = []
     fuzz_gateway: GatewayProcess | None = None
+    chaos: list[asyncio.Task[None]] = []
+    restarts: set[asyncio.Task[None]] = set()
     try:
         database = await create_database(postgres, "soak")
         fuzz_database = await create_database(postgres, "fuzz")
@@ -522,7 +525,6 @@ async def run(options: Options) -> Summary:
         traffic = Traffic(options.seed)
         start = time.monotonic()
         until = start + options.seconds
-        restarts: set[asyncio.Task[None]] = set()
         chaos = [
             asyncio.create_task(
                 gateway_chaos(gateways, random.Random(dice.random()), until,
@@ -549,6 +551,9 @@ async def run(options: Options) -> Summary:
             fuzzer.signal(signal.SIGKILL)
         fuzz_violations = await check_fuzz(fuzz_results, fuzz_database, options.fuzz_requests)
     finally:
+        # A run that failed half-way leaves no fault injector behind to hit what comes next.
+        for task in [*chaos, *restarts]:
+            task.cancel()
         for gateway in gateways:
             gateway.end()
         if fuzz_gateway is not None:

@@ -55,6 +55,10 @@ CONTRACT_PROBLEMS: dict[str, frozenset[int]] = {
     "outcome-unknown": frozenset({409, 502, 504}),
     "store-unavailable": frozenset({503}),
     "answer-sealed": frozenset({503}),
+    # The edge's refusals the contract leaves to the gateway (docs/security.md, "Decisions").
+    "invalid-header": frozenset({400}),
+    "invalid-request": frozenset({400}),
+    "unsupported-transfer-coding": frozenset({501}),
 }
 # The one gateway answer that may follow a request that reached the upstream: the first caller's
 # 502/504 `outcome-unknown`. Every other problem means "not forwarded" (`upstream-unavailable`

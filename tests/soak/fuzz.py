@@ -33,8 +33,9 @@ from tests.soak.checker import CONTRACT_PROBLEMS, PROBLEM, PROBLEM_PREFIX
 
 # The gateway's refusals that come before any claim: such a request must leave no row.
 REFUSALS = frozenset(
-    {"missing-key", "invalid-key", "invalid-path", "body-too-large", "route-not-found"}
-)
+    {"missing-key", "invalid-key", "invalid-path", "body-too-large", "route-not-found",
+     "invalid-header", "invalid-request", "unsupported-transfer-coding"}
+)  # fmt: skip
 # Far beyond the gateway's own bounds (its store gives up after 10 s): silence this long is a hang.
 PATIENCE = 30.0
 

@@ -318,18 +318,24 @@ def _rekey(arguments: argparse.Namespace) -> int:
     keyring = Keyring.parse(text)
     url, data_dir = _database_settings()
     with _database(url, data_dir) as database_url:
-        done, unopenable = rekey.run(database_url, keyring, sys.stdout, arguments.batch_size)
+        done, unopenable, left = rekey.run(database_url, keyring, sys.stdout, arguments.batch_size)
     print(f"re-sealed {done} stored answers under key {keyring.current!r}")
     if unopenable:
         print(
-            f"{len(unopenable)} stored answers could not be opened and were left as they are "
-            "(keep their key until they expire, or resolve them on the admin API):",
+            f"{len(unopenable)} stored answers could not be opened and were left as they are; "
+            "keep their key configured until they expire (releasing them would let a retry be "
+            "performed again):",
             file=sys.stderr,
         )
         for record_id, reason in unopenable[:20]:
             print(f"  key id {record_id}: {reason}", file=sys.stderr)
-        return 1
-    return 0
+    if left > len(unopenable):
+        print(
+            f"{left - len(unopenable)} stored answers are still under an older key: a gateway "
+            "still seals with it. Give every gateway the new key first, then run rekey again.",
+            file=sys.stderr,
+        )
+    return 1 if left else 0
 
 
 def _demo_upstream(arguments: argparse.Namespace) -> int:

@@ -80,6 +80,15 @@ class MalformedRequest(GatewayError):
     outcome = "invalid_request"
 
 
+class RequestTimeout(GatewayError):
+    """A client that sent no whole request head in time: the connection is closed after it."""
+
+    status = 408
+    name = "request-timeout"
+    title = "The request's head did not arrive in time"
+    outcome = "request_timeout"
+
+
 class UnsupportedTransferCoding(GatewayError):
     """A transfer coding other than chunked: the gateway reads the body without it and sends it
     with a Content-Length, so the upstream would get bytes it cannot decode (RFC 9112 §6.1)."""

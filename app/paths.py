@@ -13,6 +13,11 @@ RFC 3986 §6.2.2, in this order:
 3. dot segments are removed (§5.2.4), after step 1, so `%2E%2E` is `..` too; a `..` that would
    climb above `/` is refused rather than dropped, since no honest client sends one.
 Everything else (reserved escapes like `%2F`, other bytes) passes through unchanged.
+
+An encoded slash (`%2F`, or `%5C`, a backslash some servers take for one) is data inside a
+segment to the gateway, as to nginx; but some upstreams decode it before they route. So a path
+whose encoded slashes, read as slashes, would hide a dot segment is refused, and the proxy
+refuses one that would then match another route (`as_slashes`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,20 @@ def normalize(path: str) -> str:
     if "." in path:
         path = _without_dot_segments(path)
     return path
+
+
+def as_slashes(path: str) -> str | None:
+    """The normal path with its encoded slashes read as slashes, or None when it has none.
+    Raises `errors.InvalidPath` when that reading holds a dot segment or climbs."""
+    if "%2F" not in path and "%5C" not in path:
+        return None
+    decoded = _SLASHES.sub("/", path.replace("%2F", "/").replace("%5C", "/"))
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        raise errors.InvalidPath(
+            "the request path hides a '.' or '..' segment behind percent-encoded slashes "
+            "(%2F, %5C); send the path it means"
+        )
+    return decoded
 
 
 def _escape(match: re.Match[str]) -> str:

@@ -20,38 +20,42 @@ _BAR = 30
 
 def run(
     database_url: str, keyring: Keyring, out: TextIO, batch_size: int = BATCH_SIZE
-) -> tuple[int, list[tuple[int, str]]]:
-    """Re-seal everything; return how many answers were re-sealed, and the ids of those that
-    could not be opened (their key is missing, or they were changed), with why."""
+) -> tuple[int, list[tuple[int, str]], int]:
+    """Re-seal everything; return how many answers were re-sealed, the ids of those that could
+    not be opened (their key is missing, or they were changed) with why, and how many stored
+    answers are still not under the newest key when it ends (those, and any a gateway still
+    sealing with an older key stored meanwhile)."""
     return asyncio.run(_run(database_url, keyring, out, batch_size))
 
 
 async def _run(
     database_url: str, keyring: Keyring, out: TextIO, batch_size: int
-) -> tuple[int, list[tuple[int, str]]]:
+) -> tuple[int, list[tuple[int, str]], int]:
     store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
     done, unopenable, after = 0, [], 0
     try:
+        total = await store.rekey_remaining(keyring)
         while True:
             batch = await store.rekey(keyring, batch_size, after)
             done += batch.resealed
             unopenable += batch.unopenable
             after = batch.last
-            _progress(out, done + len(unopenable), batch.left, keyring.current)
-            if batch.done or batch.left == 0:
+            _progress(out, done + len(unopenable), total, keyring.current)
+            if batch.done:
                 break
+        left = await store.rekey_remaining(keyring)
     finally:
         await store.close()
     if out.isatty():
         out.write("\n")
-    return done, unopenable
+    return done, unopenable, left
 
 
-def _progress(out: TextIO, done: int, left: int, key_name: str) -> None:
-    """`done`: answers looked at so far (re-sealed, or found unopenable)."""
-    total = done + left
+def _progress(out: TextIO, done: int, total: int, key_name: str) -> None:
+    """`done`: answers looked at so far (re-sealed, or found unopenable), of `total`."""
+    left = max(total - done, 0)
     if out.isatty():
-        filled = _BAR if total == 0 else _BAR * done // total
+        filled = _BAR if total == 0 else _BAR * min(done, total) // total
         out.write(f"\r[{'#' * filled}{'.' * (_BAR - filled)}] {done}/{total} under {key_name}")
     else:
         out.write(f"looked at {done} answers for {key_name}, {left} left\n")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +57,6 @@ IN_PROGRESS_RETRY_AFTER = 1
 # Claim, read, claim again: the row can change between two statements (released, expired, taken
 # over). Each lap means another request made progress, so a few laps are plenty.
 CLAIM_ATTEMPTS = 5
-# The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
-# on the same table never wait behind it; the pause between batches leaves room for traffic.
 # Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
 # a millisecond, less than handing them to a thread costs.
 OFF_LOOP_BODY = 1024 * 1024
@@ -66,6 +65,8 @@ OFF_LOOP_BODY = 1024 * 1024
 # two hundred cheap reads a second.
 WAIT_POLL_INTERVAL = 0.5
 PREFERENCE_APPLIED = "preference-applied"
+# The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
+# on the same table never wait behind it; the pause between batches leaves room for traffic.
 PURGE_BATCH_SIZE = 1000
 PURGE_PAUSE = 0.05
 
@@ -348,7 +349,7 @@ class _Wait:
         requested = headers.requested_wait(request.header_values(headers.PREFER))
         if not requested:
             return None
-        return cls(min(requested, int(route.max_wait)), store, request.client_gone)
+        return cls(min(requested, math.ceil(route.max_wait)), store, request.client_gone)
 
     async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
         """Wait for `record`'s claim to settle: True when it did (or changed), False when the
@@ -560,13 +561,13 @@ class Operator:
         """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
         released when `answer` is None."""
         record_id = _existing_id(record_id)
+        scope = await self._store.scope_of(record_id)
+        if scope is None:
+            raise errors.NotFound(f"no key with id {record_id}")
         if answer is None:
             settled = await self._store.resolve_released(record_id)
         else:
             status, answer_headers, body = answer
-            scope = await self._store.scope_of(record_id)
-            if scope is None:
-                raise errors.NotFound(f"no key with id {record_id}")
             # Content-Length is recomputed on replay, and credentials are never stored.
             storable = headers.storable(answer_headers)
             sealed = (

@@ -199,6 +199,10 @@ class Upstream:
             if attempt.sent:
                 raise AnswerLost(reason, timed_out=False) from exc
             raise NotSent(reason) from exc
+        if not 100 <= status <= 599:
+            # Not an HTTP status (RFC 9110 §15): an answer that cannot be relayed or stored, to a
+            # request that was performed.
+            raise AnswerLost(f"the upstream answered status {status}", timed_out=False)
         return UpstreamResponse(
             status=status,
             headers=headers.end_to_end(

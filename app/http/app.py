@@ -1,7 +1,7 @@
 """The application factories and the runtime they share.
 
 `running` owns the database pool, the upstream client and the background purger for as long as
-the gateway runs; the proxy and admin applications reach them through `oncegate.state.runtime`
+the gateway runs; the proxy and admin applications reach them through `app.state.runtime`
 dependencies. On the way out it waits for every forward still in flight before letting go of
 anything, so a request whose client hung up is still finished and stored.
 """

@@ -23,44 +23,45 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11
 import httptools
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-
-class IgnoringUpgradesH11(H11Protocol):
-    """h11 serves an upgrade offer as the plain request it also is; nothing to warn about."""
-
-    def _unsupported_upgrade_warning(self) -> None:
-        pass
-
+from .. import errors
+from . import problems
 
 # Generous for any client that means to send a request (a head is a few hundred bytes), short
 # enough that holding sockets open costs an attacker a connection every ten seconds.
 HEAD_TIMEOUT = 10.0
+# What a connection waiting for its hand-over may hold before reading stops: the request that
+# offered the upgrade (the one being handed over) can have a body up to the route's max_body,
+# read on by h11 once it takes over; only what arrives before then is held here.
+HANDOVER_BUFFER = 1024 * 1024
 
 
-class HttpProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._arguments = (args, kwargs)
-        self._offers_upgrade = False
-        self._head_timer: asyncio.TimerHandle | None = None
-        # The bytes after the head of a request that offered an upgrade, kept until the requests
-        # before it on this connection are answered: h11 must answer it after them, in order.
-        self._handed_over: bytes | None = None
+def _request_timeout() -> bytes:
+    _, headers, body = problems.parts(
+        errors.RequestTimeout(
+            f"the request's head did not arrive within {HEAD_TIMEOUT:g} s of the connection's "
+            "start or of its first byte"
+        )
+    )
+    head = [b"HTTP/1.1 408 Request Timeout"] + [name + b": " + value for name, value in headers]
+    return b"\r\n".join([*head, b"connection: close", b"", body])
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_timer()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
+class _HeadTimeout:
+    """A request's head arrives whole within HEAD_TIMEOUT, or the connection gets a 408 and is
+    closed; never while an answer is on its way."""
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._arm_head_timer()
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any  # both protocols' request cycle: `response_complete` once it is answered
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def _answering(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -73,13 +74,52 @@ class HttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.cycle is not None and not self.cycle.response_complete:
+        if self._answering():
             self._arm_head_timer()  # an answer is on its way: closing now would cut it off
         elif not self.transport.is_closing():
-            self.transport.write(
-                b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-            )
+            self.transport.write(_request_timeout())
             self.transport.close()
+
+
+class IgnoringUpgradesH11(_HeadTimeout, H11Protocol):
+    """h11 serves an upgrade offer as the plain request it also is, nothing to warn about; and
+    holds a client that sends no head to the same timeout as the httptools protocol."""
+
+    def _unsupported_upgrade_warning(self) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_timer is None:
+            self._arm_head_timer()  # the first bytes of a request: its head has HEAD_TIMEOUT
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._cancel_head_timer()  # its head is in
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+
+class HttpProtocol(_HeadTimeout, HttpToolsProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments = (args, kwargs)
+        self._offers_upgrade = False
+        # The bytes after the head of a request that offered an upgrade, kept until the requests
+        # before it on this connection are answered: h11 must answer it after them, in order.
+        self._handed_over: bytearray | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
@@ -100,13 +140,14 @@ class HttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._handed_over is not None:
             self._handed_over += data
+            if len(self._handed_over) >= HANDOVER_BUFFER:
+                self.transport.pause_reading()  # until h11 takes over and reads on
             return
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
-            self._handed_over = data[upgrade.args[0] :]
-            self.flow.pause_reading()
+            self._handed_over = bytearray(data[upgrade.args[0] :])
             self._hand_over_when_idle()
         except httptools.HttpParserError:
             msg = "Invalid HTTP request received."  # uvicorn's own answer
@@ -118,9 +159,10 @@ class HttpProtocol(HttpToolsProtocol):
         self._hand_over_when_idle()
 
     def _hand_over_when_idle(self) -> None:
-        busy = self.cycle is not None and not self.cycle.response_complete
-        if self._handed_over is None or busy or self.pipeline or self.transport.is_closing():
+        if self._handed_over is None or self.transport.is_closing():
             return
+        if self._answering() or self.pipeline:
+            return  # after the requests before it: `on_response_complete` calls again
         args, kwargs = self._arguments
         successor = IgnoringUpgradesH11(*args, **kwargs)
         head = [self.parser.get_method(), b" ", self.url, b" HTTP/",
@@ -134,5 +176,7 @@ class HttpProtocol(HttpToolsProtocol):
         self.connections.discard(self)
         successor.connection_made(self.transport)
         self.transport.set_protocol(successor)
-        successor.data_received(b"".join(head) + self._handed_over)
+        # Reading resumes before h11 sees the bytes, so that a pause it asks for (it holds what
+        # follows an upgrade offer until it has answered) is the one that stays.
         self.transport.resume_reading()
+        successor.data_received(b"".join(head) + bytes(self._handed_over))

@@ -89,6 +89,14 @@ class ProxyApp:
             route = self._routes.match(path)
             if route is None:
                 raise errors.RouteNotFound(f"no route of this gateway matches the path {path!r}")
+            slashed = paths.as_slashes(path)
+            if slashed is not None and self._routes.match(slashed) is not route:
+                # An upstream that decodes %2F would act on another route's path, under this
+                # route's policy.
+                raise errors.InvalidPath(
+                    "the request path's percent-encoded slashes (%2F, %5C) would make it another "
+                    "route's path to an upstream that decodes them; send the path it means"
+                )
             route_name = route.name
             result = await self._gateway.handle(
                 route,

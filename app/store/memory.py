@@ -44,6 +44,7 @@ class _Row:
     stored: bool = False
     sealed_with: str | None = None
     sealed_headers: bytes | None = None
+    waited: bool = False  # someone waits for it to settle (`mark_waited`): a settle notifies
 
 
 def state_of(row: _Row, now: float) -> State:
@@ -72,11 +73,15 @@ class MemoryStore:
     async def mark_waited(self, record: Record) -> bool:
         await self._yield()
         row = self._by_id(record.id)
-        return (
-            row is not None
-            and row.token == record.token
-            and state_of(row, self._clock()) == "in_progress"
-        )
+        now = self._clock()
+        if row is None or row.token != record.token or state_of(row, now) != "in_progress":
+            return False
+        self._rows[(row.scope, row.key)] = replace(row, waited=True)
+        return True
+
+    def _settled(self, row: _Row) -> None:
+        if row.waited:  # as the SQL does: a settle notifies only rows someone waits on
+            self._watchers.settled(row.id)
 
     async def _yield(self) -> None:
         # Every operation is a round trip in the real store: let other tasks run in between.
@@ -151,7 +156,7 @@ class MemoryStore:
             ),
             answer,
         )
-        self._watchers.settled(row.id)
+        self._settled(row)
         return True
 
     async def release(self, claim: Claim) -> bool:
@@ -160,7 +165,7 @@ class MemoryStore:
         if row is None:
             return False
         del self._rows[(row.scope, row.key)]
-        self._watchers.settled(row.id)
+        self._settled(row)
         return True
 
     async def mark_unknown(self, claim: Claim) -> bool:
@@ -169,7 +174,7 @@ class MemoryStore:
         if row is None:
             return False
         self._rows[(row.scope, row.key)] = replace(row, state="unknown", lease_expires_at=None)
-        self._watchers.settled(row.id)
+        self._settled(row)
         return True
 
     async def purge(self, batch_size: int) -> int:

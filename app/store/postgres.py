@@ -97,7 +97,7 @@ class PostgresStore:
         await self._pool.close()
 
     def watch(self, record_id: int) -> Watch:
-        if self._listening is None:
+        if self._listening is None or self._listening.done():
             self._listening = asyncio.create_task(self._listen_forever())
         return self._watchers.watch(record_id)
 
@@ -107,6 +107,8 @@ class PostgresStore:
                 await self._listen_once()
             except DRIVER_ERRORS as exc:
                 log.warning("listening for settled keys failed: %s: %s", type(exc).__name__, exc)
+            except Exception:  # a supervisor: logged, and listening again; waiters still poll
+                log.exception("listening for settled keys failed")
             self._watchers.wake_all()  # what settled while nobody listened: look again now
             await asyncio.sleep(LISTEN_RETRY)
 
@@ -253,39 +255,49 @@ class PostgresStore:
         """Re-seal the next batch of stored answers (ids above `after`) under the keyring's
         newest key, in one transaction. An answer that cannot be opened is left as it is and
         reported: re-sealing must never lose one."""
-        batch, update, remaining = (
-            QUERIES["rekey_batch"], QUERIES["rekey_row"], QUERIES["rekey_remaining"]
-        )  # fmt: skip
-        resealed, unopenable, last = 0, [], after
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
-            async with connection.transaction():
-                rows = await connection.fetch(
-                    batch.sql,
-                    *batch.arguments(
-                        {"newest": keyring.current, "batch_size": batch_size, "after": after}
-                    ),
-                )
-                for row in rows:
-                    last = row["id"]
-                    scope = bytes(row["scope"])
-                    try:
-                        headers, body = keyring.open(row["id"], scope, _stored(row))
-                    except sealing.Unopenable as exc:
-                        unopenable.append((row["id"], str(exc)))
-                        continue
-                    sealed = keyring.seal(row["id"], scope, headers, body)
-                    await connection.execute(
-                        update.sql,
-                        *update.arguments(
-                            {"id": row["id"], "token": row["fencing_token"], "body": sealed.body,
-                             "sealed_with": sealed.key_name, "sealed_headers": sealed.headers}
-                        ),
-                    )  # fmt: skip
-                    resealed += 1
-            left: int = await connection.fetchval(
-                remaining.sql, *remaining.arguments({"newest": keyring.current, "after": last})
+        batch, update = QUERIES["rekey_batch"], QUERIES["rekey_rows"]
+        resealed: list[tuple[int, int, bytes | None, bytes]] = []
+        unopenable: list[tuple[int, str]] = []
+        async with (
+            self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection,
+            connection.transaction(),
+        ):
+            rows = await connection.fetch(
+                batch.sql,
+                *batch.arguments(
+                    {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                ),
             )
-        return RekeyBatch(resealed, unopenable, last, left, done=not rows)
+            for row in rows:
+                scope = bytes(row["scope"])
+                try:
+                    headers, body = keyring.open(row["id"], scope, _stored(row))
+                except sealing.Unopenable as exc:
+                    unopenable.append((row["id"], str(exc)))
+                    continue
+                sealed = keyring.seal(row["id"], scope, headers, body)
+                resealed.append((row["id"], row["fencing_token"], sealed.body, sealed.headers))
+            if resealed:
+                ids, tokens, bodies, sealed_headers = zip(*resealed, strict=True)
+                await connection.execute(
+                    update.sql,
+                    *update.arguments(
+                        {"sealed_with": keyring.current, "ids": list(ids),
+                         "tokens": list(tokens), "bodies": list(bodies),
+                         "headers": list(sealed_headers)}
+                    ),
+                )  # fmt: skip
+        last = rows[-1]["id"] if rows else after
+        return RekeyBatch(len(resealed), unopenable, last, done=len(rows) < batch_size)
+
+    @translated("rekey_remaining")
+    async def rekey_remaining(self, keyring: Keyring) -> int:
+        """Stored answers anywhere in the table not sealed under the newest key."""
+        remaining: int = await self._pool.fetchval(
+            QUERIES["rekey_remaining"].sql,
+            *QUERIES["rekey_remaining"].arguments({"newest": keyring.current}),
+        )
+        return remaining
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:
@@ -328,8 +340,7 @@ class RekeyBatch:
     resealed: int
     unopenable: list[tuple[int, str]]  # row id and why
     last: int  # the highest id looked at: the next batch starts after it
-    left: int  # answers after it still to re-seal
-    done: bool  # nothing was left to look at
+    done: bool  # the batch was not full: nothing after it to look at
 
 
 def _answer_columns(answer: SealedAnswer | None) -> dict[str, object]:

@@ -209,23 +209,27 @@ SELECT scope FROM oncegate_keys WHERE id = :id;
 
 -- name: rekey_batch
 -- `oncegate rekey`: the next batch (by id, after the last one) of stored answers not sealed
--- under the newest key, locked so two rekeys or a reclaim never work on the same row at once
--- (the caller re-seals them in one transaction).
+-- under the newest key, locked until the caller has re-sealed them in the same transaction. It
+-- waits for a row another writer holds rather than skip it: a skipped row would keep the old key.
 SELECT id, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
 FROM oncegate_keys
 WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
 ORDER BY id
 LIMIT :batch_size
-FOR UPDATE SKIP LOCKED;
+FOR UPDATE;
 
--- name: rekey_row
-UPDATE oncegate_keys
+-- name: rekey_rows
+-- The re-sealed answers of one batch, in one statement.
+UPDATE oncegate_keys AS row
 SET response_headers = NULL,
-    response_body = :body,
+    response_body = resealed.body,
     sealed_with = :sealed_with,
-    sealed_headers = :sealed_headers
-WHERE id = :id AND fencing_token = :token;
+    sealed_headers = resealed.headers
+FROM unnest(:ids::bigint[], :tokens::bigint[], :bodies::bytea[], :headers::bytea[])
+     AS resealed(id, token, body, headers)
+WHERE row.id = resealed.id AND row.fencing_token = resealed.token;
 
 -- name: rekey_remaining
+-- What is still not under the newest key, in the whole table.
 SELECT count(*) FROM oncegate_keys
-WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after;
+WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;

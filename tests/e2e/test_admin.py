@@ -219,7 +219,7 @@ async def test_bad_resolutions_are_refused(admin: httpx.AsyncClient) -> None:
     bad_action = await admin.post("/admin/keys/1/resolve", json={"action": "forget"})
     assert bad_action.status_code == 422 and problem_name(bad_action) == "invalid-request"
     nowhere = await admin.post("/admin/keys/999999999/resolve", json={"action": "release"})
-    assert nowhere.status_code == 409 and problem_name(nowhere) == "key-not-unknown"
+    assert nowhere.status_code == 404 and problem_name(nowhere) == "not-found"
     for resolution in (
         {"action": "complete", "status": 204, "body": "a 204 has no body"},
         {"action": "complete", "status": 101},

@@ -377,10 +377,49 @@ async def test_a_head_answer_keeps_the_upstream_s_content_length(gateway: Gatewa
     assert parse_head(head_head)[1]["content-length"] == str(length)
 
 
+def _closed_with_408(sock: socket.socket) -> None:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 408"), received[:200]
+    assert b"urn:oncegate:problem:request-timeout" in received
+
+
 async def test_a_connection_that_sends_no_head_is_closed(gateway: Gateway) -> None:
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
         sock.sendall(b"POST /emails HTTP/1.1\r\nHost: ga")  # and nothing more
+        _closed_with_408(sock)
+
+
+async def test_a_connection_handed_over_by_an_upgrade_offer_keeps_the_head_timeout(
+    gateway: Gateway,
+) -> None:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
+        sock.sendall(post("/echo/up", b"{}", f"Idempotency-Key: {new_key()}", *H2C_OFFER))
         received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    assert received.startswith(b"HTTP/1.1 408")
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200")
+        head, _, rest = received.partition(b"\r\n\r\n")
+        length = int(parse_head(head)[1]["content-length"])
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        sock.sendall(b"P")  # the first byte of a request whose head never comes
+        _closed_with_408(sock)
+
+
+@pytest.mark.parametrize("spelling", ["/x%2F..%2Femails", "/x%2f..%2femails", "/x%5C..%5Cemails"])
+async def test_encoded_slashes_cannot_smuggle_a_path_past_its_route(
+    gateway: Gateway, upstream: DemoUpstream, spelling: str
+) -> None:
+    # To an upstream that decodes %2F, this is /emails, which needs a key; the catch-all would
+    # forward it without one.
+    before = len(upstream.actions())
+    [answer] = exchange(gateway.port, post(spelling, b'{"n": 9}'), 1)
+    assert answer[0] == 400 and json.loads(answer[2])["type"].endswith(":invalid-path")
+    assert len(upstream.actions()) == before
+
+
+async def test_an_encoded_slash_that_stays_inside_its_route_is_passed_on(gateway: Gateway) -> None:
+    [echoed] = exchange(gateway.port, b"GET /echo/files/a%2Fb HTTP/1.1\r\nHost: g\r\n\r\n", 1)
+    assert echoed[0] == 200

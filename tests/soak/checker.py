@@ -59,6 +59,7 @@ CONTRACT_PROBLEMS: dict[str, frozenset[int]] = {
     "invalid-header": frozenset({400}),
     "invalid-request": frozenset({400}),
     "unsupported-transfer-coding": frozenset({501}),
+    "request-timeout": frozenset({408}),
 }
 # The one gateway answer that may follow a request that reached the upstream: the first caller's
 # 502/504 `outcome-unknown`. Every other problem means "not forwarded" (`upstream-unavailable`

@@ -225,6 +225,48 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
     assert await store.find(in_flight, "another-route") == []
 
 
+async def test_a_settle_wakes_the_watch_of_a_row_marked_waited(store: AdminAndKeyStore) -> None:
+    for settle in ("complete", "release", "mark_unknown"):
+        key = new_key()
+        owner = await claim(store, key)
+        watch = store.watch(owner.record_id)
+        try:
+            assert await store.mark_waited(await record(store, key))
+            if settle == "complete":
+                assert await store.complete(owner, 201, plaintext([], b"done"))
+            else:
+                assert await getattr(store, settle)(owner)
+            assert await watch.wait(10), settle
+        finally:
+            watch.close()
+
+
+async def test_only_an_in_flight_claim_can_be_waited_on(store: AdminAndKeyStore) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    found = await record(store, key)
+    assert await store.mark_waited(found)
+    assert await store.mark_unknown(owner)
+    assert not await store.mark_waited(found)  # settled
+    taken = await store.take_over(await record(store, key), LONG)
+    assert taken is not None
+    assert not await store.mark_waited(found)  # another claim now (its token moved on)
+    assert await store.mark_waited(await record(store, key))
+
+
+async def test_a_settle_of_a_row_nobody_waits_on_wakes_no_one(store: AdminAndKeyStore) -> None:
+    # First a watched settle, so that the listening connection is up and has caught up.
+    await test_a_settle_wakes_the_watch_of_a_row_marked_waited(store)
+    key = new_key()
+    owner = await claim(store, key)
+    watch = store.watch(owner.record_id)
+    try:
+        assert await store.complete(owner, 201, plaintext([], b"done"))
+        assert not await watch.wait(0.5)  # nothing was sent: the waiter would poll instead
+    finally:
+        watch.close()
+
+
 @pytest.mark.parametrize("kind", [PostgresStore, PostgresCheckpoints])
 def test_every_method_that_talks_to_postgresql_translates_driver_errors(kind: type) -> None:
     # Wearing `store.errors.translated` is what keeps asyncpg's exceptions inside store/.

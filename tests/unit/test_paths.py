@@ -71,3 +71,21 @@ def test_the_normal_form_is_normal(segments: list[str]) -> None:
     assert "//" not in normal
     parts = normal.split("/")
     assert "." not in parts and ".." not in parts
+
+
+@pytest.mark.parametrize(
+    ("given_path", "slashed"),
+    [
+        ("/files/a%2Fb", "/files/a/b"),
+        ("/a%5Cb", "/a/b"),
+        ("/plain/path", None),
+    ],
+)
+def test_encoded_slashes_read_as_slashes(given_path: str, slashed: str | None) -> None:
+    assert paths.as_slashes(paths.normalize(given_path)) == slashed
+
+
+@pytest.mark.parametrize("given_path", ["/x%2F..%2Fpayments/charges", "/a%5C.%5Cb", "/%2f.."])
+def test_a_dot_segment_behind_encoded_slashes_is_refused(given_path: str) -> None:
+    with pytest.raises(errors.InvalidPath, match="behind percent-encoded slashes"):
+        paths.as_slashes(paths.normalize(given_path))

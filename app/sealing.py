@@ -119,6 +119,28 @@ class Keyring:
         return header_pairs(headers), body
 
 
+class Sealer:
+    """How answers are stored: sealed with a keyring, or in plaintext without one. Opens either
+    kind (a plaintext row stays readable after a keyring is configured)."""
+
+    def __init__(self, keyring: Keyring | None) -> None:
+        self._keyring = keyring
+
+    def seal(
+        self, record_id: int, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes | None
+    ) -> SealedAnswer:
+        if self._keyring is None:
+            return plaintext(headers, body)
+        return self._keyring.seal(record_id, scope, headers, body)
+
+    def open(
+        self, record_id: int, scope: bytes, stored: SealedAnswer
+    ) -> tuple[list[tuple[str, str]], bytes | None]:
+        if self._keyring is None:
+            return open_plain(stored)
+        return self._keyring.open(record_id, scope, stored)
+
+
 def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
     """An answer stored as it is (no keyring)."""
     return SealedAnswer(key_name=None, headers=_headers_json(headers), body=body)

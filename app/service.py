@@ -43,7 +43,7 @@ from typing import Any
 
 from . import errors, fingerprint, headers, keys, metrics, sealing
 from .routing import upstream_url
-from .sealing import Keyring, SealedAnswer
+from .sealing import Keyring, Sealer
 from .settings import ROUTE_NAME, Route
 from .store import AdminStore, Claim, KeyRecord, Record, Store
 from .store.notify import Watch
@@ -103,8 +103,8 @@ class Gateway:
     def __init__(self, store: Store, upstream: Upstream, keyring: Keyring | None = None) -> None:
         self._store = store
         self._upstream = upstream
-        # Seals every stored answer when set (ONCEGATE_ENCRYPTION_KEYS); opens sealed ones.
-        self._keyring = keyring
+        # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
+        self._sealer = Sealer(keyring)
         self._inflight: set[asyncio.Task[ProxyResponse]] = set()
         self._unopenable_logged: set[str] = set()
 
@@ -158,7 +158,7 @@ class Gateway:
                     laps += 1
                     continue  # and already released: claim again
             if isinstance(found, Record):
-                decision = decide(found, digest, route, self._keyring, scope)
+                decision = decide(found, digest, route, self._sealer, scope)
                 if isinstance(decision, Replay):
                     return decision.response
                 if isinstance(decision, Refuse):
@@ -240,16 +240,11 @@ class Gateway:
         answer = None  # too large to store: the status alone
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            answer = self._sealed(claim.record_id, scope, headers.storable(response.headers), body)
+            answer = self._sealer.seal(
+                claim.record_id, scope, headers.storable(response.headers), body
+            )
         await self._settle("complete", self._store.complete(claim, response.status, answer))
         return _answer(response, "forwarded")
-
-    def _sealed(
-        self, record_id: int, scope: bytes, answer_headers: Sequence[tuple[str, str]], body: bytes
-    ) -> SealedAnswer:
-        if self._keyring is None:
-            return sealing.plaintext(answer_headers, body)
-        return self._keyring.seal(record_id, scope, answer_headers, body)
 
     async def _forward_unprotected(
         self, route: Route, request: ProxyRequest, outcome: str
@@ -427,12 +422,12 @@ def decide(
     record: Record,
     fingerprint: bytes,
     route: Route,
-    keyring: Keyring | None = None,
-    scope: bytes = b"",
+    sealer: Sealer,
+    scope: bytes,
 ) -> Decision:
     """What to do with a request whose key someone claimed before (contract sections 4 and 5).
     Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
-    with `keyring`, bound to the row's id and `scope`."""
+    by `sealer`, bound to the row's id and `scope`."""
     if record.state == "expired":
         return Reclaim()  # a new key, whatever was sent under it before
     if record.fingerprint != fingerprint:
@@ -443,7 +438,7 @@ def decide(
             )
         )
     if record.state == "completed":
-        return _replay(record, keyring, scope)
+        return _replay(record, sealer, scope)
     if record.state == "in_progress":
         return Refuse(
             errors.RequestInProgress(
@@ -461,7 +456,7 @@ def decide(
     )
 
 
-def _replay(record: Record, keyring: Keyring | None, scope: bytes) -> Replay | Refuse:
+def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
     assert record.status is not None
     if not record.stored:
         return Refuse(
@@ -477,10 +472,7 @@ def _replay(record: Record, keyring: Keyring | None, scope: bytes) -> Replay | R
         answer_headers, body = list(record.headers), record.body
     else:
         try:
-            if keyring is None:
-                answer_headers, body = sealing.open_plain(record.stored_answer())
-            else:
-                answer_headers, body = keyring.open(record.id, scope, record.stored_answer())
+            answer_headers, body = sealer.open(record.id, scope, record.stored_answer())
         except sealing.Unopenable as exc:
             return Refuse(
                 errors.AnswerSealed(
@@ -521,16 +513,14 @@ class Operator:
 
     def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
         self._store = store
-        self._keyring = keyring
+        self._sealer = Sealer(keyring)
 
     def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
         """A record's stored headers and body, opened; (None, None) when they cannot be."""
         if record.sealed_with is None:
             return (None if record.headers is None else list(record.headers)), record.body
         try:
-            if self._keyring is None:
-                return sealing.open_plain(record.stored_answer())
-            return self._keyring.open(record.id, record.scope, record.stored_answer())
+            return self._sealer.open(record.id, record.scope, record.stored_answer())
         except sealing.Unopenable:
             return None, None
 
@@ -570,11 +560,7 @@ class Operator:
             status, answer_headers, body = answer
             # Content-Length is recomputed on replay, and credentials are never stored.
             storable = headers.storable(answer_headers)
-            sealed = (
-                sealing.plaintext(storable, body)
-                if self._keyring is None
-                else self._keyring.seal(record_id, scope, storable, body)
-            )
+            sealed = self._sealer.seal(record_id, scope, storable, body)
             settled = await self._store.resolve_completed(record_id, status, sealed)
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")

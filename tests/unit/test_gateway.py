@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from oncegate import errors, fingerprint, headers, keys, service, settings
-from oncegate.sealing import plaintext
+from oncegate.sealing import Sealer, plaintext
 from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
@@ -22,6 +22,8 @@ from oncegate.upstream import Upstream
 from tests.faults.conftest import RawUpstream
 
 FINGERPRINT = hashlib.sha256(b"the request").digest()
+PLAIN = Sealer(None)  # answers stored in plaintext
+SCOPE = b"s" * 32
 OTHER = hashlib.sha256(b"another request").digest()
 
 
@@ -42,13 +44,13 @@ def record(state: State, fingerprint: bytes = FINGERPRINT, stored: bool = True) 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed", "unknown"])
 def test_a_different_request_under_a_known_key_is_refused_as_reused(state: State) -> None:
-    decision = decide(record(state, fingerprint=OTHER), FINGERPRINT, route())
+    decision = decide(record(state, fingerprint=OTHER), FINGERPRINT, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.KeyReused)
     assert decision.error.status_code == 422 and decision.error.outcome == "mismatch"
 
 
 def test_a_completed_key_is_replayed() -> None:
-    decision = decide(record("completed"), FINGERPRINT, route())
+    decision = decide(record("completed"), FINGERPRINT, route(), PLAIN, SCOPE)
     assert isinstance(decision, Replay)
     assert decision.response.status == 201
     assert ("idempotent-replayed", "true") in decision.response.headers
@@ -56,31 +58,32 @@ def test_a_completed_key_is_replayed() -> None:
 
 
 def test_a_completed_key_whose_answer_was_too_large_is_refused_with_its_status() -> None:
-    decision = decide(record("completed", stored=False), FINGERPRINT, route())
+    decision = decide(record("completed", stored=False), FINGERPRINT, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.ResponseNotStored)
     assert "201" in decision.error.detail
     assert (decision.error.status_code, decision.error.outcome) == (409, "replayed")
 
 
 def test_a_key_in_flight_is_409_with_retry_after() -> None:
-    decision = decide(record("in_progress"), FINGERPRINT, route())
+    decision = decide(record("in_progress"), FINGERPRINT, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.RequestInProgress)
     assert decision.error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
     assert decision.error.blocked_reason == "in_progress"
 
 
 def test_an_unknown_key_is_409_without_retry_after_unless_the_route_forwards() -> None:
-    decision = decide(record("unknown"), FINGERPRINT, route())
+    decision = decide(record("unknown"), FINGERPRINT, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.OutcomeUnknown)
     assert decision.error.status_code == 409 and "Retry-After" not in decision.error.headers
     assert decision.error.blocked_reason == "unknown"
-    assert isinstance(decide(record("unknown"), FINGERPRINT, route(on_unknown="forward")), TakeOver)
+    forwarding = route(on_unknown="forward")
+    assert isinstance(decide(record("unknown"), FINGERPRINT, forwarding, PLAIN, SCOPE), TakeOver)
 
 
 @pytest.mark.parametrize("fingerprint", [FINGERPRINT, OTHER])
 def test_an_expired_key_is_a_new_key_whatever_was_sent_under_it(fingerprint: bytes) -> None:
-    assert isinstance(decide(record("expired", fingerprint=fingerprint), FINGERPRINT, route()),
-                      Reclaim)  # fmt: skip
+    expired = record("expired", fingerprint=fingerprint)
+    assert isinstance(decide(expired, FINGERPRINT, route(), PLAIN, SCOPE), Reclaim)
 
 
 # Laps of Gateway.handle

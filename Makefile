@@ -57,4 +57,4 @@ bench-quick: $(STAMP)
 	$(BIN)/python bench/quick.py
 
 clean:
-	rm -rf $(VENV) .oncegate .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,9 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from . import errors, logs, settings
 
@@ -61,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
     serve.add_argument("--workers", type=int, metavar="N", help="worker processes (default 1)")
     serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
-    serve.add_argument("--data-dir", metavar="DIR", help="embedded PostgreSQL data (.oncegate)")
+    serve.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="embedded PostgreSQL data (default ~/.local/share/oncegate; as root /var/lib/oncegate)",
+    )
     serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default json)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
@@ -184,11 +190,11 @@ def _serve(arguments: argparse.Namespace) -> int:
     logs.configure(config.log_format, config.log_level)
     with (
         _metrics_across_workers(config.workers),
-        _database(config.database_url, config.data_dir) as database_url,
+        _database(config.database_url, config.data_dir, supervise=True) as database,
     ):
         from .http import server
 
-        asyncio.run(_check_schema(database_url))
+        keys = asyncio.run(_check_schema(database.url))
         for route in config.routes:
             log.info(
                 "route %s: %s -> %s (methods %s, key %s, ttl %gs, timeout %gs)",
@@ -200,7 +206,7 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        server.run(config, database_url)
+        server.run(config, database.url, server.Summary(database.description, keys))
     return 0
 
 
@@ -209,8 +215,8 @@ def _migrate(arguments: argparse.Namespace) -> int:
 
     logs.configure("text", "info")
     url, data_dir = _database_settings()
-    with _database(url, data_dir) as database_url:
-        schema.upgrade(database_url)
+    with _database(url, data_dir) as database:
+        schema.upgrade(database.url)
     print(f"database is at schema revision {schema.head()}")
     return 0
 
@@ -229,8 +235,8 @@ def _purge(arguments: argparse.Namespace) -> int:
         finally:
             await store.close()
 
-    with _database(url, data_dir) as database_url:
-        deleted = asyncio.run(purge(database_url))
+    with _database(url, data_dir) as database:
+        deleted = asyncio.run(purge(database.url))
     print(f"purged {deleted} expired keys")
     return 0
 
@@ -238,16 +244,16 @@ def _purge(arguments: argparse.Namespace) -> int:
 def _demo_upstream(arguments: argparse.Namespace) -> int:
     import uvicorn
 
+    from .http import server
     from .lab.demo_upstream import DemoUpstream
 
     logs.configure("text", "info")
-    uvicorn.run(
-        DemoUpstream(),
-        host=arguments.host,
-        port=arguments.port,
-        log_config=None,
-        access_log=False,
-    )
+    # Bound here, so a busy port ends the command at once with a message (exit 2), before
+    # anything could take it for a running upstream.
+    sock = server.bind(arguments.host, arguments.port)
+    log.info("demo upstream listening on http://%s:%d", arguments.host, arguments.port)
+    config = uvicorn.Config(DemoUpstream(), log_config=None, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
@@ -256,7 +262,8 @@ def _database_settings() -> tuple[str | None, Path]:
     url = os.environ.get("ONCEGATE_DATABASE_URL") or None
     if url is not None and not url.startswith(("postgresql://", "postgres://")):
         raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
-    return url, Path(os.environ.get("ONCEGATE_DATA_DIR") or ".oncegate")
+    given = os.environ.get("ONCEGATE_DATA_DIR")
+    return url, Path(given) if given else settings.default_data_dir(os.environ)
 
 
 @contextmanager
@@ -274,11 +281,18 @@ def _metrics_across_workers(workers: int) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class _Database:
+    url: str
+    description: str  # for the log: never the password
+
+
 @contextmanager
-def _database(url: str | None, data_dir: Path) -> Iterator[str]:
-    """The given database, or the embedded one, migrated, for as long as the block runs."""
+def _database(url: str | None, data_dir: Path, *, supervise: bool = False) -> Iterator[_Database]:
+    """The given database, or the embedded one, migrated, for as long as the block runs.
+    `supervise`: restart the embedded server if it dies meanwhile (a gateway, not a one-shot)."""
     if url is not None:
-        yield url
+        yield _Database(url, without_password(url))
         return
     from . import embedded, schema
 
@@ -286,26 +300,43 @@ def _database(url: str | None, data_dir: Path) -> Iterator[str]:
     try:
         schema.upgrade(server.url)
         log.info("embedded PostgreSQL migrated to revision %s", schema.head())
-        yield server.url
+        if supervise:
+            server.supervise()
+        yield _Database(server.url, f"embedded PostgreSQL, data in {server.data_dir}")
     finally:
         server.stop()
 
 
-async def _check_schema(url: str) -> None:
-    """Refuse to serve a database that was never migrated: every request would fail."""
+def without_password(url: str) -> str:
+    """`url` fit for a log line: no password, in the authority or in the query."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        credentials, _, host = netloc.rpartition("@")
+        netloc = credentials.partition(":")[0] + "@" + host
+    query = urlencode(
+        [(name, value) for name, value in parse_qsl(parts.query) if name != "password"]
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+async def _check_schema(url: str) -> int:
+    """Refuse to serve a database that was never migrated: every request would fail. Returns
+    how many keys it holds, for the start-up summary."""
     from . import schema
     from .store.postgres import PostgresStore
 
     store = await PostgresStore.connect(url, min_size=1, max_size=1)
     try:
         revision = await store.schema_revision()
+        if revision != schema.head():
+            raise errors.ConfigError(
+                f"the database is at schema revision {revision or 'none'}, this gateway needs "
+                f"{schema.head()}: run `oncegate migrate` first"
+            )
+        return await store.count_keys()
     finally:
         await store.close()
-    if revision != schema.head():
-        raise errors.ConfigError(
-            f"the database is at schema revision {revision or 'none'}, this gateway needs "
-            f"{schema.head()}: run `oncegate migrate` first"
-        )
 
 
 if __name__ == "__main__":

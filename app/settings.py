@@ -88,6 +88,18 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
+def default_data_dir(environ: Mapping[str, str], euid: int | None = None) -> Path:
+    """Where the embedded PostgreSQL keeps its data when nobody says: one place per user, never
+    the working directory, so a retry cannot miss its key because the gateway was started from
+    elsewhere. Root gets the system's place for service data."""
+    if (os.geteuid() if euid is None else euid) == 0:
+        return Path("/var/lib/oncegate")
+    base = environ.get("XDG_DATA_HOME") or ""
+    if not os.path.isabs(base):  # the XDG spec says to ignore a relative value
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "oncegate"
+
+
 def _check_upstream(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -194,7 +206,7 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     database_url: str | None = None
-    data_dir: Path = Path(".oncegate")
+    data_dir: Path = Field(default_factory=lambda: default_data_dir(os.environ))
     admin_token: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -249,6 +261,7 @@ def load(
         if environ.get(variable):
             merged[name] = environ[variable]
     merged.update({name: value for name, value in flags.items() if name in fields})
+    merged.setdefault("data_dir", default_data_dir(environ))
     default_ttl = merged.get("ttl", DEFAULT_TTL)
     routes = merged.get("routes") or []
     if not isinstance(routes, list):

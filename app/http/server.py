@@ -22,6 +22,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -41,12 +42,55 @@ class _Server(uvicorn.Server):
         yield
 
 
-def run(settings: Settings, database_url: str) -> None:
-    sockets = [_bind(settings.host, settings.port), _bind(settings.host, settings.admin_port)]
+@dataclass(frozen=True)
+class Summary:
+    """What the start-up line says about the store."""
+
+    database: str  # the embedded data directory, or the URL without its password
+    keys: int
+
+
+def run(settings: Settings, database_url: str, summary: Summary) -> None:
+    sockets = [bind(settings.host, settings.port), bind(settings.host, settings.admin_port)]
+    _announce(settings, sockets, summary)
     if settings.workers == 1:
         _work(settings, database_url, sockets)
     else:
         _supervise(settings, database_url, sockets)
+
+
+def _announce(settings: Settings, sockets: list[socket.socket], summary: Summary) -> None:
+    """The one start-up line: where to reach it, which store it opened, what the admin API is."""
+    proxy, admin = (_address(sock) for sock in sockets)
+    admin_api = (
+        "enabled (Authorization: Bearer $ONCEGATE_ADMIN_TOKEN)"
+        if settings.admin_token
+        else "disabled (set ONCEGATE_ADMIN_TOKEN to enable it)"
+    )
+    log.info(
+        "oncegate serving: proxy on %s, admin on %s (/metrics, /healthz, /readyz); database: "
+        "%s, keys held: %d; admin API %s",
+        proxy,
+        admin,
+        summary.database,
+        summary.keys,
+        admin_api,
+        extra={
+            "fields": {
+                "proxy": proxy,
+                "admin": admin,
+                "database": summary.database,
+                "keys": summary.keys,
+                "admin_api": bool(settings.admin_token),
+                "workers": settings.workers,
+            }
+        },
+    )
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _work(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
@@ -110,6 +154,10 @@ async def _serve(settings: Settings, database_url: str, sockets: list[socket.soc
         loop = asyncio.get_running_loop()
 
         def stop() -> None:
+            if any(server.should_exit for server in servers):
+                log.warning("second signal: exiting without waiting")
+            else:
+                log.info("stopping: no new connections; finishing the requests in flight")
             for server in servers:
                 if server.should_exit:
                     server.force_exit = True
@@ -141,7 +189,7 @@ def _config(app: object, settings: Settings) -> uvicorn.Config:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """Bind before anything starts, so a busy port is a clear message and not a traceback."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:

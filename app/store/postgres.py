@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
@@ -55,9 +56,13 @@ async def _no_reset(connection: asyncpg.Connection) -> None:
 
 
 class PostgresStore:
-    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, where: str = "") -> None:
         self._pool = pool
         self._answer_pool = answer_pool
+        self._where = where
+        # Whether the last operation failed: the log says once that PostgreSQL is down and once
+        # that it is back, not a line per request while it is down.
+        self._down = False
         self._timers = {
             operation: metrics.STORE_OPERATION_DURATION.labels(operation) for operation in QUERIES
         } | {"schema_revision": metrics.STORE_OPERATION_DURATION.labels("schema_revision")}
@@ -70,10 +75,13 @@ class PostgresStore:
             "timeout": CONNECT_TIMEOUT,
             "command_timeout": COMMAND_TIMEOUT,
         }
+        where = describe(url)
         try:
             pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, **options)
         except _DRIVER_ERRORS as exc:
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+            raise errors.StoreUnavailable(
+                f"cannot connect to PostgreSQL at {where}: {_reason(exc)}"
+            ) from exc
         try:
             answer_pool = await asyncpg.create_pool(
                 url,
@@ -84,8 +92,10 @@ class PostgresStore:
             )
         except _DRIVER_ERRORS as exc:
             await pool.close()
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(pool, answer_pool)
+            raise errors.StoreUnavailable(
+                f"cannot connect to PostgreSQL at {where}: {_reason(exc)}"
+            ) from exc
+        return cls(pool, answer_pool, where)
 
     async def close(self) -> None:
         await self._answer_pool.close()
@@ -98,20 +108,45 @@ class PostgresStore:
             async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
                 yield connection
         except _DRIVER_ERRORS as exc:
-            raise _unavailable(operation, exc) from exc
+            raise self._unavailable(operation, exc) from exc
         finally:
             self._timers[operation].observe(time.perf_counter() - started)
+        if self._down:
+            self._back()
 
     async def _fetchrow(self, operation: str, *args: Any, pool: asyncpg.Pool | None = None) -> Any:
         """One query, one row. The hot path: written out rather than through `_connection`,
         whose context-manager machinery measurably cost more than the pool itself."""
         started = time.perf_counter()
         try:
-            return await (pool or self._pool).fetchrow(QUERIES[operation], *args)
+            row = await (pool or self._pool).fetchrow(QUERIES[operation], *args)
         except _DRIVER_ERRORS as exc:
-            raise _unavailable(operation, exc) from exc
+            raise self._unavailable(operation, exc) from exc
         finally:
             self._timers[operation].observe(time.perf_counter() - started)
+        if self._down:
+            self._back()
+        return row
+
+    def _unavailable(self, operation: str, exc: BaseException) -> errors.StoreUnavailable:
+        if self._down:
+            log.debug("store %s failed: %s", operation, _reason(exc))
+        else:
+            self._down = True
+            log.error(
+                "PostgreSQL at %s is unavailable (%s): answering 503 store-unavailable and "
+                "forwarding nothing until it is back",
+                self._where,
+                _reason(exc),
+            )
+        return errors.StoreUnavailable(
+            "the idempotency store (PostgreSQL) is unavailable; the request was not forwarded. "
+            "Retry with the same Idempotency-Key."
+        )
+
+    def _back(self) -> None:
+        self._down = False
+        log.warning("PostgreSQL at %s is back", self._where)
 
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
@@ -198,6 +233,10 @@ class PostgresStore:
     async def release_unknown(self, record_id: int) -> bool:
         return await self._fetchrow("admin_release_unknown", record_id) is not None
 
+    async def count_keys(self) -> int:
+        keys: int = (await self._fetchrow("count_keys"))["keys"]
+        return keys
+
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""
         async with self._connection("schema_revision") as connection:
@@ -232,9 +271,25 @@ def _record(row: asyncpg.Record) -> Record:
     )
 
 
-def _unavailable(operation: str, exc: BaseException) -> errors.StoreUnavailable:
-    log.warning("store %s failed: %s: %s", operation, type(exc).__name__, exc)
-    return errors.StoreUnavailable(
-        "the idempotency store (PostgreSQL) is unavailable; the request was not forwarded. "
-        "Retry with the same Idempotency-Key."
-    )
+def describe(url: str) -> str:
+    """Where a PostgreSQL URL points, for messages: host and port or socket directory, and the
+    database; never the user or password."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    host = parts.hostname or query.get("host") or "localhost"
+    database = parts.path.lstrip("/") or query.get("dbname") or "(default database)"
+    if host.startswith("/"):
+        return f"the Unix socket in {host}, database {database}"
+    port = parts.port or query.get("port") or 5432
+    return f"{host}:{port}, database {database}"
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in words: a socket error's own text, not `[Errno 2]`."""
+    if isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+        return "no server is listening there"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"

@@ -178,3 +178,9 @@ DELETE FROM oncegate_keys
 WHERE id = $1
   AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
 RETURNING id;
+
+-- name: count_keys
+-- How many keys the store holds, expired ones not yet purged included: said once at start-up,
+-- so an operator sees which store a gateway opened (an empty one where keys were expected is a
+-- wrong data directory or URL).
+SELECT count(*) AS keys FROM oncegate_keys;

@@ -581,3 +581,17 @@ def test_upstream_url(match: str, strip: bool, path: str, query: str, expected: 
 def test_upstream_url_keeps_the_upstream_base_path() -> None:
     based = route(match="/payments/", strip_prefix=True, upstream="http://h:1/api/")
     assert service.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"
+
+
+def test_the_default_data_directory_is_the_users_never_the_working_directory() -> None:
+    user = 1000
+    assert settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"}, user) == Path(
+        "/data/ana/oncegate"
+    )
+    home = Path.home()
+    for environ in ({}, {"XDG_DATA_HOME": ""}, {"XDG_DATA_HOME": "relative/ignored"}):
+        expected = home / ".local" / "share" / "oncegate"
+        assert settings.default_data_dir(environ, user) == expected
+    assert settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"}, 0) == Path("/var/lib/oncegate")
+    loaded = settings.load({"upstream": UPSTREAM}, {"XDG_DATA_HOME": "/data/ana"}, None)
+    assert loaded.data_dir == settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"})

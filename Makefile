@@ -12,12 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The gateway on the embedded PostgreSQL in front of the demo upstream, both started here.
-# Ctrl-C stops both.
+# The gateway on the embedded PostgreSQL in front of the demo upstream, both started here, with
+# an admin token for this run; either one that cannot start stops both. Ctrl-C stops both.
+# Ports: make run DEMO_PORT=9000 ONCEGATE_PORT=8080 ONCEGATE_ADMIN_PORT=8081.
 run: $(STAMP)
-	@$(BIN)/oncegate demo-upstream --port 9000 & demo=$$!; \
-	trap 'kill $$demo 2>/dev/null' EXIT INT TERM; \
-	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000 --log-format text
+	@VENV=$(VENV) bash scripts/run.sh
 
 # tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus (Debian's package).
 TEST_TOOLS := $(VENV)/.test-tools

@@ -42,11 +42,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
+_DATABASE_HELP = (
+    "The database is ONCEGATE_DATABASE_URL (a postgresql:// URL); when it is unset, the embedded "
+    "PostgreSQL in ONCEGATE_DATA_DIR (default ~/.local/share/oncegate, or "
+    "$XDG_DATA_HOME/oncegate; /var/lib/oncegate as root), started and stopped by the command."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oncegate",
         description="An Idempotency-Key gateway: POST/PATCH calls happen at most once per key.",
     )
+    parser.add_argument("--version", action="version", version=f"oncegate {_version()}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -54,37 +62,66 @@ def _parser() -> argparse.ArgumentParser:
         help="run the gateway",
         description="Run the gateway. Every flag also has an ONCEGATE_* variable "
         "(--admin-port: ONCEGATE_ADMIN_PORT); flags win over variables, variables over the file. "
-        "Without ONCEGATE_DATABASE_URL an embedded PostgreSQL runs under ONCEGATE_DATA_DIR.",
+        "ONCEGATE_ADMIN_TOKEN enables the admin API on the admin port (Authorization: Bearer "
+        "TOKEN); without it the admin API answers 404. " + _DATABASE_HELP,
     )
     serve.add_argument("--upstream", metavar="URL", help="one catch-all route named 'default'")
     serve.add_argument("--config", metavar="FILE", help="YAML file with routes and settings")
-    serve.add_argument("--host", metavar="H", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="proxy port (default 8080)")
-    serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
+    serve.add_argument("--host", metavar="H", help="address of both ports (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, metavar="N", help="proxy port (default 8080)")
+    serve.add_argument(
+        "--admin-port",
+        type=int,
+        metavar="N",
+        help="admin port: /metrics, /healthz, /readyz, the admin API (default 8081)",
+    )
     serve.add_argument("--workers", type=int, metavar="N", help="worker processes (default 1)")
-    serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
+    serve.add_argument(
+        "--ttl", metavar="DURATION", help="key lifetime for routes that set none (default 24h)"
+    )
     serve.add_argument(
         "--data-dir",
         metavar="DIR",
         help="embedded PostgreSQL data (default ~/.local/share/oncegate; as root /var/lib/oncegate)",
     )
-    serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default json)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="one JSON object per line, or text for a terminal (default json)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe lines logged; warning drops the per-request lines (default info)",
+    )
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser(
-        "migrate", help="apply the schema migrations to ONCEGATE_DATABASE_URL (idempotent)"
+        "migrate",
+        help="apply the schema migrations (idempotent)",
+        description="Apply the schema migrations up to this version's revision, and print it. "
+        "Idempotent: run it before each release's gateways start. " + _DATABASE_HELP,
     )
     migrate.set_defaults(run=_migrate)
 
-    purge = commands.add_parser("purge", help="delete expired keys once, in batches")
+    purge = commands.add_parser(
+        "purge",
+        help="delete expired keys once, in batches",
+        description="Delete the keys past their TTL once, in bounded batches, and print how many. "
+        "A running gateway also does it every ONCEGATE_PURGE_INTERVAL (default 60s). "
+        + _DATABASE_HELP,
+    )
     purge.set_defaults(run=_purge)
 
     demo = commands.add_parser(
-        "demo-upstream", help="a fake email/ticket/payment service for demos, the lab and tests"
+        "demo-upstream",
+        help="a fake email/ticket/payment service for demos, the lab and tests",
+        description="A fake side-effecting API: POST /emails, /tickets, /charges answer 201 with "
+        "a JSON receipt; GET /actions lists every action really performed, with its "
+        "Idempotency-Key; ?delay=SECONDS and ?status=CODE make a call slow or failing.",
     )
-    demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=9000)
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    demo.add_argument("--port", type=int, default=9000, metavar="N", help="port (9000)")
     demo.set_defaults(run=_demo_upstream)
 
     lab = commands.add_parser(
@@ -118,6 +155,15 @@ def _parser() -> argparse.ArgumentParser:
     lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
     lab.set_defaults(run=_lab)
     return parser
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("oncegate")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _positive(text: str) -> int:

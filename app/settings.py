@@ -154,13 +154,15 @@ class Route(BaseModel):
     @field_validator("methods", mode="before")
     @classmethod
     def _methods(cls, value: object) -> object:
+        if isinstance(value, str):  # `methods: POST` or `methods: POST, PATCH`
+            value = [part.strip() for part in value.split(",")]
         if isinstance(value, list | tuple | set | frozenset):
             methods = [str(method).upper() for method in value]
             for method in methods:
                 if not _METHOD.match(method):
                     raise ValueError(f"{method!r} is not an HTTP method")
             return frozenset(methods)
-        return value
+        raise ValueError(f"a list of HTTP methods, like [POST, PATCH], not {value!r}")
 
     @field_validator("scope_headers")
     @classmethod
@@ -186,9 +188,10 @@ class Route(BaseModel):
                 "second request could be forwarded while the first is still in flight"
             )
         if self.ttl <= self.lease_seconds:
+            source = "" if self.lease is not None else ", twice the timeout"
             raise ValueError(
-                f"ttl ({self.ttl:g}s) must exceed lease ({self.lease_seconds:g}s): a key cannot "
-                "expire while its request is still in flight"
+                f"ttl ({self.ttl:g}s) must exceed lease ({self.lease_seconds:g}s{source}): a key "
+                "cannot expire while its request is still in flight"
             )
         return self
 
@@ -280,7 +283,8 @@ def load(
     try:
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
-        raise errors.ConfigError(_describe(exc, path)) from None
+        added = len(routes) if merged.get("upstream") else None
+        raise errors.ConfigError(_describe(exc, path, added)) from None
     if not settings.routes:
         raise errors.ConfigError(
             "no routes: give --upstream URL (one catch-all route) or --config FILE with routes"
@@ -296,7 +300,14 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise errors.ConfigError(f"{path}: not valid YAML: {exc}") from None
+        # PyYAML's own text names the stream "<unicode string>"; say the file, line and column.
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        raise errors.ConfigError(
+            f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+        ) from None
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -304,15 +315,23 @@ def _read_file(path: Path) -> dict[str, Any]:
     return document
 
 
-def _describe(exc: ValidationError, path: object) -> str:
-    lines = []
+def _describe(exc: ValidationError, path: object, added: int | None = None) -> str:
+    """One line per mistake, named as the user wrote it. `added` is the index of the route
+    that `upstream` (--upstream) adds: its mistakes are the flag's, not a `routes[N]` the user
+    never wrote, and a bad URL is said once, not once for the setting and once for the route."""
+    lines: list[str] = []
     for error in exc.errors():
-        location = "".join(
-            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
-        ).lstrip(".")
+        parts = list(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown field (a typo?)"
+        if added is not None and parts[:2] == ["routes", added]:
+            if parts[2:] == ["upstream"]:
+                continue  # the same mistake as `upstream` itself, said there
+            parts = ["the route 'default' that upstream (--upstream) adds", *parts[2:]]
+        location = "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts
+        ).lstrip(".")
         lines.append(f"  {location or 'settings'}: {message}")
     source = f" in {path}" if path else ""
     return f"invalid configuration{source}:\n" + "\n".join(lines)

@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--data-dir",
         metavar="DIR",
-        help="embedded PostgreSQL data (default ~/.local/share/oncegate; as root /var/lib/oncegate)",
+        help="embedded PostgreSQL data (default ~/.local/share/oncegate; root: /var/lib/oncegate)",
     )
     serve.add_argument(
         "--log-format",

@@ -19,8 +19,8 @@ from typing import Any
 import asyncpg
 
 from .. import errors, settings
-from ..embedded import EmbeddedPostgres
 from ..agent.checkpoints import Checkpoint, CheckpointError, Pending
+from ..embedded import EmbeddedPostgres
 from .queries import load
 
 QUERIES = load((Path(__file__).parent / "checkpoints.sql").read_text())

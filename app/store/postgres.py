@@ -216,6 +216,7 @@ class PostgresStore:
                 created_at=row["created_at"],
                 completed_at=row["completed_at"],
                 expires_at=row["expires_at"],
+                scope=row["scope"],
             )
             for row in rows
         ]

@@ -132,6 +132,7 @@ WHERE ctid = ANY(ARRAY(
 -- an index on `key` would cost every claim an extra index write.
 SELECT id,
        route,
+       scope,
        key,
        CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
             ELSE state END AS state,

@@ -211,6 +211,7 @@ def _lab(arguments: argparse.Namespace) -> int:
         print(crashlab.table(outcome))
     if arguments.plot is not None:
         plot.write(outcome, arguments.plot)
+        print(f"oncegate lab: chart written to {arguments.plot.resolve()}", file=sys.stderr)
     for failure in outcome.failures:
         print(f"oncegate lab: {failure}", file=sys.stderr)
     return 1 if outcome.failures else 0

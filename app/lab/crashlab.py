@@ -308,11 +308,14 @@ class Lab:
         for number, crash in enumerate(crashes, start=1):
             for name in strategies:
                 strategy = STRATEGIES[name]
-                run = Run(strategy, number, f"{self.prefix}-{name}-run-{number}", crash)
-                if strategy.through_gateway and kill_gateway and kills.random() < kill_gateway:
-                    step = kills.choice(sorted(ACTION_STEPS))
-                    run.gateway_kill = GatewayKill(step, kills.uniform(0, GATEWAY_KILL_WINDOW))
-                self.plan.append(run)
+                self.plan.append(Run(strategy, number, f"{self.prefix}-{name}-run-{number}", crash))
+        # The share of the gateway's runs, and at least one: a short demo (5% of 40) shows a kill.
+        through_gateway = [run for run in self.plan if run.strategy.through_gateway]
+        if kill_gateway and through_gateway:
+            count = max(1, round(kill_gateway * len(through_gateway)))
+            for run in kills.sample(through_gateway, count):
+                step = kills.choice(sorted(ACTION_STEPS))
+                run.gateway_kill = GatewayKill(step, kills.uniform(0, GATEWAY_KILL_WINDOW))
         self.kill_gateway = kill_gateway
         self.gateway_kills = 0
         self._http = httpx.Client(trust_env=False, timeout=30.0)

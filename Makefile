@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-tools faults lint bench bench-all bench-quick clean
+.PHONY: run test test-tools faults lint lock bench bench-all bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,13 @@ bench-all: $(BENCH_TOOLS)
 
 bench-quick: $(STAMP)
 	$(BIN)/python bench/quick.py
+
+# The container image's dependencies, pinned with hashes, from pyproject.toml (pip-tools).
+# pgserver stays out: the image has no embedded PostgreSQL (Dockerfile).
+lock: $(STAMP)
+	$(BIN)/python -m pip install --quiet pip-tools
+	$(BIN)/pip-compile --quiet --generate-hashes --strip-extras --unsafe-package pgserver \
+		--no-emit-index-url --no-emit-find-links --output-file requirements.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -60,7 +60,14 @@ def _pgserver() -> Any:
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset and falls back to /tmp: fine here.
         warnings.simplefilter("ignore")
-        import pgserver.postgres_server
+        try:
+            import pgserver.postgres_server
+        except ImportError:
+            raise errors.ConfigError(
+                "the embedded PostgreSQL (the pgserver package) is not installed here, as in the "
+                "container image: set ONCEGATE_DATABASE_URL to your PostgreSQL, or install "
+                "pgserver"
+            ) from None
 
     return pgserver.postgres_server
 

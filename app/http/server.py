@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from .. import errors
+from .. import errors, tracing
 from ..settings import Settings
 from .app import create_admin_app, create_proxy_app, running
 
@@ -146,9 +146,22 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
 
 
 async def _serve(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+    # Per process: with --workers, each worker exports its own spans (an exporter's thread does
+    # not survive a fork).
+    if tracing.setup():
+        log.info("tracing: exporting spans to %s", os.environ[tracing.ENDPOINT_VARIABLE])
+    try:
+        await _serve_traced(settings, database_url, sockets)
+    finally:
+        tracing.shutdown()
+
+
+async def _serve_traced(
+    settings: Settings, database_url: str, sockets: list[socket.socket]
+) -> None:
     async with running(settings, database_url) as runtime:
         servers = [
-            _Server(_config(create_proxy_app(runtime), settings)),
+            _Server(_config(tracing.wrap(create_proxy_app(runtime)), settings)),
             _Server(_config(create_admin_app(runtime), settings)),
         ]
         loop = asyncio.get_running_loop()

@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
-from .. import errors, metrics
+from .. import errors, metrics, tracing
 from . import Claim, Headers, KeyRecord, Record
 from .queries import QUERIES
 
@@ -115,8 +115,17 @@ class PostgresStore:
             self._back()
 
     async def _fetchrow(self, operation: str, *args: Any, pool: asyncpg.Pool | None = None) -> Any:
-        """One query, one row. The hot path: written out rather than through `_connection`,
-        whose context-manager machinery measurably cost more than the pool itself."""
+        """One query, one row; a `claim` or `settle` span around it when tracing is on."""
+        if tracing.active():
+            with tracing.store_operation(operation):
+                return await self._fetchrow_untraced(operation, *args, pool=pool)
+        return await self._fetchrow_untraced(operation, *args, pool=pool)
+
+    async def _fetchrow_untraced(
+        self, operation: str, *args: Any, pool: asyncpg.Pool | None = None
+    ) -> Any:
+        """The hot path: written out rather than through `_connection`, whose context-manager
+        machinery measurably cost more than the pool itself."""
         started = time.perf_counter()
         try:
             row = await (pool or self._pool).fetchrow(QUERIES[operation], *args)

@@ -70,7 +70,19 @@ def setup(environ: Mapping[str, str] = os.environ) -> bool:
         ) from None
     service = environ.get("OTEL_SERVICE_NAME") or "oncegate"
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # From the mapping given, not the SDK's own reading of os.environ, so that what `setup` was
+    # told is what it does. The generic endpoint gets the signal's path (the OTLP spec's rule).
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (
+        environ[ENDPOINT_VARIABLE].rstrip("/") + "/v1/traces"
+    )
+    delay = environ.get("OTEL_BSP_SCHEDULE_DELAY") or None
+    if delay is not None and not delay.replace(".", "", 1).isdigit():
+        raise errors.ConfigError(f"OTEL_BSP_SCHEDULE_DELAY is milliseconds, not {delay!r}")
+    processor = BatchSpanProcessor(
+        OTLPSpanExporter(endpoint=endpoint),
+        schedule_delay_millis=float(delay) if delay else None,
+    )
+    provider.add_span_processor(processor)
     _provider = provider
     _tracer = provider.get_tracer("oncegate")
     logging.getLogger("oncegate.request").addFilter(_annotate_from_log)

@@ -128,3 +128,44 @@ def test_a_request_is_one_span_under_the_clients_trace_with_claim_and_settle_chi
     exported = b"".join(span.SerializeToString() for span in spans)
     for secret in (key, "secret-path-value", "secret body", "credential-that-must-not-leak"):
         assert secret.encode() not in exported
+
+
+async def test_the_forward_hook_sends_the_upstream_a_traceparent_naming_the_forward_span(
+    receiver: Receiver,
+) -> None:
+    """`tracing.forwarding`, the hook around the upstream call: the upstream's spans then hang
+    under the gateway's `forward` span, in the client's trace."""
+    from oncegate import tracing
+
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    received: list[list[tuple[str, str]]] = []
+
+    async def proxy(scope: Any, receive: Any, send: Any) -> None:
+        headers = [("traceparent", f"00-{trace_id}-{client_span}-01"), ("x-other", "kept")]
+        with tracing.forwarding(headers) as sent:
+            received.append(sent)
+
+    async def ignore(message: Any) -> None:
+        pass
+
+    assert tracing.setup(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    )
+    try:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "headers": [(b"traceparent", f"00-{trace_id}-{client_span}-01".encode())],
+        }
+        await tracing.wrap(proxy)(scope, ignore, ignore)  # fmt: skip
+    finally:
+        tracing.shutdown()
+    assert not tracing.active()
+    spans = receiver.wait_for({"oncegate request", "forward"})
+    forward = next(span for span in spans if span.name == "forward")
+    request = next(span for span in spans if span.name == "oncegate request")
+    assert forward.parent_span_id == request.span_id
+    sent = dict(received[0])
+    assert sent["x-other"] == "kept"
+    assert sent["traceparent"] == f"00-{trace_id}-{forward.span_id.hex()}-01"
+    assert [name for name, _ in received[0]].count("traceparent") == 1

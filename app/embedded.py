@@ -162,8 +162,8 @@ def start(data_dir: Path) -> EmbeddedPostgres:
     """Start (or join) the embedded server under `data_dir` and return it."""
     data_dir = Path(os.path.abspath(data_dir.expanduser()))
     pgdata = data_dir / "pgdata"
+    postgres_server = _pgserver()  # first: where it is not installed, nothing is created
     _make_directories(data_dir)
-    postgres_server = _pgserver()
     if os.geteuid() == 0:
         _check_reachable(pgdata, postgres_server)
     with postgres_server.PostgresServer._lock:  # the lock pgserver takes around its handle list

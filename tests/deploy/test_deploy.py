@@ -477,12 +477,14 @@ def test_dockerfile_install_steps_give_a_working_oncegate(tmp_path: Path) -> Non
     no_database = subprocess.run(
         ["oncegate", "serve", "--upstream", "http://127.0.0.1:9", "--port", str(free_port())],
         cwd=workdir, capture_output=True, text=True, timeout=60,
-        env={**environment, "ONCEGATE_DATABASE_URL": ""},
+        env={**environment, "ONCEGATE_DATABASE_URL": "",
+             "ONCEGATE_DATA_DIR": str(tmp_path / "data")},
     )  # fmt: skip
     assert no_database.returncode == 2, no_database.stderr
     assert "the embedded PostgreSQL (the pgserver package) is not installed here" in (
         no_database.stderr
     )
+    assert not (tmp_path / "data").exists()  # nothing created for a server that cannot run
     # The installed package, not the copied source tree, with its migrations and SQL.
     probe = (
         "import oncegate.cli, oncegate.schema, oncegate.store.queries; "

@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, TypeVar, cast
 
 from . import errors
 
@@ -39,6 +39,7 @@ _REQUEST_FIELDS = {
     "outcome": "oncegate.outcome",
 }
 
+Name = TypeVar("Name", str, bytes)
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -148,19 +149,29 @@ def store_operation(operation: str) -> contextlib.AbstractContextManager[object]
 
 
 @contextlib.contextmanager
-def forwarding(headers: list[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
-    """The `forward` span around an upstream call, and the headers to send: the client's trace
-    context replaced by one naming this span. Off: the headers as they are."""
+def forwarding(headers: Sequence[tuple[Name, Name]]) -> Iterator[list[tuple[Name, Name]]]:
+    """The `forward` span around an upstream call, and the headers to send (names and values as
+    `str` or as `bytes`, as given): the client's trace context replaced by one naming this span.
+    Off: the headers as they are."""
     if _tracer is None:
-        yield headers
+        yield list(headers)
         return
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     with _tracer.start_as_current_span("forward"):
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)
-        kept = [(name, value) for name, value in headers if name.lower() not in carrier]
-        yield kept + sorted(carrier.items())
+        as_bytes = bool(headers) and isinstance(headers[0][0], bytes)
+        replaced = {name.encode() if as_bytes else name for name in carrier} | {
+            "traceparent",
+            "tracestate",
+            b"traceparent",
+            b"tracestate",
+        }
+        kept = [(name, value) for name, value in headers if name.lower() not in replaced]
+        pairs = sorted(carrier.items())
+        added = [(name.encode(), value.encode()) for name, value in pairs] if as_bytes else pairs
+        yield kept + cast(list[tuple[Name, Name]], added)
 
 
 @contextlib.contextmanager

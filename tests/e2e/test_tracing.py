@@ -169,3 +169,12 @@ async def test_the_forward_hook_sends_the_upstream_a_traceparent_naming_the_forw
     assert sent["x-other"] == "kept"
     assert sent["traceparent"] == f"00-{trace_id}-{forward.span_id.hex()}-01"
     assert [name for name, _ in received[0]].count("traceparent") == 1
+
+
+def test_the_forward_hook_keeps_bytes_headers_as_bytes_and_changes_nothing_when_off() -> None:
+    from oncegate import tracing
+
+    assert not tracing.active()
+    headers = [(b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"), (b"x", b"\xe9")]
+    with tracing.forwarding(headers) as sent:
+        assert sent == headers  # off: byte for byte

@@ -57,6 +57,39 @@ class RouteNotFound(GatewayError):
     outcome = "no_route"
 
 
+class InvalidPath(GatewayError):
+    status = 400
+    name = "invalid-path"
+    title = "The request path is not a valid path"
+    outcome = "invalid_path"
+
+
+class InvalidHeader(GatewayError):
+    status = 400
+    name = "invalid-header"
+    title = "A header value cannot be forwarded unchanged"
+    outcome = "invalid_header"
+
+
+class MalformedRequest(GatewayError):
+    """HTTP that a proxy must not pass on (RFC 9112 §3.2: no Host, or two)."""
+
+    status = 400
+    name = "invalid-request"
+    title = "The request is not valid"
+    outcome = "invalid_request"
+
+
+class UnsupportedTransferCoding(GatewayError):
+    """A transfer coding other than chunked: the gateway reads the body without it and sends it
+    with a Content-Length, so the upstream would get bytes it cannot decode (RFC 9112 §6.1)."""
+
+    status = 501
+    name = "unsupported-transfer-coding"
+    title = "The request's transfer coding is not supported"
+    outcome = "unsupported_transfer_coding"
+
+
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"
@@ -147,6 +180,55 @@ class StoreUnavailable(GatewayError):
     name = "store-unavailable"
     title = "The idempotency store is unavailable"
     outcome = "store_unavailable"
+
+
+# The admin port's problems (contract section 6): rendered like the proxy's.
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    name = "unauthorized"
+    title = "A valid admin bearer token is required"
+
+
+class AdminDisabled(GatewayError):
+    status = 404
+    name = "admin-disabled"
+    title = "The admin API is not enabled"
+
+
+class NotFound(GatewayError):
+    status = 404
+    name = "not-found"
+    title = "No such resource"
+
+
+class KeyInFlight(GatewayError):
+    status = 409
+    name = "key-in-flight"
+    title = "The key's request is in flight"
+
+
+class KeyNotUnknown(GatewayError):
+    status = 409
+    name = "key-not-unknown"
+    title = "The key is not in state unknown"
+
+
+class InvalidRequest(GatewayError):
+    """Admin input that does not validate: 400 for the path and query, 422 for a body."""
+
+    status = 400
+    name = "invalid-request"
+    title = "The request is not valid"
+
+    def __init__(self, detail: str, *, status: int = 400) -> None:
+        super().__init__(detail)
+        self._status = status
+
+    @property
+    def status_code(self) -> int:
+        return self._status
 
 
 class ConfigError(Exception):

@@ -10,10 +10,20 @@ Read `Gateway.handle` top to bottom:
    fencing token: `completed` with the answer, released (row deleted) when nothing was sent or the
    upstream asked for a retry, or `unknown` when the request may have been performed but the
    answer was lost. A token that was superseded settles nothing.
-4. Anyone else reads the row: a different fingerprint is a reused key (422); a completed key is
-   replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim whose
-   lease ran out because its gateway died) is 409 until resolved, or with `on_unknown: forward`
-   is taken over with a new token and forwarded again. An expired row is claimed as new.
+4. Anyone else gets the row, and `decide` (pure, no I/O) says what to do with it: an expired
+   row is reclaimed as a new key; a different fingerprint is a reused key (422); a completed key
+   is replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim
+   whose lease ran out because its gateway died) is 409 until resolved, or with
+   `on_unknown: forward` is taken over with a new token and forwarded again. A reclaim or a
+   take-over that finds the row changed since it was read looks again, a few times at most.
+
+Changing the lease rule (when an in-flight claim counts as abandoned) safely: the rule lives in
+one SQL function, `oncegate_key_state` (migration 0005; change it with a new migration), which
+every query and the admin API read states through; `decide` acts on the state it returns and
+never on the clock, and `tests/store/test_conformance.py` runs the same cases against the
+PostgreSQL store and the in-memory one (`store/memory.py`), whose `state_of` must say the same.
+A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
+live request would read as `unknown`, and be taken over under `on_unknown: forward`.
 
 The forward and its settlement run in a task of their own, shielded from the request: a client
 that hangs up does not cancel them, so its retry finds the answer stored. `drain` waits for
@@ -29,16 +39,13 @@ import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
-from . import errors, fingerprint, keys, metrics
-from .settings import Route
-from .store import Claim, Record, Store
-from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse, end_to_end
+from . import errors, fingerprint, headers, keys, metrics
+from .settings import ROUTE_NAME, Route
+from .store import AdminStore, Claim, KeyRecord, Record, Store
+from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
-REPLAYED_HEADER = ("idempotent-replayed", "true")
-# Never stored: credentials of one client must not be replayed to anyone.
-NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
 # What a client waiting on an in-flight key should wait before asking again. Short, because most
 # upstream calls take well under a second; clients back off further themselves.
 IN_PROGRESS_RETRY_AFTER = 1
@@ -47,6 +54,9 @@ IN_PROGRESS_RETRY_AFTER = 1
 CLAIM_ATTEMPTS = 5
 # The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
 # on the same table never wait behind it; the pause between batches leaves room for traffic.
+# Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
+# a millisecond, less than handing them to a thread costs.
+OFF_LOOP_BODY = 1024 * 1024
 PURGE_BATCH_SIZE = 1000
 PURGE_PAUSE = 0.05
 
@@ -54,7 +64,7 @@ PURGE_PAUSE = 0.05
 @dataclass(frozen=True, slots=True)
 class ProxyRequest:
     method: str
-    path: str  # as sent, still percent-encoded
+    path: str  # normalized (paths.normalize), still percent-encoded
     query: str
     headers: Sequence[tuple[str, str]]  # names in lower case, values as received
     body: bytes
@@ -118,13 +128,7 @@ class Gateway:
         scope = keys.scope(
             route.name, [request.header_values(name) for name in route.scope_headers]
         )
-        digest = fingerprint.compute(
-            request.method,
-            request.path,
-            request.query,
-            next(iter(request.header_values("content-type")), None),
-            request.body,
-        )
+        digest = await _fingerprint(request)
         for _ in range(CLAIM_ATTEMPTS):
             found = await self._store.claim(
                 route.name, scope, key, digest, route.lease_seconds, route.ttl
@@ -135,44 +139,24 @@ class Gateway:
                 if found is None:
                     continue  # and already released: claim again
             if isinstance(found, Record):
-                decision = await self._existing(route, found, digest)
-                if isinstance(decision, ProxyResponse):
-                    return decision
-                if decision is None:
-                    continue  # it changed under us: look again
-                found = decision
+                decision = decide(found, digest, route)
+                if isinstance(decision, Replay):
+                    return decision.response
+                if isinstance(decision, Refuse):
+                    raise decision.error
+                if isinstance(decision, Reclaim):
+                    claimed = await self._store.reclaim_expired(
+                        found, route.name, digest, route.lease_seconds, route.ttl
+                    )
+                else:
+                    claimed = await self._store.take_over(found, route.lease_seconds)
+                if claimed is None:
+                    continue  # it changed since we read it: look again
+                found = claimed
             return await self._forward_protected(route, request, found)
         raise errors.RequestInProgress(
             "this Idempotency-Key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
-        )
-
-    async def _existing(
-        self, route: Route, record: Record, digest: bytes
-    ) -> Claim | ProxyResponse | None:
-        """Decide what to do with a key someone claimed before: the stored answer, a claim when
-        this request is to be forwarded after all, None to look again, or raise the answer."""
-        if record.expired:
-            return await self._store.reclaim_expired(
-                record, route.name, digest, route.lease_seconds, route.ttl
-            )
-        if record.fingerprint != digest:
-            raise errors.KeyReused(
-                "this Idempotency-Key was first used with a different request (method, path, "
-                "query or body); use a new key for a new request"
-            )
-        if record.state == "completed":
-            return replay(record)
-        if record.state == "in_progress":
-            raise errors.RequestInProgress(
-                "a request with this Idempotency-Key is still being processed; retry later",
-                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
-            )
-        if route.on_unknown == "forward":
-            return await self._store.take_over(record, route.lease_seconds)
-        raise errors.OutcomeUnknown(
-            "the request with this Idempotency-Key may have been performed, but its answer was "
-            "lost; an operator must resolve the key before it can be answered"
         )
 
     async def _forward_protected(
@@ -203,21 +187,21 @@ class Gateway:
         except NotSent as exc:
             await self._settle("release", self._store.release(claim))
             raise errors.UpstreamUnavailable(
-                f"the upstream of route {route.name!r} could not be reached ({exc}); nothing was "
-                "sent, the key was released, and a retry with the same key is safe"
+                f"the upstream of route {route.name!r} could not be reached; nothing was sent, "
+                "the key was released, and a retry with the same key is safe"
             ) from exc
         except AnswerLost as exc:
             await self._settle("mark_unknown", self._store.mark_unknown(claim))
             raise errors.OutcomeUnknown(
                 f"the upstream of route {route.name!r} received the request but its answer was "
-                f"lost ({exc}); it may have been performed. Retries get 409 until an operator "
-                "resolves the key",
+                f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
+                "Retries get 409 until an operator resolves the key",
                 status=504 if exc.timed_out else 502,
             ) from exc
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, "released")
-        stored_headers = storable_headers(response.headers)
+        stored_headers = headers.storable(response.headers)
         body = response.body if len(response.body) <= route.max_stored_response else None
         await self._settle(
             "complete", self._store.complete(claim, response.status, stored_headers, body)
@@ -231,11 +215,12 @@ class Gateway:
             response = await self._send(route, request)
         except NotSent as exc:
             raise errors.UpstreamUnavailable(
-                f"the upstream of route {route.name!r} could not be reached ({exc})"
+                f"the upstream of route {route.name!r} could not be reached"
             ) from exc
         except AnswerLost as exc:
             raise errors.OutcomeUnknown(
-                f"the upstream of route {route.name!r} did not answer ({exc})",
+                f"the upstream of route {route.name!r} did not answer"
+                f"{' in time' if exc.timed_out else ''}",
                 status=504 if exc.timed_out else 502,
             ) from exc
         return _answer(response, outcome)
@@ -243,14 +228,18 @@ class Gateway:
     async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
         inflight = metrics.INFLIGHT.labels(route.name)
         inflight.inc()
+        url = upstream_url(route, request.path, request.query)
         try:
             response = await self._upstream.send(
-                request.method,
-                upstream_url(route, request.path, request.query),
-                request.headers,
-                request.body,
-                route.timeout,
+                request.method, url, request.headers, request.body, route.timeout
             )
+        except (NotSent, AnswerLost) as exc:
+            # The address is for the operator's log; the client's answer names the route only.
+            log.warning(
+                "route %s: %s %s: %s: %s",
+                route.name, request.method, route.upstream, type(exc).__name__, exc,
+            )  # fmt: skip
+            raise
         finally:
             inflight.dec()
         metrics.UPSTREAM_REQUEST_DURATION.labels(route.name).observe(response.duration)
@@ -275,27 +264,99 @@ class Gateway:
             )
 
 
-def storable_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The headers of an answer that may be stored and replayed: end-to-end ones, and no
-    credentials (contract section 4: Set-Cookie is not stored)."""
-    return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
+async def _fingerprint(request: ProxyRequest) -> bytes:
+    arguments = (
+        request.method,
+        request.path,
+        request.query,
+        next(iter(request.header_values("content-type")), None),
+        request.body,
+    )
+    if len(request.body) <= OFF_LOOP_BODY:
+        return fingerprint.compute(*arguments)
+    # SHA-256 releases the GIL over large buffers, so a worker thread hashes a large body
+    # without holding up the requests on the event loop (10 MiB: about 10 ms of hashing).
+    return await asyncio.to_thread(fingerprint.compute, *arguments)
 
 
-def replay(record: Record) -> ProxyResponse:
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer with the stored response."""
+
+    response: ProxyResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer with this problem; nothing is forwarded."""
+
+    error: errors.GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """The key expired: claim its row as a new key, then forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """The outcome is unknown and the route says `on_unknown: forward`: take the row over with
+    a new fencing token, then forward again."""
+
+
+Decision = Replay | Refuse | Reclaim | TakeOver
+
+
+def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
+    """What to do with a request whose key someone claimed before (contract sections 4 and 5).
+    Pure: `Gateway.handle` applies the decision through the store."""
+    if record.state == "expired":
+        return Reclaim()  # a new key, whatever was sent under it before
+    if record.fingerprint != fingerprint:
+        return Refuse(
+            errors.KeyReused(
+                "this Idempotency-Key was first used with a different request (method, path, "
+                "query or body); use a new key for a new request"
+            )
+        )
+    if record.state == "completed":
+        return _replay(record)
+    if record.state == "in_progress":
+        return Refuse(
+            errors.RequestInProgress(
+                "a request with this Idempotency-Key is still being processed; retry later",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+            )
+        )
+    if route.on_unknown == "forward":
+        return TakeOver()
+    return Refuse(
+        errors.OutcomeUnknown(
+            "the request with this Idempotency-Key may have been performed, but its answer was "
+            "lost; an operator must resolve the key before it can be answered"
+        )
+    )
+
+
+def _replay(record: Record) -> Replay | Refuse:
     assert record.status is not None
     if not record.stored:
-        raise errors.ResponseNotStored(
-            f"the request with this Idempotency-Key completed with status {record.status}, but "
-            "its response was larger than max_stored_response and cannot be replayed; it was "
-            "not performed again"
+        return Refuse(
+            errors.ResponseNotStored(
+                f"the request with this Idempotency-Key completed with status {record.status}, "
+                "but its response was larger than max_stored_response and cannot be replayed; "
+                "it was not performed again"
+            )
         )
     assert record.headers is not None and record.body is not None
-    return ProxyResponse(
-        status=record.status,
-        headers=[*record.headers, REPLAYED_HEADER],
-        body=record.body,
-        outcome="replayed",
-        blocked="replayed",
+    return Replay(
+        ProxyResponse(
+            status=record.status,
+            headers=[*record.headers, headers.REPLAYED],
+            body=record.body,
+            outcome="replayed",
+            blocked="replayed",
+        )
     )
 
 
@@ -307,6 +368,61 @@ def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
         outcome=outcome,
         upstream_seconds=response.duration,
     )
+
+
+class Operator:
+    """What an operator may do to keys, for the admin API (contract section 6): look a key up in
+    every scope, release it, or settle an `unknown` one. The rules are here, not in the HTTP
+    layer: a key in flight is never released under its request, only an `unknown` key is
+    resolved, and input that cannot name a key never reaches the store."""
+
+    def __init__(self, store: AdminStore) -> None:
+        self._store = store
+
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not (key.isascii() and key.isprintable()):
+            raise errors.InvalidRequest(
+                f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
+                "Idempotency-Key is"
+            )
+        if route is not None and not ROUTE_NAME.match(route):
+            raise errors.InvalidRequest(f"route must be a route name ({ROUTE_NAME.pattern})")
+        return await self._store.find(key, route)
+
+    async def release(self, record_id: int) -> None:
+        deleted = await self._store.delete(_existing_id(record_id))
+        if deleted is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        if not deleted:
+            raise errors.KeyInFlight(
+                f"key {record_id} has a request in flight; deleting it now would let a retry be "
+                "forwarded while the first is still at the upstream. Try again when it has "
+                "settled."
+            )
+
+    async def resolve(
+        self, record_id: int, answer: tuple[int, Sequence[tuple[str, str]], bytes] | None
+    ) -> None:
+        """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
+        released when `answer` is None."""
+        record_id = _existing_id(record_id)
+        if answer is None:
+            settled = await self._store.release_unknown(record_id)
+        else:
+            status, answer_headers, body = answer
+            # Content-Length is recomputed on replay, and credentials are never stored.
+            settled = await self._store.settle(
+                record_id, status, headers.storable(answer_headers), body
+            )
+        if not settled:
+            raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
+
+
+def _existing_id(record_id: int) -> int:
+    """Row ids are positive 64-bit integers: any other number names no key."""
+    if not 0 < record_id < 2**63:
+        raise errors.NotFound(f"no key with id {record_id}: key ids are positive 64-bit integers")
+    return record_id
 
 
 async def purge_expired(

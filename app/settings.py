@@ -84,7 +84,8 @@ DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
 _METHOD = re.compile(r"^[A-Z]+$")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A route name: a metric label, a log field and the admin API's `route=`.
+ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
@@ -102,6 +103,15 @@ def default_data_dir(environ: Mapping[str, str], euid: int | None = None) -> Pat
 
 def _check_upstream(value: str) -> str:
     parts = urlsplit(value)
+    if "@" in parts.netloc:
+        # Credentials in the URL would be logged with every route line and mixed into requests
+        # that carry their own Authorization; the upstream's credentials are the client's job.
+        # The message shows the URL without them.
+        shown = parts._replace(netloc="…@" + parts.netloc.rpartition("@")[2]).geturl()
+        raise ValueError(
+            f"{shown!r}: an upstream URL must not carry credentials (user:password@); let "
+            "clients send their own Authorization header"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
@@ -132,7 +142,7 @@ class Route(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not ROUTE_NAME.match(value):
             raise ValueError(
                 f"{value!r}: a route name is 1-64 letters, digits, '.', '_' or '-' "
                 "(it becomes a metric label)"

@@ -1,4 +1,4 @@
-"""The upstream HTTP client: one pooled client for all routes, timeouts, hop-by-hop filtering.
+"""The upstream HTTP client: one pooled client for all routes, timeouts, what the request got to.
 
 Failures come in two kinds, and the difference is the whole point of the gateway:
 - `NotSent`: the request never left (connection refused, connect or pool timeout). Retrying it
@@ -19,30 +19,14 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 import yarl
 
-# RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
-# Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "content-length",
-    }
-)
-# Set by the client for the upstream's address, never copied from the incoming request.
-_REQUEST_ONLY = frozenset({"host", "expect"})
+from . import headers
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -54,15 +38,11 @@ MAX_CONNECTIONS = 512
 KEEPALIVE_TIMEOUT = 4.0
 
 
-class UpstreamError(Exception):
-    pass
-
-
-class NotSent(UpstreamError):
+class NotSent(Exception):
     """The request did not reach the upstream."""
 
 
-class AnswerLost(UpstreamError):
+class AnswerLost(Exception):
     """The request may have reached the upstream; its answer did not come back."""
 
     def __init__(self, message: str, *, timed_out: bool) -> None:
@@ -78,30 +58,23 @@ class UpstreamResponse:
     duration: float
 
 
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """Headers named in `Connection: a, b` are hop-by-hop too."""
-    return {
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == "connection"
-        for token in value.split(",")
-    }
+class _Attempt:
+    """How far one request got: whether its head was handed to the connection to be written
+    (aiohttp's `on_request_headers_sent`, called just before it is), after which the upstream
+    may have seen it."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
 
 
-def end_to_end(
-    headers: Sequence[tuple[str, str]], drop: frozenset[str] = frozenset()
-) -> list[tuple[str, str]]:
-    """`headers` without hop-by-hop fields and without the names in `drop` (lower case)."""
-    excluded = HOP_BY_HOP | drop | _connection_tokens(headers)
-    return [(name, value) for name, value in headers if name.lower() not in excluded]
-
-
-def _announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
-    """An answer that breaks its own framing: a 1xx or 204 has no body (RFC 9112 §6.3), so a
-    length or a transfer coding on one means the server sent bytes nobody will read."""
-    if not (status < 200 or status == 204):
-        return False
-    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
+async def _on_headers_sent(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceRequestHeadersSentParams,
+) -> None:
+    context.trace_request_ctx.sent = True
 
 
 class _Response(aiohttp.ClientResponse):
@@ -114,12 +87,26 @@ class _Response(aiohttp.ClientResponse):
     async def start(self, connection: aiohttp.connector.Connection) -> _Response:
         protocol = connection.protocol
         await super().start(connection)
-        if protocol is not None and _announces_forbidden_body(self.status, self.headers):
+        if protocol is not None and headers.announces_forbidden_body(self.status, self.headers):
             # The bytes it announced may still be on their way, to be read as the start of the
             # next answer on this connection: a request that worked would read as one whose
             # answer was lost, and its key turn `unknown` for nothing.
             protocol.close()
         return self
+
+
+def _as_sent(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header values as aiohttp must be given them to send the client's bytes unchanged.
+
+    Values arrive as Latin-1 text (one character per byte) and aiohttp writes text as UTF-8, so a
+    value with a byte above 0x7F would arrive changed (`caf\\xe9` as `caf\\xc3\\xa9`). Such a value
+    is handed over as the UTF-8 text it is; the edge refuses the values that are not UTF-8
+    (`headers.check_request`): aiohttp cannot send those unchanged.
+    """
+    return [
+        (name, value if value.isascii() else value.encode("latin-1").decode("utf-8"))
+        for name, value in fields
+    ]
 
 
 class Upstream:
@@ -142,8 +129,15 @@ class Upstream:
             # Answers are relayed, not judged: accept what a real upstream may send.
             max_field_size=65536,
             max_headers=512,
+            trace_configs=[self._trace()],
         )
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    @staticmethod
+    def _trace() -> aiohttp.TraceConfig:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_on_headers_sent)
+        return trace
 
     async def aclose(self) -> None:
         await self._session.close()
@@ -152,7 +146,7 @@ class Upstream:
         self,
         method: str,
         url: str,
-        headers: Sequence[tuple[str, str]],
+        request_headers: Sequence[tuple[str, str]],
         body: bytes,
         timeout: float,  # noqa: ASYNC109 - a per-route budget, applied by aiohttp
     ) -> UpstreamResponse:
@@ -168,14 +162,20 @@ class Upstream:
             )
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
+        attempt = _Attempt()
         try:
             async with self._session.request(
                 method,
                 yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                headers=end_to_end(headers, drop=_REQUEST_ONLY),
+                headers=_as_sent(
+                    headers.end_to_end(
+                        request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
+                    )
+                ),
                 data=body or None,
                 allow_redirects=False,
                 timeout=client_timeout,
+                trace_request_ctx=attempt,
             ) as response:
                 content = await response.read()
                 raw_headers = response.raw_headers
@@ -183,15 +183,27 @@ class Upstream:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise NotSent(f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
-            raise NotSent(str(exc)) from exc
+            raise NotSent(f"{type(exc).__name__}: not a URL that can be requested") from exc
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
+        except aiohttp.ClientResponseError as exc:
+            # Its text would name the URL, query included: logs hold neither.
+            raise AnswerLost(f"{type(exc).__name__}: {exc.message}", timed_out=False) from exc
         except aiohttp.ClientError as exc:
             raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
+        except Exception as exc:  # translated below, never swallowed
+            # Anything else (a bug here or in the client library) is classified by how far the
+            # request got, so that no key is left claimed by an error: released when the
+            # upstream cannot have seen the request, `unknown` when it may have.
+            reason = f"unexpected {type(exc).__name__}: {exc}"
+            if attempt.sent:
+                raise AnswerLost(reason, timed_out=False) from exc
+            raise NotSent(reason) from exc
         return UpstreamResponse(
             status=status,
-            headers=end_to_end(
-                [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers]
+            headers=headers.end_to_end(
+                [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers],
+                keep=headers.HEAD_ANSWER_KEEPS if method == "HEAD" else frozenset(),
             ),
             body=content,
             duration=time.perf_counter() - started,

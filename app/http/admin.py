@@ -1,8 +1,10 @@
 """The admin port (contract section 6): metrics, health, and the admin API over the key store.
 
-The admin API answers 404 unless `ONCEGATE_ADMIN_TOKEN` is set, and 401 for a missing or wrong
-bearer token; the token is compared in constant time. Bodies are shown only when asked for
-(`?body=1`), and stored headers never hold credentials (the proxy never stores them).
+The admin API answers 404 problem `admin-disabled` unless `ONCEGATE_ADMIN_TOKEN` is set, and 401
+`unauthorized` for a missing or wrong bearer token; the token is compared in constant time.
+Bodies are shown only when asked for (`?body=1`), and stored headers never hold credentials (the
+proxy never stores them). Every error is a problem (`errors`), like the proxy port's; input that
+cannot name a key (an id beyond 64 bits, a NUL in a key) is 400 or 404, never a store error.
 """
 
 from __future__ import annotations
@@ -10,23 +12,20 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import re
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from .. import errors, schema, service
+from .. import errors, headers, schema
 from .. import metrics as app_metrics
-from ..store import KeyRecord
+from ..store import KeyRecord, State
 from .app import Runtime
 
 router = APIRouter()
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_FIELD_VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
 
 
@@ -44,12 +43,15 @@ async def require_admin(
 ) -> None:
     token = runtime.settings.admin_token
     if not token:
-        # No token configured: the admin API does not exist.
-        raise HTTPException(404, "Not Found")
+        raise errors.AdminDisabled(
+            "the admin API is off: start the gateway with ONCEGATE_ADMIN_TOKEN set to a secret, "
+            "then send it as 'Authorization: Bearer <token>'"
+        )
     given = credentials.credentials if credentials else ""
     if not hmac.compare_digest(given.encode(), token.encode()):
-        raise HTTPException(
-            401, "a valid admin bearer token is required", {"WWW-Authenticate": "Bearer"}
+        raise errors.Unauthorized(
+            "send the admin token (ONCEGATE_ADMIN_TOKEN) as 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
@@ -91,7 +93,7 @@ class KeyView(BaseModel):
     id: int
     route: str
     key: str
-    state: Literal["in_progress", "completed", "unknown"]
+    state: State
     status: int | None
     created_at: datetime
     completed_at: datetime | None
@@ -132,12 +134,9 @@ def _view(record: KeyRecord, with_body: bool) -> KeyView:
     responses={401: {"description": "no or wrong token"}, 404: {"description": "no token set"}},
 )
 async def find_keys(
-    runtime: RuntimeDep,
-    key: Annotated[str, Query(min_length=1, max_length=255)],
-    route: str | None = None,
-    body: bool = False,
+    runtime: RuntimeDep, key: str, route: str | None = None, body: bool = False
 ) -> KeyList:
-    records = await runtime.store.find(key, route)
+    records = await runtime.operator.find(key, route)
     return KeyList(records=[_view(record, body) for record in records])
 
 
@@ -152,16 +151,16 @@ async def find_keys(
     },
 )
 async def delete_key(runtime: RuntimeDep, record_id: int) -> Response:
-    deleted = await runtime.store.delete(record_id)
-    if deleted is None:
-        raise HTTPException(404, f"no key with id {record_id}")
-    if not deleted:
-        raise HTTPException(
-            409,
-            f"key {record_id} has a request in flight; deleting it now would let a retry be "
-            "forwarded while the first is still at the upstream. Try again when it has settled.",
-        )
+    await runtime.operator.release(record_id)
     return Response(status_code=204)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Resolution(BaseModel):
@@ -184,10 +183,12 @@ class Resolution(BaseModel):
             raise ValueError("give body or body_base64, not both")
         if self.status in (204, 304) and (self.body or self.body_base64):
             raise ValueError(f"a {self.status} answer has no body")
+        if self.body is not None and not _encodes(self.body):
+            raise ValueError("body is not UTF-8 text (a lone surrogate?); send it as body_base64")
         for name, value in self.headers:
-            if not _TOKEN.match(name):
+            if not headers.NAME.match(name):
                 raise ValueError(f"{name!r} is not a header name")
-            if not _FIELD_VALUE.match(value):
+            if not headers.VALUE.match(value):
                 raise ValueError(f"the value of {name} is not a valid header value")
         return self
 
@@ -196,7 +197,7 @@ class Resolution(BaseModel):
             try:
                 return base64.b64decode(self.body_base64, validate=True)
             except binascii.Error:
-                raise HTTPException(422, "body_base64 is not valid base64") from None
+                raise errors.InvalidRequest("body_base64 is not valid base64", status=422) from None
         return (self.body or "").encode()
 
 
@@ -209,16 +210,9 @@ class Resolution(BaseModel):
 async def resolve_key(
     runtime: RuntimeDep, record_id: int, resolution: Resolution
 ) -> dict[str, object]:
+    answer = None
     if resolution.action == "complete":
         assert resolution.status is not None
-        settled = await runtime.store.settle(
-            record_id,
-            resolution.status,
-            service.storable_headers(resolution.headers),  # Content-Length is recomputed
-            resolution.body_bytes(),
-        )
-    else:
-        settled = await runtime.store.release_unknown(record_id)
-    if not settled:
-        raise HTTPException(409, f"key {record_id} does not exist or is not in state unknown")
+        answer = (resolution.status, resolution.headers, resolution.body_bytes())
+    await runtime.operator.resolve(record_id, answer)
     return {"id": record_id, "resolved": resolution.action}

@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors, metrics, service
 from ..settings import Settings
 from ..store.postgres import PostgresStore
 from ..upstream import Upstream
-from . import proxy
+from . import problems, proxy
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class Runtime:
     settings: Settings
     store: PostgresStore
     gateway: service.Gateway
+    operator: service.Operator
     routes: service.RouteTable
 
 
@@ -45,7 +48,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         for reason in metrics.BLOCK_REASONS:
             metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
-        yield Runtime(settings, store, gateway, service.RouteTable(settings.routes))
+        yield Runtime(
+            settings, store, gateway, service.Operator(store), service.RouteTable(settings.routes)
+        )
     finally:
         await gateway.drain()
         purger.cancel()
@@ -70,15 +75,40 @@ def create_admin_app(runtime: Runtime) -> FastAPI:
     )
     app.state.runtime = runtime
     app.include_router(admin.router)
+    # One error format on both ports: FastAPI's own errors are turned into problems too.
     app.add_exception_handler(errors.GatewayError, _render_problem)
+    app.add_exception_handler(RequestValidationError, _render_invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _render_http_error)
     return app
 
 
 async def _render_problem(request: Request, error: Exception) -> Response:
-    from . import problems
-
     assert isinstance(error, errors.GatewayError)
     return problems.render(error)
+
+
+async def _render_invalid_request(request: Request, error: Exception) -> Response:
+    assert isinstance(error, RequestValidationError)
+    in_body = any(detail["loc"][:1] == ("body",) for detail in error.errors())
+    messages = "; ".join(
+        f"{'.'.join(str(part) for part in detail['loc'])}: {detail['msg']}"
+        for detail in error.errors()
+    )
+    return problems.render(errors.InvalidRequest(messages, status=422 if in_body else 400))
+
+
+async def _render_http_error(request: Request, error: Exception) -> Response:
+    """The framework's own answers (no such path, method not allowed) as problems."""
+    assert isinstance(error, StarletteHTTPException)
+    if error.status_code == 404:
+        problem: errors.GatewayError = errors.NotFound(
+            f"the admin port has no {request.url.path!r}: it serves /metrics, /healthz, "
+            "/readyz and /admin/keys"
+        )
+    else:
+        problem = errors.InvalidRequest(str(error.detail), status=error.status_code)
+    problem.headers.update(error.headers or {})
+    return problems.render(problem)
 
 
 async def _purge_forever(store: PostgresStore, interval: float) -> None:

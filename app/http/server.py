@@ -28,6 +28,7 @@ import uvicorn
 
 from .. import errors, tracing
 from ..settings import Settings
+from . import protocol
 from .app import create_admin_app, create_proxy_app, running
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ def _config(app: object, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         lifespan="off",  # `running` owns the resources of both applications
+        http=protocol.HttpProtocol,  # upgrade offers are ignored, bodies kept (protocol.py)
+        ws="none",  # no WebSocket: an upgrade to it is an offer like any other
         log_config=None,
         access_log=False,  # the proxy logs one structured line per request itself
         # Proxied answers carry the upstream's Server and Date headers, not ours.

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
-State = Literal["in_progress", "completed", "unknown"]
+# What a key is now (`oncegate_key_state` in SQL, migration 0005): `in_progress` while its lease
+# runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran out,
+# `completed` with its answer stored.
+State = Literal["in_progress", "completed", "unknown", "expired"]
 Headers = Sequence[tuple[str, str]]
 
 
@@ -30,8 +33,7 @@ class Record:
     id: int
     token: int
     fingerprint: bytes
-    state: State  # effective: an in-flight claim whose lease ran out reads as `unknown`
-    expired: bool  # past its TTL: treat as a new key
+    state: State
     status: int | None
     headers: Headers | None
     body: bytes | None

@@ -5,7 +5,7 @@ Design rules:
 - One statement per operation, autocommitted (queries in `checkpoints.sql`).
 - One connection, not a pool: an agent process runs its steps one after the other, and a process
   that may be killed at any moment should cost PostgreSQL as little as possible to open.
-- Driver errors become `errors.StoreUnavailable`, as in the gateway's store.
+- Driver errors become `errors.StoreUnavailable`, as in the gateway's store (`translated`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from typing import Any
 
 import asyncpg
 
-from .. import errors, settings
+from .. import settings
 from ..agent.checkpoints import Checkpoint, CheckpointError, Pending
 from ..embedded import EmbeddedPostgres
+from .errors import translated
 from .queries import load
 
 QUERIES = load((Path(__file__).parent / "checkpoints.sql").read_text())
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
-
-_DRIVER_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 def _join_embedded() -> EmbeddedPostgres:
@@ -53,6 +52,7 @@ class PostgresCheckpoints:
         self._embedded = embedded_server
 
     @classmethod
+    @translated("checkpoint_connect", "cannot connect to PostgreSQL")
     async def connect(
         cls, url: str | None = None, *, flush_each_save: bool = True
     ) -> PostgresCheckpoints:
@@ -73,15 +73,13 @@ class PostgresCheckpoints:
         session = {} if flush_each_save else {"synchronous_commit": "off"}
         try:
             connection = await asyncpg.connect(
-                url,
-                timeout=CONNECT_TIMEOUT,
-                command_timeout=COMMAND_TIMEOUT,
+                url, timeout=CONNECT_TIMEOUT, command_timeout=COMMAND_TIMEOUT,
                 server_settings=session,
-            )
-        except _DRIVER_ERRORS as exc:
+            )  # fmt: skip
+        except BaseException:
             if server is not None:
                 await asyncio.to_thread(server.stop)
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+            raise
         return cls(connection, server)
 
     async def close(self) -> None:
@@ -89,6 +87,7 @@ class PostgresCheckpoints:
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.stop)
 
+    @translated("checkpoint_load")
     async def load(self, run_id: str) -> Checkpoint | None:
         row = await self._run("fetchrow", "checkpoint_load", run_id)
         if row is None:
@@ -102,6 +101,7 @@ class PostgresCheckpoints:
             pending=None if pending is None else Pending(pending["step"], pending["params"]),
         )
 
+    @translated("checkpoint_save")
     async def save(self, checkpoint: Checkpoint) -> None:
         pending = checkpoint.pending
         saved = await self._run(
@@ -129,11 +129,9 @@ class PostgresCheckpoints:
             f"{checkpoint.next_step}"
         )
 
+    @translated("checkpoint_delete")
     async def delete(self, run_id: str) -> bool:
         return await self._run("fetchval", "checkpoint_delete", run_id) is not None
 
     async def _run(self, method: str, query: str, *arguments: Any) -> Any:
-        try:
-            return await getattr(self._connection, method)(QUERIES[query], *arguments)
-        except _DRIVER_ERRORS as exc:
-            raise errors.StoreUnavailable(f"checkpoint store: {exc}") from exc
+        return await getattr(self._connection, method)(QUERIES[query].sql, *arguments)

@@ -1,6 +1,13 @@
--- Every SQL statement of the gateway, one named query each (`-- name: NAME`).
+-- Every SQL statement of the gateway, one named query each (`-- name: NAME`), with named
+-- parameters (`:scope`; queries.py numbers them for asyncpg).
 -- Each runs alone, autocommitted: one round trip, and no transaction is ever held open across
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
+--
+-- What state a key is in is said once, by `oncegate_key_state(state, lease_expires_at,
+-- expires_at)` (migration 0005): in_progress (its lease runs), expired (past its TTL: a new
+-- key), unknown (marked so, or its lease ran out), completed. Every read and every condition on
+-- a state goes through it; only a writer's compare-and-set on its own fencing token reads the
+-- stored `state` column, which says what the last writer did.
 --
 -- Fencing: a claim starts its row at token 1 and every take-over of the row adds one. Every
 -- write names the row's id and the token it holds, so a gateway that lost a row can never touch
@@ -18,61 +25,54 @@ WITH claimed AS (
     INSERT INTO oncegate_keys
         (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
     VALUES
-        ($1, $2, $3, $4, 'in_progress', 1,
-         now() + make_interval(secs => $5), now() + make_interval(secs => $6))
+        (:route, :scope, :key, :fingerprint, 'in_progress', 1,
+         now() + make_interval(secs => :lease), now() + make_interval(secs => :ttl))
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token
 )
 SELECT true AS claimed, id, fencing_token,
-       NULL::bytea AS fingerprint, NULL::text AS state, NULL::boolean AS expired,
+       NULL::bytea AS fingerprint, NULL::text AS state,
        NULL::smallint AS response_status, NULL::jsonb AS response_headers,
        NULL::bytea AS response_body, NULL::boolean AS response_stored
 FROM claimed
 UNION ALL
 SELECT false, id, fencing_token, fingerprint,
-       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
-            ELSE state END,
-       expires_at <= now(),
+       oncegate_key_state(state, lease_expires_at, expires_at),
        response_status, response_headers, response_body, response_stored
 FROM oncegate_keys
-WHERE scope = $2 AND key = $3 AND NOT EXISTS (SELECT FROM claimed);
+WHERE scope = :scope AND key = :key AND NOT EXISTS (SELECT FROM claimed);
 
 -- name: get
--- The existing row, with its effective state: an in-flight claim whose lease ran out (its
--- gateway died) is `unknown`.
 SELECT id,
        fencing_token,
        fingerprint,
-       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
-            ELSE state END AS state,
-       expires_at <= now() AS expired,
+       oncegate_key_state(state, lease_expires_at, expires_at) AS state,
        response_status,
        response_headers,
        response_body,
        response_stored
 FROM oncegate_keys
-WHERE scope = $1 AND key = $2;
+WHERE scope = :scope AND key = :key;
 
 -- name: reclaim_expired
--- Take over a row past its TTL as a brand-new claim, only if nobody changed it since it was
--- read (same fencing token) and no request of it can still be in flight.
+-- Take over an expired row as a brand-new claim, only if nobody changed it since it was read
+-- (same fencing token).
 UPDATE oncegate_keys
-SET route = $3,
-    fingerprint = $4,
+SET route = :route,
+    fingerprint = :fingerprint,
     state = 'in_progress',
     fencing_token = fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => $5),
+    lease_expires_at = now() + make_interval(secs => :lease),
     created_at = now(),
     completed_at = NULL,
-    expires_at = now() + make_interval(secs => $6),
+    expires_at = now() + make_interval(secs => :ttl),
     response_status = NULL,
     response_headers = NULL,
     response_body = NULL,
     response_stored = false
-WHERE id = $1
-  AND fencing_token = $2
-  AND expires_at <= now()
-  AND (state <> 'in_progress' OR lease_expires_at <= now())
+WHERE id = :id
+  AND fencing_token = :token
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
 RETURNING id, fencing_token;
 
 -- name: take_over
@@ -81,49 +81,51 @@ RETURNING id, fencing_token;
 UPDATE oncegate_keys
 SET state = 'in_progress',
     fencing_token = fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => $3),
+    lease_expires_at = now() + make_interval(secs => :lease),
     -- the key must not expire while the request it now guards is in flight
-    expires_at = greatest(expires_at, now() + make_interval(secs => $3) + interval '1 second')
-WHERE id = $1
-  AND fencing_token = $2
-  AND expires_at > now()
-  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+    expires_at = greatest(expires_at, now() + make_interval(secs => :lease) + interval '1 second')
+WHERE id = :id
+  AND fencing_token = :token
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id, fencing_token;
 
 -- name: complete
+-- The holder of the token stores its answer, even after its lease ran out (a late answer is
+-- better than `unknown`); a take-over changed the token and refuses it.
 UPDATE oncegate_keys
 SET state = 'completed',
-    response_status = $3,
-    response_headers = $4::jsonb,
-    response_body = $5,
-    response_stored = $6,
+    response_status = :status,
+    response_headers = :headers::jsonb,
+    response_body = :body,
+    response_stored = :stored,
     completed_at = now(),
     lease_expires_at = NULL
-WHERE id = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+WHERE id = :id AND fencing_token = :token AND state IN ('in_progress', 'unknown')
 RETURNING id;
 
 -- name: release
 DELETE FROM oncegate_keys
-WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'
+WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
 RETURNING id;
 
 -- name: mark_unknown
 UPDATE oncegate_keys
 SET state = 'unknown',
     lease_expires_at = NULL
-WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'
+WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
 RETURNING id;
 
 -- name: purge
--- One bounded batch of expired rows. Rows locked by a concurrent reclaim are skipped, and a row
--- still in flight is never deleted, whatever its TTL.
+-- One bounded batch of expired rows (`expires_at <= now()` first, so the index finds them).
+-- Rows locked by a concurrent reclaim are skipped, and a row still in flight is never deleted,
+-- whatever its TTL.
 DELETE FROM oncegate_keys
 WHERE ctid = ANY(ARRAY(
     SELECT ctid
     FROM oncegate_keys
     WHERE expires_at <= now()
-      AND (state <> 'in_progress' OR lease_expires_at <= now())
-    LIMIT $1
+      AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
+    LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ));
 
@@ -134,8 +136,7 @@ SELECT id,
        route,
        scope,
        key,
-       CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'
-            ELSE state END AS state,
+       oncegate_key_state(state, lease_expires_at, expires_at) AS state,
        response_status,
        response_headers,
        response_body,
@@ -143,7 +144,7 @@ SELECT id,
        completed_at,
        expires_at
 FROM oncegate_keys
-WHERE key = $1 AND ($2::text IS NULL OR route = $2)
+WHERE key = :key AND (:route::text IS NULL OR route = :route)
 ORDER BY id;
 
 -- name: admin_delete
@@ -152,32 +153,30 @@ ORDER BY id;
 -- way (deleted: NULL means no such key).
 WITH doomed AS (
     DELETE FROM oncegate_keys
-    WHERE id = $1 AND NOT (state = 'in_progress' AND lease_expires_at > now())
+    WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) <> 'in_progress'
     RETURNING id
 )
 SELECT EXISTS (SELECT FROM doomed) AS deleted,
-       EXISTS (SELECT FROM oncegate_keys WHERE id = $1) AS exists;
+       EXISTS (SELECT FROM oncegate_keys WHERE id = :id) AS exists;
 
 -- name: admin_settle
--- Settle an `unknown` key (explicitly marked, or a claim whose lease ran out) as completed with
--- the answer an operator found out, with a new fencing token so no late gateway overwrites it.
+-- Settle an `unknown` key as completed with the answer an operator found out, with a new fencing
+-- token so no late gateway overwrites it.
 UPDATE oncegate_keys
 SET state = 'completed',
     fencing_token = fencing_token + 1,
     lease_expires_at = NULL,
-    response_status = $2,
-    response_headers = $3::jsonb,
-    response_body = $4,
+    response_status = :status,
+    response_headers = :headers::jsonb,
+    response_body = :body,
     response_stored = true,
     completed_at = now()
-WHERE id = $1
-  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
 
 -- name: admin_release_unknown
 DELETE FROM oncegate_keys
-WHERE id = $1
-  AND (state = 'unknown' OR (state = 'in_progress' AND lease_expires_at <= now()))
+WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
 
 -- name: count_keys

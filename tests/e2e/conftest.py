@@ -184,9 +184,12 @@ def problem_name(response: httpx.Response) -> str:
 
 
 async def row(db: asyncpg.Connection, key: str) -> asyncpg.Record | None:
-    """What the store holds for `key` (in any scope; tests use keys of their own)."""
+    """What the store holds for `key` (in any scope; tests use keys of their own): `state` is
+    what the last writer stored, `effective_state` what the key is now, by the schema's one
+    rule (`oncegate_key_state`, migration 0005)."""
     return await db.fetchrow(
-        "SELECT id, state, fencing_token, lease_expires_at <= now() AS lease_over,"
+        "SELECT id, state, fencing_token,"
+        " oncegate_key_state(state, lease_expires_at, expires_at) AS effective_state,"
         " response_status, response_headers, response_body, response_stored"
         " FROM oncegate_keys WHERE key = $1",
         key,

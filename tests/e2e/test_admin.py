@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate import schema
-from tests.e2e.conftest import DemoUpstream, Gateway
+from tests.e2e.conftest import DemoUpstream, Gateway, problem_name
 
 TOKEN = "s3cret-admin-token"
 
@@ -111,6 +111,8 @@ async def test_without_a_token_the_admin_api_does_not_exist(
             for headers in ({}, {"Authorization": "Bearer anything"}):
                 response = await plain.get("/admin/keys", params={"key": "k"}, headers=headers)
                 assert response.status_code == 404
+                assert problem_name(response) == "admin-disabled"
+                assert "ONCEGATE_ADMIN_TOKEN" in response.json()["detail"]
             assert (await plain.get("/healthz")).status_code == 200
     finally:
         tokenless.stop()
@@ -213,19 +215,75 @@ async def test_delete_refuses_a_key_whose_request_is_in_flight(
 
 async def test_bad_resolutions_are_refused(admin: httpx.AsyncClient) -> None:
     no_status = await admin.post("/admin/keys/1/resolve", json={"action": "complete"})
-    assert no_status.status_code == 422
+    assert no_status.status_code == 422 and problem_name(no_status) == "invalid-request"
     bad_action = await admin.post("/admin/keys/1/resolve", json={"action": "forget"})
-    assert bad_action.status_code == 422
+    assert bad_action.status_code == 422 and problem_name(bad_action) == "invalid-request"
     nowhere = await admin.post("/admin/keys/999999999/resolve", json={"action": "release"})
-    assert nowhere.status_code == 409
+    assert nowhere.status_code == 409 and problem_name(nowhere) == "key-not-unknown"
     for resolution in (
         {"action": "complete", "status": 204, "body": "a 204 has no body"},
         {"action": "complete", "status": 101},
         {"action": "complete", "status": 201, "headers": [["Bad Name", "x"]]},
         {"action": "complete", "status": 201, "headers": [["X-Ok", "line\nbreak"]]},
+        {"action": "complete", "status": 201, "body_base64": "not base64!"},
     ):
         refused = await admin.post("/admin/keys/1/resolve", json=resolution)
         assert refused.status_code == 422, resolution
+        assert problem_name(refused) == "invalid-request"
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        b'{"action": "complete", "status": 201, "body": "\\udc80"}',
+        b'{"action": "complete", "status": 201, "headers": [["X-A", "\\ud800"]]}',
+    ],
+    ids=["body", "header"],
+)
+async def test_a_lone_surrogate_in_a_resolution_is_refused_not_a_500(
+    admin: httpx.AsyncClient, document: bytes
+) -> None:
+    refused = await admin.post(
+        "/admin/keys/1/resolve", content=document, headers={"Content-Type": "application/json"}
+    )
+    assert refused.status_code == 422 and problem_name(refused) == "invalid-request"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "params", "status", "name"),
+    [
+        ("DELETE", f"/admin/keys/{2**64}", {}, 404, "not-found"),
+        ("DELETE", "/admin/keys/-1", {}, 404, "not-found"),
+        ("POST", f"/admin/keys/{2**63}/resolve", {}, 404, "not-found"),
+        ("DELETE", "/admin/keys/abc", {}, 400, "invalid-request"),
+        ("GET", "/admin/keys", {"key": "a\x00b"}, 400, "invalid-request"),
+        ("GET", "/admin/keys", {"key": "k", "route": "mail\x00"}, 400, "invalid-request"),
+        ("GET", "/admin/keys", {"key": "x" * 256}, 400, "invalid-request"),
+        ("GET", "/admin/keys", {}, 400, "invalid-request"),
+        ("GET", "/admin/nothing", {}, 404, "not-found"),
+    ],
+)
+async def test_bad_admin_input_is_a_named_problem_never_a_store_error(
+    admin: httpx.AsyncClient,
+    gateway: Gateway,
+    method: str,
+    path: str,
+    params: dict[str, str],
+    status: int,
+    name: str,
+) -> None:
+    json_body = {"action": "release"} if path.endswith("/resolve") else None
+    response = await admin.request(method, path, params=params, json=json_body)
+    assert response.status_code == status, response.text
+    assert problem_name(response) == name
+    assert " failed: " not in gateway.process.output()  # no store warning: nothing reached it
+
+
+async def test_admin_errors_are_problems_like_the_proxy_s(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
+        missing = await plain.get("/admin/keys", params={"key": "k"})
+    assert missing.status_code == 401 and problem_name(missing) == "unauthorized"
+    assert missing.headers["www-authenticate"] == "Bearer"
 
 
 async def test_delete_releases_a_settled_key(

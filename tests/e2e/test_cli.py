@@ -66,6 +66,13 @@ def test_a_bad_config_file_stops_serve_with_a_message_naming_the_field(
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_an_upstream_url_with_a_password_stops_serve(tmp_path: Path) -> None:
+    result = oncegate("serve", "--upstream", "http://user:pw-1234@127.0.0.1:9")
+    assert result.returncode == 2
+    assert "must not carry credentials" in result.stderr
+    assert "pw-1234" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+
+
 def test_a_bad_flag_value_is_named(tmp_path: Path) -> None:
     result = oncegate("serve", "--upstream", "http://127.0.0.1:9", "--ttl", "soon")
     assert result.returncode == 2

@@ -29,9 +29,9 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from fastapi import HTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 
+from oncegate import errors
 from oncegate.http import admin as admin_api
 from tests.e2e.conftest import free_port, prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, Gateway, admin_client, new_key
@@ -215,7 +215,7 @@ async def test_the_admin_token_is_compared_in_constant_time(
             decision = admin_api.require_admin(Runtime(), credentials)  # type: ignore[arg-type]
             if inspect.isawaitable(decision):  # the dependency may be sync or async
                 await decision
-        except HTTPException as refused:
+        except errors.GatewayError as refused:
             return refused.status_code
         return 200
 

@@ -336,3 +336,21 @@ def test_changing_the_body_changes_the_fingerprint(body: bytes, other: bytes) ->
         assert (
             digest(body, content_type=content_type) == digest(other, content_type=content_type)
         ) == same
+
+
+def _document(items: int, reverse: bool) -> bytes:
+    pairs = [(f"k{index:06d}", index) for index in range(items)]
+    return json.dumps(dict(reversed(pairs) if reverse else pairs)).encode()
+
+
+def test_json_up_to_the_limit_is_canonical_and_larger_json_is_its_bytes() -> None:
+    def digest(body: bytes) -> bytes:
+        return fingerprint.compute("POST", "/x", "", "application/json", body)
+
+    small, small_reordered = _document(100, False), _document(100, True)
+    assert len(small) <= fingerprint.CANONICAL_JSON_LIMIT
+    assert digest(small) == digest(small_reordered)
+    large, large_reordered = _document(8000, False), _document(8000, True)
+    assert len(large) > fingerprint.CANONICAL_JSON_LIMIT
+    assert digest(large) != digest(large_reordered)  # bytes, not parsed
+    assert digest(large) == digest(bytes(large))  # and the same bytes are the same request

@@ -358,6 +358,21 @@ def test_upstream_without_scheme_or_host_is_refused(tmp_path: Path, upstream: st
     assert "routes[0].upstream" in message
 
 
+@pytest.mark.parametrize(
+    "upstream", ["http://user:s3cret@127.0.0.1:9001", "http://s3cret@127.0.0.1:9001/api",
+                 "https://:s3cret@example.com"]
+)  # fmt: skip
+def test_upstream_with_credentials_is_refused_without_echoing_them(
+    tmp_path: Path, upstream: str
+) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: '{upstream}'\n"
+    )
+    assert "routes[0].upstream" in message and "must not carry credentials" in message
+    assert "s3cret" not in message
+    assert "s3cret" not in load_error(Path(), flags={"upstream": upstream})
+
+
 def test_upstream_flag_without_scheme_is_refused() -> None:
     message = load_error(Path(), flags={"upstream": "localhost:9001"})
     assert "upstream" in message

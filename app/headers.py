@@ -1,0 +1,134 @@
+"""Pure: the header policy of both directions, in one place.
+
+- Hop-by-hop fields (RFC 9110 §7.6.1, and those a `Connection` header names) are never forwarded
+  or stored; `Content-Length` is recomputed on each hop.
+- The upstream always gets the `Idempotency-Key`, even when the client names it in `Connection`:
+  the contract promises it, and an upstream that deduplicates by key relies on it.
+- Credentials are never stored: one client's `Authorization`, `Cookie` or `Set-Cookie` must not
+  be replayed to anyone (the first caller still gets its `Set-Cookie`).
+- A request whose head cannot be passed on as the client meant it is refused (`check_request`).
+- An answer that announces a body it may not have (a 204 with a length) breaks its framing: its
+  connection is not reused (`announces_forbidden_body`, used by the upstream client).
+- Every answer carries one `X-Request-Id`: the client's, when it sent one sane one.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+
+from . import errors, keys
+
+# RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
+# Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "content-length",
+    }
+)
+# Set by the client for the upstream's address, never copied from the incoming request.
+REQUEST_ONLY = frozenset({"host", "expect"})
+# Always sent, even when the client names it in `Connection`: the contract promises the upstream
+# the key, and an upstream that deduplicates by key (`on_unknown: forward`) relies on it.
+ALWAYS_SENT = frozenset({"idempotency-key"})
+# A HEAD answer's Content-Length is the size of the GET's body (RFC 9110 §8.6), not a framing.
+HEAD_ANSWER_KEEPS = frozenset({"content-length"})
+
+# Never stored: credentials of one client must not be replayed to anyone.
+NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
+REPLAYED = ("idempotent-replayed", "true")
+REQUEST_ID = "x-request-id"
+_SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+# RFC 9110 §5.1 and §5.5: what a header name and a header value may hold.
+NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
+
+
+def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    """Headers named in `Connection: a, b` are hop-by-hop too."""
+    return {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == "connection"
+        for token in value.split(",")
+    }
+
+
+def end_to_end(
+    headers: Sequence[tuple[str, str]],
+    drop: frozenset[str] = frozenset(),
+    keep: frozenset[str] = frozenset(),
+) -> list[tuple[str, str]]:
+    """`headers` without hop-by-hop fields and without the names in `drop`, but with the names in
+    `keep` whatever `Connection` says (names in lower case)."""
+    excluded = (HOP_BY_HOP | drop | connection_tokens(headers)) - keep
+    return [(name, value) for name, value in headers if name.lower() not in excluded]
+
+
+def announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
+    """An answer that breaks its own framing: a 1xx or 204 has no body (RFC 9112 §6.3), so a
+    length or a transfer coding on one means the server sent bytes nobody will read."""
+    if not (status < 200 or status == 204):
+        return False
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
+
+
+def storable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The headers of an answer that may be stored and replayed: end-to-end ones, and no
+    credentials."""
+    return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
+
+
+def check_request(http_version: str, headers: list[tuple[str, str]]) -> None:
+    """Refuse what cannot be passed on as the client meant it (docs/security.md):
+    - an HTTP/1.1 request without exactly one Host (RFC 9112 §3.2 says 400);
+    - a transfer coding other than chunked: the body is read without it and sent with a
+      Content-Length, so the upstream would get coded bytes it has no way to decode (501);
+    - a header value that cannot reach the upstream byte for byte: values arrive as Latin-1
+      text, one character per byte, and the upstream client writes text as UTF-8, so a value
+      above ASCII passes unchanged only when its bytes are UTF-8."""
+    hosts = 0
+    for name, value in headers:
+        if name == "host":
+            hosts += 1
+        elif name == "transfer-encoding" and value.strip().lower() != "chunked":
+            raise errors.UnsupportedTransferCoding(
+                f"the gateway supports the chunked transfer coding alone, not {value!r}; send "
+                "the body without a transfer coding (a Content-Encoding is passed on unchanged)"
+            )
+        if not value.isascii():
+            try:
+                value.encode("latin-1").decode("utf-8")
+            except UnicodeDecodeError:
+                if name == keys.HEADER:
+                    raise errors.InvalidKey("an Idempotency-Key is printable ASCII") from None
+                raise errors.InvalidHeader(
+                    f"the value of the {name!r} header is not UTF-8 text, and the gateway "
+                    "forwards header values unchanged or not at all; send it as UTF-8 (or ASCII)"
+                ) from None
+    if hosts != 1 and (hosts or http_version == "1.1"):
+        raise errors.MalformedRequest(
+            f"an HTTP/{http_version} request carries exactly one Host header, not {hosts}"
+        )
+
+
+def request_id(headers: list[tuple[str, str]]) -> str:
+    """The client's request id if it sent one sane one; else a new one, added to `headers` so
+    the upstream gets it too."""
+    given = [value for name, value in headers if name == REQUEST_ID]
+    if len(given) == 1 and _SANE_REQUEST_ID.match(given[0]):
+        return given[0]
+    headers[:] = [(name, value) for name, value in headers if name != REQUEST_ID]
+    request_id = uuid.uuid4().hex
+    headers.append((REQUEST_ID, request_id))
+    return request_id

@@ -1,0 +1,120 @@
+"""Driver errors end here: `translated` turns them into `errors.StoreUnavailable`.
+
+Every method of a store that talks to PostgreSQL wears it (a test checks that each public
+method does), so nothing above `store/` ever sees an asyncpg exception, and each operation's
+time is measured under its name (`oncegate_store_operation_duration_seconds{operation}`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+import asyncpg
+
+from .. import errors, metrics
+
+log = logging.getLogger("oncegate.store")
+
+# What a lost or refused database looks like from asyncpg. InternalClientError is not an
+# InterfaceError: a connection whose protocol was left mid-operation by a PostgreSQL shutdown
+# raises it (seen under load in tests/faults/test_store_outage.py).
+DRIVER_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
+
+Parameters = ParamSpec("Parameters")
+Result = TypeVar("Result")
+
+
+class Outage:
+    """Whether PostgreSQL is down for one store, so that the log says once that it is down (where,
+    and why in words) and once that it is back, not a line per request while it is down.
+
+    A store that names its database has one as its `outage` attribute; `translated` reports each
+    operation's failure or success to it."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.down = False
+
+    def failed(self, operation: str, exc: BaseException) -> None:
+        if self.down:
+            log.debug("store %s failed: %s", operation, reason(exc))
+            return
+        self.down = True
+        log.error(
+            "PostgreSQL at %s is unavailable (%s): answering 503 store-unavailable and "
+            "forwarding nothing until it is back",
+            self.where,
+            reason(exc),
+        )
+
+    def recovered(self) -> None:
+        self.down = False
+        log.warning("PostgreSQL at %s is back", self.where)
+
+
+def translated(
+    operation: str, failure: str = ""
+) -> Callable[
+    [Callable[Parameters, Coroutine[Any, Any, Result]]],
+    Callable[Parameters, Coroutine[Any, Any, Result]],
+]:
+    """Measure the operation and turn a driver error into `StoreUnavailable` (whose detail is
+    `failure` and the error, when given: the caller's words for what could not be done)."""
+
+    def decorate(
+        method: Callable[Parameters, Coroutine[Any, Any, Result]],
+    ) -> Callable[Parameters, Coroutine[Any, Any, Result]]:
+        timer = metrics.STORE_OPERATION_DURATION.labels(operation)
+
+        @functools.wraps(method)
+        async def run(*args: Parameters.args, **kwargs: Parameters.kwargs) -> Result:
+            outage = getattr(args[0], "outage", None) if args else None
+            started = time.perf_counter()
+            try:
+                result = await method(*args, **kwargs)
+            except DRIVER_ERRORS as exc:
+                if isinstance(outage, Outage):
+                    outage.failed(operation, exc)
+                else:
+                    log.warning("store %s failed: %s", operation, reason(exc))
+                raise unavailable(exc, failure) from exc
+            finally:
+                timer.observe(time.perf_counter() - started)
+            if isinstance(outage, Outage) and outage.down:
+                outage.recovered()
+            return result
+
+        run.store_operation = operation  # type: ignore[attr-defined]  # the marker tests look for
+        return run
+
+    return decorate
+
+
+def unavailable(exc: BaseException, failure: str) -> errors.StoreUnavailable:
+    if failure:
+        return errors.StoreUnavailable(f"{failure}: {reason(exc)}")
+    return errors.StoreUnavailable(
+        "the idempotency store (PostgreSQL) is unavailable; the request was not forwarded. "
+        "Retry with the same Idempotency-Key."
+    )
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, in words: not `FileNotFoundError: [Errno 2]` for a socket that is gone."""
+    if isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+        return "no server is listening there"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"

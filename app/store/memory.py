@@ -1,0 +1,248 @@
+"""An in-memory `Store`, for pure tests of the state machine in one process.
+
+It is never the gateway's store: it forgets everything on exit and knows no other process. It
+exists so that `service.Gateway` can be driven through laps no timing makes happen on demand
+against PostgreSQL, and it passes the same conformance suite as the PostgreSQL store
+(`tests/store/test_conformance.py`), so what the tests show of the service holds on both.
+
+`state_of` is `oncegate_key_state` (migration 0005) in Python; the conformance suite keeps the
+two in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Literal
+
+from . import Claim, Headers, KeyRecord, Record, State
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    id: int
+    route: str
+    scope: bytes
+    key: str
+    fingerprint: bytes
+    state: Literal["in_progress", "completed", "unknown"]  # what the last writer did
+    token: int
+    lease_expires_at: float | None
+    expires_at: float
+    created_at: float
+    completed_at: float | None = None
+    status: int | None = None
+    headers: Headers | None = None
+    body: bytes | None = None
+    stored: bool = False
+
+
+def state_of(row: _Row, now: float) -> State:
+    lease = row.lease_expires_at
+    if row.state == "in_progress" and lease is not None and lease > now:
+        return "in_progress"
+    if row.expires_at <= now:
+        return "expired"
+    if row.state == "in_progress":
+        return "unknown"  # its lease ran out: its gateway died
+    return row.state
+
+
+class MemoryStore:
+    """The `Store` Protocol on a dict. `clock` gives seconds (wall time by default)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._rows: dict[tuple[bytes, str], _Row] = {}
+        self._ids = itertools.count(1)
+
+    async def _yield(self) -> None:
+        # Every operation is a round trip in the real store: let other tasks run in between.
+        await asyncio.sleep(0)
+
+    async def claim(
+        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | Record | None:
+        await self._yield()
+        existing = self._rows.get((scope, key))
+        if existing is not None:
+            return self._record(existing)
+        now = self._clock()
+        row = _Row(
+            id=next(self._ids), route=route, scope=scope, key=key, fingerprint=fingerprint,
+            state="in_progress", token=1, lease_expires_at=now + lease, expires_at=now + ttl,
+            created_at=now,
+        )  # fmt: skip
+        self._rows[(scope, key)] = row
+        return Claim(row.id, row.token)
+
+    async def get(self, scope: bytes, key: str) -> Record | None:
+        await self._yield()
+        row = self._rows.get((scope, key))
+        return self._record(row) if row is not None else None
+
+    async def reclaim_expired(
+        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        await self._yield()
+        now = self._clock()
+        row = self._by_id(record.id)
+        if row is None or row.token != record.token or state_of(row, now) != "expired":
+            return None
+        fresh = _Row(
+            id=row.id, route=route, scope=row.scope, key=row.key, fingerprint=fingerprint,
+            state="in_progress", token=row.token + 1, lease_expires_at=now + lease,
+            expires_at=now + ttl, created_at=now,
+        )  # fmt: skip
+        self._rows[(row.scope, row.key)] = fresh
+        return Claim(fresh.id, fresh.token)
+
+    async def take_over(self, record: Record, lease: float) -> Claim | None:
+        await self._yield()
+        now = self._clock()
+        row = self._by_id(record.id)
+        if row is None or row.token != record.token or state_of(row, now) != "unknown":
+            return None
+        taken = replace(
+            row,
+            state="in_progress",
+            token=row.token + 1,
+            lease_expires_at=now + lease,
+            expires_at=max(row.expires_at, now + lease + 1),
+        )
+        self._rows[(row.scope, row.key)] = taken
+        return Claim(taken.id, taken.token)
+
+    async def complete(
+        self, claim: Claim, status: int, headers: Headers, body: bytes | None
+    ) -> bool:
+        await self._yield()
+        row = self._held(claim, ("in_progress", "unknown"))
+        if row is None:
+            return False
+        stored = body is not None
+        self._rows[(row.scope, row.key)] = replace(
+            row,
+            state="completed",
+            status=status,
+            headers=list(headers) if stored else None,
+            body=body,
+            stored=stored,
+            completed_at=self._clock(),
+            lease_expires_at=None,
+        )
+        return True
+
+    async def release(self, claim: Claim) -> bool:
+        await self._yield()
+        row = self._held(claim, ("in_progress",))
+        if row is None:
+            return False
+        del self._rows[(row.scope, row.key)]
+        return True
+
+    async def mark_unknown(self, claim: Claim) -> bool:
+        await self._yield()
+        row = self._held(claim, ("in_progress",))
+        if row is None:
+            return False
+        self._rows[(row.scope, row.key)] = replace(row, state="unknown", lease_expires_at=None)
+        return True
+
+    async def purge(self, batch_size: int) -> int:
+        await self._yield()
+        now = self._clock()
+        doomed = [place for place, row in self._rows.items() if state_of(row, now) == "expired"]
+        for place in doomed[:batch_size]:
+            del self._rows[place]
+        return min(len(doomed), batch_size)
+
+    async def schema_revision(self) -> str | None:
+        return None
+
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        await self._yield()
+        now = self._clock()
+        return [
+            KeyRecord(
+                id=row.id,
+                route=row.route,
+                key=row.key,
+                state=state_of(row, now),
+                status=row.status,
+                headers=row.headers,
+                body=row.body,
+                created_at=_datetime(row.created_at),
+                completed_at=None if row.completed_at is None else _datetime(row.completed_at),
+                expires_at=_datetime(row.expires_at),
+                scope=row.scope,
+            )
+            for row in sorted(self._rows.values(), key=lambda row: row.id)
+            if row.key == key and (route is None or row.route == route)
+        ]
+
+    async def delete(self, record_id: int) -> bool | None:
+        await self._yield()
+        row = self._by_id(record_id)
+        if row is None:
+            return None
+        if state_of(row, self._clock()) == "in_progress":
+            return False
+        del self._rows[(row.scope, row.key)]
+        return True
+
+    async def settle(self, record_id: int, status: int, headers: Headers, body: bytes) -> bool:
+        await self._yield()
+        now = self._clock()
+        row = self._by_id(record_id)
+        if row is None or state_of(row, now) != "unknown":
+            return False
+        self._rows[(row.scope, row.key)] = replace(
+            row,
+            state="completed",
+            token=row.token + 1,
+            lease_expires_at=None,
+            status=status,
+            headers=list(headers),
+            body=body,
+            stored=True,
+            completed_at=now,
+        )
+        return True
+
+    async def release_unknown(self, record_id: int) -> bool:
+        await self._yield()
+        row = self._by_id(record_id)
+        if row is None or state_of(row, self._clock()) != "unknown":
+            return False
+        del self._rows[(row.scope, row.key)]
+        return True
+
+    def _by_id(self, record_id: int) -> _Row | None:
+        return next((row for row in self._rows.values() if row.id == record_id), None)
+
+    def _held(self, claim: Claim, states: tuple[str, ...]) -> _Row | None:
+        row = self._by_id(claim.record_id)
+        if row is None or row.token != claim.token or row.state not in states:
+            return None
+        return row
+
+    def _record(self, row: _Row) -> Record:
+        return Record(
+            id=row.id,
+            token=row.token,
+            fingerprint=row.fingerprint,
+            state=state_of(row, self._clock()),
+            status=row.status,
+            headers=row.headers,
+            body=row.body,
+            stored=row.stored,
+        )
+
+
+def _datetime(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)

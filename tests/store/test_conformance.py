@@ -1,0 +1,241 @@
+"""One suite, two stores: the PostgreSQL store and the in-memory one keep the same promises.
+
+The in-memory store exists for in-process tests of the state machine (tests/unit/
+test_gateway_laps.py); this suite is what makes those tests say something about the real one.
+Waits here only let a lease or a TTL run out (it can only run out more under load); nothing
+asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import pytest
+
+from oncegate import errors
+from oncegate.store import AdminStore, Claim, Record, Store
+from oncegate.store.checkpoints import PostgresCheckpoints
+from oncegate.store.memory import MemoryStore
+from oncegate.store.postgres import PostgresStore
+
+ROUTE = "conformance"
+SCOPE = hashlib.sha256(b"conformance scope").digest()
+OTHER_SCOPE = hashlib.sha256(b"another scope").digest()
+LONG = 600.0  # a lease or TTL that cannot run out during a test
+
+
+def digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+FINGERPRINT = digest("the request")
+
+
+class AdminAndKeyStore(Store, AdminStore, Protocol):
+    pass
+
+
+@pytest.fixture(params=["postgres", "memory"])
+async def store(
+    request: pytest.FixtureRequest, database_url: str
+) -> AsyncIterator[AdminAndKeyStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    postgres = await PostgresStore.connect(database_url)
+    try:
+        yield postgres
+    finally:
+        await postgres.close()
+
+
+async def claim(store: Store, key: str, lease: float = LONG, ttl: float = LONG) -> Claim:
+    claimed = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
+    assert isinstance(claimed, Claim)
+    return claimed
+
+
+async def record(store: Store, key: str) -> Record:
+    found = await store.get(SCOPE, key)
+    assert found is not None
+    return found
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+async def test_the_first_claim_wins_and_the_next_reads_the_row(store: Store) -> None:
+    key = new_key()
+    first = await claim(store, key)
+    second = await store.claim(ROUTE, SCOPE, key, digest("another request"), LONG, LONG)
+    assert isinstance(second, Record)
+    assert (second.id, second.token, second.state) == (first.record_id, first.token, "in_progress")
+    assert second.fingerprint == FINGERPRINT  # the first request's
+
+
+async def test_of_many_concurrent_claims_one_wins(store: Store) -> None:
+    key = new_key()
+    results = await asyncio.gather(
+        *(store.claim(ROUTE, SCOPE, key, FINGERPRINT, LONG, LONG) for _ in range(20))
+    )
+    assert len([result for result in results if isinstance(result, Claim)]) == 1
+
+
+async def test_the_same_key_in_another_scope_is_another_key(store: Store) -> None:
+    key = new_key()
+    await claim(store, key)
+    other = await store.claim(ROUTE, OTHER_SCOPE, key, FINGERPRINT, LONG, LONG)
+    assert isinstance(other, Claim)
+
+
+async def test_a_completed_key_holds_its_answer(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.complete(owner, 201, [("location", "/a/1")], b'{"id": 1}')
+    found = await record(store, key)
+    assert (found.state, found.status, found.body, found.stored) == (
+        "completed",
+        201,
+        b'{"id": 1}',
+        True,
+    )
+    assert list(found.headers or []) == [("location", "/a/1")]
+
+
+async def test_an_answer_too_large_to_store_keeps_its_status_only(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.complete(owner, 201, [("location", "/a/1")], None)
+    found = await record(store, key)
+    assert (found.state, found.status, found.body, found.stored) == ("completed", 201, None, False)
+
+
+async def test_release_deletes_the_key_and_the_next_claim_wins(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.release(owner)
+    assert await store.get(SCOPE, key) is None
+    assert isinstance(await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LONG, LONG), Claim)
+
+
+async def test_a_superseded_token_settles_nothing(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.mark_unknown(owner)
+    found = await record(store, key)
+    assert found.state == "unknown"
+    new_owner = await store.take_over(found, LONG)
+    assert new_owner is not None and new_owner.token > owner.token
+    assert not await store.complete(owner, 201, [], b"stale")
+    assert not await store.release(owner)
+    assert not await store.mark_unknown(owner)
+    assert await store.complete(new_owner, 201, [], b"fresh")
+    assert (await record(store, key)).body == b"fresh"
+
+
+async def test_a_take_over_needs_the_token_it_read(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.mark_unknown(owner)
+    found = await record(store, key)
+    assert await store.take_over(found, LONG) is not None
+    assert await store.take_over(found, LONG) is None  # the token moved on
+
+
+async def test_only_an_unknown_key_is_taken_over(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.take_over(await record(store, key), LONG) is None  # in flight
+    assert await store.complete(owner, 201, [], b"done")
+    assert await store.take_over(await record(store, key), LONG) is None  # completed
+
+
+async def test_a_claim_whose_lease_ran_out_reads_unknown(store: Store) -> None:
+    key = new_key()
+    await claim(store, key, lease=0.1)
+    await asyncio.sleep(0.3)
+    assert (await record(store, key)).state == "unknown"
+
+
+async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key, lease=0.1, ttl=0.3)
+    assert await store.complete(owner, 201, [], b"old")
+    await asyncio.sleep(0.5)
+    found = await record(store, key)
+    assert found.state == "expired"
+    results = await asyncio.gather(
+        *(store.reclaim_expired(found, ROUTE, digest("new"), LONG, LONG) for _ in range(5))
+    )
+    assert len([result for result in results if result is not None]) == 1
+    fresh = await record(store, key)
+    assert (fresh.state, fresh.fingerprint, fresh.body) == ("in_progress", digest("new"), None)
+    assert not await store.complete(owner, 201, [], b"stale")
+
+
+async def test_an_unknown_key_past_its_ttl_is_expired(store: Store) -> None:
+    key = new_key()
+    owner = await claim(store, key, lease=0.1, ttl=0.3)
+    assert await store.mark_unknown(owner)
+    await asyncio.sleep(0.5)
+    assert (await record(store, key)).state == "expired"
+
+
+async def test_purge_deletes_expired_keys_only(store: Store) -> None:
+    kept, gone = new_key(), new_key()
+    await claim(store, kept)
+    owner = await claim(store, gone, lease=0.1, ttl=0.3)
+    assert await store.complete(owner, 201, [], b"old")
+    await asyncio.sleep(0.5)
+    purged = 0
+    while deleted := await store.purge(100):
+        purged += deleted
+    assert purged >= 1
+    assert await store.get(SCOPE, gone) is None
+    assert (await record(store, kept)).state == "in_progress"
+
+
+async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAndKeyStore) -> None:
+    settled, released, in_flight = new_key(), new_key(), new_key()
+    for key in (settled, released):
+        assert await store.mark_unknown(await claim(store, key))
+    busy = await claim(store, in_flight)
+    settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
+    assert await store.settle(settled_id, 201, [("x-a", "b")], b"found")
+    assert not await store.settle(settled_id, 201, [], b"twice")  # completed now
+    found = await record(store, settled)
+    assert (found.state, found.body, found.token) == ("completed", b"found", 2)
+    assert await store.release_unknown(released_id)
+    assert await store.get(SCOPE, released) is None
+    assert not await store.release_unknown(busy.record_id)
+    assert not await store.settle(busy.record_id, 201, [], b"")
+    assert await store.delete(busy.record_id) is False  # its request is in flight
+    assert await store.delete(settled_id) is True
+    assert await store.delete(settled_id) is None
+    assert [row.key for row in await store.find(in_flight, None)] == [in_flight]
+    assert await store.find(in_flight, "another-route") == []
+
+
+@pytest.mark.parametrize("kind", [PostgresStore, PostgresCheckpoints])
+def test_every_method_that_talks_to_postgresql_translates_driver_errors(kind: type) -> None:
+    # Wearing `store.errors.translated` is what keeps asyncpg's exceptions inside store/.
+    public = {
+        name: member
+        for name, member in vars(kind).items()
+        if not name.startswith("_") and name != "close"
+    }
+    for name, member in public.items():
+        function = member.__func__ if isinstance(member, classmethod) else member
+        if inspect.iscoroutinefunction(function):
+            assert getattr(function, "store_operation", None), f"{kind.__name__}.{name}"
+
+
+async def test_a_refused_connection_is_store_unavailable() -> None:
+    with pytest.raises(errors.StoreUnavailable, match="cannot connect to PostgreSQL"):
+        await PostgresStore.connect("postgresql://nobody@127.0.0.1:1/none")

@@ -1,0 +1,220 @@
+"""The state machine in one process: `decide` for every row of the contract's table (section 4),
+and `Gateway.handle`'s laps through the in-memory store, including the races no timing makes
+happen on demand against PostgreSQL (a claim that committed while ours ran, a row that changes
+hands on every look). The in-memory store passes the PostgreSQL store's conformance suite
+(tests/store/test_conformance.py); the upstream is a real HTTP server on a socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from oncegate import errors, fingerprint, keys, service, settings
+from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
+from oncegate.store import Claim, Record, State
+from oncegate.store.memory import MemoryStore
+from oncegate.upstream import Upstream
+from tests.faults.conftest import RawUpstream
+
+FINGERPRINT = hashlib.sha256(b"the request").digest()
+OTHER = hashlib.sha256(b"another request").digest()
+
+
+def route(**options: object) -> settings.Route:
+    return settings.Route(name="r", match="/", upstream="http://127.0.0.1:9", **options)
+
+
+def record(state: State, fingerprint: bytes = FINGERPRINT, stored: bool = True) -> Record:
+    completed = state == "completed"
+    return Record(
+        id=1, token=1, fingerprint=fingerprint, state=state,
+        status=201 if completed else None,
+        headers=[("location", "/a/1")] if completed and stored else None,
+        body=b"{}" if completed and stored else None,
+        stored=completed and stored,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("state", ["in_progress", "completed", "unknown"])
+def test_a_different_request_under_a_known_key_is_refused_as_reused(state: State) -> None:
+    decision = decide(record(state, fingerprint=OTHER), FINGERPRINT, route())
+    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.KeyReused)
+    assert decision.error.status_code == 422 and decision.error.outcome == "mismatch"
+
+
+def test_a_completed_key_is_replayed() -> None:
+    decision = decide(record("completed"), FINGERPRINT, route())
+    assert isinstance(decision, Replay)
+    assert decision.response.status == 201
+    assert ("idempotent-replayed", "true") in decision.response.headers
+    assert (decision.response.outcome, decision.response.blocked) == ("replayed", "replayed")
+
+
+def test_a_completed_key_whose_answer_was_too_large_is_refused_with_its_status() -> None:
+    decision = decide(record("completed", stored=False), FINGERPRINT, route())
+    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.ResponseNotStored)
+    assert "201" in decision.error.detail
+    assert (decision.error.status_code, decision.error.outcome) == (409, "replayed")
+
+
+def test_a_key_in_flight_is_409_with_retry_after() -> None:
+    decision = decide(record("in_progress"), FINGERPRINT, route())
+    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.RequestInProgress)
+    assert decision.error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
+    assert decision.error.blocked_reason == "in_progress"
+
+
+def test_an_unknown_key_is_409_without_retry_after_unless_the_route_forwards() -> None:
+    decision = decide(record("unknown"), FINGERPRINT, route())
+    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.OutcomeUnknown)
+    assert decision.error.status_code == 409 and "Retry-After" not in decision.error.headers
+    assert decision.error.blocked_reason == "unknown"
+    assert isinstance(decide(record("unknown"), FINGERPRINT, route(on_unknown="forward")), TakeOver)
+
+
+@pytest.mark.parametrize("fingerprint", [FINGERPRINT, OTHER])
+def test_an_expired_key_is_a_new_key_whatever_was_sent_under_it(fingerprint: bytes) -> None:
+    assert isinstance(decide(record("expired", fingerprint=fingerprint), FINGERPRINT, route()),
+                      Reclaim)  # fmt: skip
+
+
+# Laps of Gateway.handle
+
+
+@pytest.fixture(scope="module")
+def upstream_server() -> Iterator[RawUpstream]:
+    server = RawUpstream()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    client = Upstream()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+# What the gateway computes for `request(key)` on a route without scope headers sent.
+REQUEST_FINGERPRINT = fingerprint.compute("POST", "/kept", "", "application/json", b"{}")
+
+
+def scope_of(route: settings.Route) -> bytes:
+    return keys.scope(route.name, [[] for _ in route.scope_headers])
+
+
+def request(key: str) -> ProxyRequest:
+    return ProxyRequest(
+        method="POST", path="/kept", query="", body=b"{}",
+        headers=[("idempotency-key", key), ("content-type", "application/json")],
+    )  # fmt: skip
+
+
+def served_route(server: RawUpstream, **options: object) -> settings.Route:
+    return settings.Route(name="r", match="/", upstream=server.url, **options)
+
+
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    async def claim(self, *args: object, **kwargs: object) -> Claim | Record | None:
+        self.calls.append("claim")
+        return await super().claim(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def get(self, scope: bytes, key: str) -> Record | None:
+        self.calls.append("get")
+        return await super().get(scope, key)
+
+
+async def test_a_new_key_is_claimed_forwarded_and_completed(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = CountingStore()
+    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k1"))
+    assert (answer.status, answer.outcome) == (201, "forwarded")
+    [found] = await store.find("k1", None)
+    assert found.state == "completed" and found.status == 201
+    assert store.calls == ["claim"]
+    assert len(upstream_server.requests("k1")) == 1
+
+
+async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    class CommittedMeanwhile(CountingStore):
+        # PostgreSQL's claim sees neither its insert nor the row when a concurrent claim
+        # commits after the statement's snapshot: it returns nothing, and the row is there.
+        async def claim(self, *args: object, **kwargs: object) -> Claim | Record | None:
+            if not self.calls:
+                self.calls.append("claim")
+                winner = await MemoryStore.claim(self, *args, **kwargs)  # type: ignore[arg-type]
+                assert isinstance(winner, Claim)
+                await self.complete(winner, 201, [("location", "/a/1")], b'{"first": true}')
+                return None
+            return await super().claim(*args, **kwargs)
+
+    store = CommittedMeanwhile()
+    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k2"))
+    assert (answer.status, answer.outcome, answer.body) == (201, "replayed", b'{"first": true}')
+    assert store.calls == ["claim", "get"]
+    assert upstream_server.requests("k2") == []
+
+
+async def test_a_key_released_between_claim_and_read_is_claimed_again(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    class ReleasedMeanwhile(CountingStore):
+        async def claim(self, *args: object, **kwargs: object) -> Claim | Record | None:
+            if not self.calls:
+                self.calls.append("claim")
+                return None  # committed after our snapshot, and released before our read
+            return await super().claim(*args, **kwargs)
+
+    store = ReleasedMeanwhile()
+    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k3"))
+    assert (answer.status, answer.outcome) == (201, "forwarded")
+    assert store.calls == ["claim", "get", "claim"]
+    assert len(upstream_server.requests("k3")) == 1
+
+
+async def test_a_key_that_changes_hands_on_every_look_gives_up_without_forwarding(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    class EverChanging(CountingStore):
+        async def take_over(self, record: Record, lease: float) -> Claim | None:
+            self.calls.append("take_over")
+            return None  # another gateway took it first, every time
+
+    store = EverChanging()
+    forwarding = served_route(upstream_server, on_unknown="forward")
+    claimed = await store.claim("r", scope_of(forwarding), "k4", REQUEST_FINGERPRINT, 600, 600)
+    assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
+    gateway = Gateway(store, upstream)
+    with pytest.raises(errors.RequestInProgress, match="changed hands"):
+        await gateway.handle(forwarding, request("k4"))
+    assert store.calls.count("take_over") == service.CLAIM_ATTEMPTS
+    assert upstream_server.requests("k4") == []
+
+
+async def test_an_unknown_key_on_a_forwarding_route_is_taken_over_and_forwarded(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = CountingStore()
+    gateway = Gateway(store, upstream)
+    forwarding = served_route(upstream_server, on_unknown="forward")
+    first = await store.claim("r", scope_of(forwarding), "k5", REQUEST_FINGERPRINT, 600, 600)
+    assert isinstance(first, Claim) and await store.mark_unknown(first)
+    answer = await gateway.handle(forwarding, request("k5"))
+    assert (answer.status, answer.outcome) == (201, "forwarded")
+    [found] = await store.find("k5", None)
+    assert found.state == "completed"
+    assert not await store.complete(first, 500, [], b"late")  # the old token settles nothing

@@ -181,14 +181,24 @@ def _child(name: str, operation: str) -> Iterator[object]:
         yield span
 
 
-def _annotate_from_log(record: logging.LogRecord) -> bool:
-    """Copy the route and outcome of the request's log line onto its span. Logs it unchanged."""
+def annotate(route: str, outcome: str) -> None:
+    """Name the current request span's route and outcome (the proxy's accounting can call this
+    directly; until it does, `_annotate_from_log` calls it from the request's log line)."""
+    if _tracer is None:
+        return
     from opentelemetry import trace
 
-    fields = getattr(record, "fields", None)
     span = trace.get_current_span()
-    if isinstance(fields, dict) and span.is_recording():
-        for field, attribute in _REQUEST_FIELDS.items():
-            if isinstance(fields.get(field), str):
-                span.set_attribute(attribute, fields[field])
+    if span.is_recording():
+        span.set_attribute(_REQUEST_FIELDS["route"], route)
+        span.set_attribute(_REQUEST_FIELDS["outcome"], outcome)
+
+
+def _annotate_from_log(record: logging.LogRecord) -> bool:
+    """Copy the route and outcome of the request's log line onto its span. Logs it unchanged."""
+    fields = getattr(record, "fields", None)
+    if isinstance(fields, dict):
+        route, outcome = fields.get("route"), fields.get("outcome")
+        if isinstance(route, str) and isinstance(outcome, str):
+            annotate(route, outcome)
     return True

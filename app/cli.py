@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,7 @@ from . import errors, logs, settings
 
 log = logging.getLogger("oncegate")
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 EXIT_CONFIG = 2
 EXIT_STORE = 3
 
@@ -236,10 +238,11 @@ def _serve(arguments: argparse.Namespace) -> int:
     config = settings.load(flags)
     logs.configure(config.log_format, config.log_level)
     with (
+        _held_signals() as received,
         _metrics_across_workers(config.workers),
         _database(config.database_url, config.data_dir, supervise=True) as database,
     ):
-        from .http import server
+        from .http import server  # after _metrics_across_workers: it imports prometheus_client
 
         keys = asyncio.run(_check_schema(database.url))
         for route in config.routes:
@@ -253,7 +256,7 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        server.run(config, database.url, server.Summary(database.description, keys))
+        server.run(config, database.url, server.Summary(database.description, keys), received)
     return 0
 
 
@@ -311,6 +314,24 @@ def _database_settings() -> tuple[str | None, Path]:
         raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
     given = os.environ.get("ONCEGATE_DATA_DIR")
     return url, Path(given) if given else settings.default_data_dir(os.environ)
+
+
+@contextmanager
+def _held_signals() -> Iterator[list[int]]:
+    """Remember SIGTERM and SIGINT while the gateway starts (the embedded PostgreSQL, the
+    migrations, the pool), instead of dying at once without running any `finally` (an embedded
+    PostgreSQL would be left running, with no gateway); `server.run` acts on them when it can."""
+    received: list[int] = []
+
+    def remember(number: int, frame: object) -> None:
+        received.append(number)
+
+    previous = {number: signal.signal(number, remember) for number in _SIGNALS}
+    try:
+        yield received
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 @contextmanager

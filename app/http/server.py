@@ -51,12 +51,17 @@ class Summary:
     keys: int
 
 
-def run(settings: Settings, database_url: str, summary: Summary) -> None:
+def run(
+    settings: Settings, database_url: str, summary: Summary, received: list[int] | None = None
+) -> None:
+    """Serve until a signal. `received`: signals that came before the servers could handle them
+    (the CLI holds them while the gateway starts); the servers then stop as soon as they start."""
+    received = [] if received is None else received
     sockets = [bind(settings.host, settings.port), bind(settings.host, settings.admin_port)]
     _announce(settings, sockets, summary)
     if settings.workers == 1:
-        _work(settings, database_url, sockets)
-    else:
+        _work(settings, database_url, sockets, received)
+    elif not received:
         _supervise(settings, database_url, sockets)
 
 
@@ -94,10 +99,12 @@ def _address(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _work(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+def _work(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
     loop_factory = _config(None, settings).get_loop_factory()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(settings, database_url, sockets))
+        runner.run(_serve(settings, database_url, sockets, received))
 
 
 def _supervise(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
@@ -113,7 +120,7 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
                 signal.signal(number, signal.SIG_DFL)
             status = 1
             try:
-                _work(settings, database_url, sockets)
+                _work(settings, database_url, sockets, [])
                 status = 0
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
@@ -146,19 +153,21 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
             signal.signal(number, handler)
 
 
-async def _serve(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+async def _serve(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
     # Per process: with --workers, each worker exports its own spans (an exporter's thread does
     # not survive a fork).
     if tracing.setup():
         log.info("tracing: exporting spans to %s", os.environ[tracing.ENDPOINT_VARIABLE])
     try:
-        await _serve_traced(settings, database_url, sockets)
+        await _serve_traced(settings, database_url, sockets, received)
     finally:
         tracing.shutdown()
 
 
 async def _serve_traced(
-    settings: Settings, database_url: str, sockets: list[socket.socket]
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
 ) -> None:
     async with running(settings, database_url) as runtime:
         servers = [
@@ -179,6 +188,8 @@ async def _serve_traced(
 
         for number in _SIGNALS:
             loop.add_signal_handler(number, stop)
+        if received:  # a signal came while the gateway was starting
+            stop()
         try:
             await asyncio.gather(
                 *(

@@ -316,3 +316,27 @@ def test_a_dead_postgres_is_restarted_while_the_gateway_runs(
     assert "Traceback" not in output
     assert gateway.wait() == 0
     assert postmaster(data_dir) is None
+
+
+def test_a_sigterm_while_the_gateway_starts_stops_it_cleanly(
+    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
+) -> None:
+    """A signal during start-up (embedded PostgreSQL, migrations, pool) is kept until the servers
+    can act on it: the gateway exits 0 and stops its PostgreSQL, never dies leaving it running."""
+    log = tmp_path / "gateway.log"
+    gateway = Process(
+        ["serve", "--upstream", upstream.url, "--port", str(free_port()), "--admin-port",
+         str(free_port()), "--data-dir", str(data_dir)],
+        log,
+        env={"ONCEGATE_DATABASE_URL": ""},
+    )  # fmt: skip
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while "embedded PostgreSQL running" not in gateway.output():
+        assert gateway.popen.poll() is None, gateway.output()
+        assert time.monotonic() < deadline, gateway.output()
+        time.sleep(0.01)
+    gateway.signal(signal.SIGTERM)
+    assert gateway.wait() == 0, gateway.output()
+    gateway.stop()
+    assert postmaster(data_dir) is None
+    assert "Traceback" not in gateway.output()

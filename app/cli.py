@@ -12,16 +12,20 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from . import errors, logs, settings
 
 log = logging.getLogger("oncegate")
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 EXIT_CONFIG = 2
 EXIT_STORE = 3
 
@@ -40,11 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
+_DATABASE_HELP = (
+    "The database is ONCEGATE_DATABASE_URL (a postgresql:// URL); when it is unset, the embedded "
+    "PostgreSQL in ONCEGATE_DATA_DIR (default ~/.local/share/oncegate, or "
+    "$XDG_DATA_HOME/oncegate; /var/lib/oncegate as root), started and stopped by the command."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oncegate",
         description="An Idempotency-Key gateway: POST/PATCH calls happen at most once per key.",
     )
+    parser.add_argument("--version", action="version", version=f"oncegate {_version()}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -52,26 +64,55 @@ def _parser() -> argparse.ArgumentParser:
         help="run the gateway",
         description="Run the gateway. Every flag also has an ONCEGATE_* variable "
         "(--admin-port: ONCEGATE_ADMIN_PORT); flags win over variables, variables over the file. "
-        "Without ONCEGATE_DATABASE_URL an embedded PostgreSQL runs under ONCEGATE_DATA_DIR.",
+        "ONCEGATE_ADMIN_TOKEN enables the admin API on the admin port (Authorization: Bearer "
+        "TOKEN); without it the admin API answers 404. " + _DATABASE_HELP,
     )
     serve.add_argument("--upstream", metavar="URL", help="one catch-all route named 'default'")
     serve.add_argument("--config", metavar="FILE", help="YAML file with routes and settings")
-    serve.add_argument("--host", metavar="H", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="proxy port (default 8080)")
-    serve.add_argument("--admin-port", type=int, help="admin port (default 8081)")
+    serve.add_argument("--host", metavar="H", help="address of both ports (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, metavar="N", help="proxy port (default 8080)")
+    serve.add_argument(
+        "--admin-port",
+        type=int,
+        metavar="N",
+        help="admin port: /metrics, /healthz, /readyz, the admin API (default 8081)",
+    )
     serve.add_argument("--workers", type=int, metavar="N", help="worker processes (default 1)")
-    serve.add_argument("--ttl", metavar="DURATION", help="default key lifetime (default 24h)")
-    serve.add_argument("--data-dir", metavar="DIR", help="embedded PostgreSQL data (.oncegate)")
-    serve.add_argument("--log-format", choices=["text", "json"], help="log lines (default json)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--ttl", metavar="DURATION", help="key lifetime for routes that set none (default 24h)"
+    )
+    serve.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="embedded PostgreSQL data (default ~/.local/share/oncegate; root: /var/lib/oncegate)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="one JSON object per line, or text for a terminal (default json)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe lines logged; warning drops the per-request lines (default info)",
+    )
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser(
-        "migrate", help="apply the schema migrations to ONCEGATE_DATABASE_URL (idempotent)"
+        "migrate",
+        help="apply the schema migrations (idempotent)",
+        description="Apply the schema migrations up to this version's revision, and print it. "
+        "Idempotent: run it before each release's gateways start. " + _DATABASE_HELP,
     )
     migrate.set_defaults(run=_migrate)
 
-    purge = commands.add_parser("purge", help="delete expired keys once, in batches")
+    purge = commands.add_parser(
+        "purge",
+        help="delete expired keys once, in batches",
+        description="Delete the keys past their TTL once, in bounded batches, and print how many. "
+        "A running gateway also does it every ONCEGATE_PURGE_INTERVAL (default 60s). "
+        + _DATABASE_HELP,
+    )
     purge.set_defaults(run=_purge)
 
     rekey = commands.add_parser(
@@ -85,10 +126,14 @@ def _parser() -> argparse.ArgumentParser:
     rekey.set_defaults(run=_rekey)
 
     demo = commands.add_parser(
-        "demo-upstream", help="a fake email/ticket/payment service for demos, the lab and tests"
+        "demo-upstream",
+        help="a fake email/ticket/payment service for demos, the lab and tests",
+        description="A fake side-effecting API: POST /emails, /tickets, /charges answer 201 with "
+        "a JSON receipt; GET /actions lists every action really performed, with its "
+        "Idempotency-Key; ?delay=SECONDS and ?status=CODE make a call slow or failing.",
     )
-    demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=9000)
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    demo.add_argument("--port", type=int, default=9000, metavar="N", help="port (9000)")
     demo.set_defaults(run=_demo_upstream)
 
     lab = commands.add_parser(
@@ -178,6 +223,15 @@ def _lab_costs() -> str:
     return "\n".join(lines)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("oncegate")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -229,6 +283,7 @@ def _lab(arguments: argparse.Namespace) -> int:
         print(crashlab.table(outcome))
     if arguments.plot is not None:
         plot.write(outcome, arguments.plot)
+        print(f"oncegate lab: chart written to {arguments.plot.resolve()}", file=sys.stderr)
     for failure in outcome.failures:
         print(f"oncegate lab: {failure}", file=sys.stderr)
     return 1 if outcome.failures else 0
@@ -253,12 +308,13 @@ def _serve(arguments: argparse.Namespace) -> int:
     config = settings.load(flags)
     logs.configure(config.log_format, config.log_level)
     with (
+        _held_signals() as received,
         _metrics_across_workers(config.workers),
-        _database(config.database_url, config.data_dir) as database_url,
+        _database(config.database_url, config.data_dir, supervise=True) as database,
     ):
-        from .http import server
+        from .http import server  # after _metrics_across_workers: it imports prometheus_client
 
-        asyncio.run(_check_schema(database_url))
+        keys = asyncio.run(_check_schema(database.url))
         for route in config.routes:
             log.info(
                 "route %s: %s -> %s (methods %s, key %s, ttl %gs, timeout %gs)",
@@ -270,7 +326,7 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        server.run(config, database_url)
+        server.run(config, database.url, server.Summary(database.description, keys), received)
     return 0
 
 
@@ -279,8 +335,8 @@ def _migrate(arguments: argparse.Namespace) -> int:
 
     logs.configure("text", "info")
     url, data_dir = _database_settings()
-    with _database(url, data_dir) as database_url:
-        schema.upgrade(database_url)
+    with _database(url, data_dir) as database:
+        schema.upgrade(database.url)
     print(f"database is at schema revision {schema.head()}")
     return 0
 
@@ -299,8 +355,8 @@ def _purge(arguments: argparse.Namespace) -> int:
         finally:
             await store.close()
 
-    with _database(url, data_dir) as database_url:
-        deleted = asyncio.run(purge(database_url))
+    with _database(url, data_dir) as database:
+        deleted = asyncio.run(purge(database.url))
     print(f"purged {deleted} expired keys")
     return 0
 
@@ -317,8 +373,8 @@ def _rekey(arguments: argparse.Namespace) -> int:
         )
     keyring = Keyring.parse(text)
     url, data_dir = _database_settings()
-    with _database(url, data_dir) as database_url:
-        done, unopenable, left = rekey.run(database_url, keyring, sys.stdout, arguments.batch_size)
+    with _database(url, data_dir) as database:
+        done, unopenable, left = rekey.run(database.url, keyring, sys.stdout, arguments.batch_size)
     print(f"re-sealed {done} stored answers under key {keyring.current!r}")
     if unopenable:
         print(
@@ -341,16 +397,16 @@ def _rekey(arguments: argparse.Namespace) -> int:
 def _demo_upstream(arguments: argparse.Namespace) -> int:
     import uvicorn
 
+    from .http import server
     from .lab.demo_upstream import DemoUpstream
 
     logs.configure("text", "info")
-    uvicorn.run(
-        DemoUpstream(),
-        host=arguments.host,
-        port=arguments.port,
-        log_config=None,
-        access_log=False,
-    )
+    # Bound here, so a busy port ends the command at once with a message (exit 2), before
+    # anything could take it for a running upstream.
+    sock = server.bind(arguments.host, arguments.port)
+    log.info("demo upstream listening on http://%s:%d", arguments.host, arguments.port)
+    config = uvicorn.Config(DemoUpstream(), log_config=None, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
@@ -359,7 +415,26 @@ def _database_settings() -> tuple[str | None, Path]:
     url = os.environ.get("ONCEGATE_DATABASE_URL") or None
     if url is not None and not url.startswith(("postgresql://", "postgres://")):
         raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
-    return url, Path(os.environ.get("ONCEGATE_DATA_DIR") or ".oncegate")
+    given = os.environ.get("ONCEGATE_DATA_DIR")
+    return url, Path(given) if given else settings.default_data_dir(os.environ)
+
+
+@contextmanager
+def _held_signals() -> Iterator[list[int]]:
+    """Remember SIGTERM and SIGINT while the gateway starts (the embedded PostgreSQL, the
+    migrations, the pool), instead of dying at once without running any `finally` (an embedded
+    PostgreSQL would be left running, with no gateway); `server.run` acts on them when it can."""
+    received: list[int] = []
+
+    def remember(number: int, frame: object) -> None:
+        received.append(number)
+
+    previous = {number: signal.signal(number, remember) for number in _SIGNALS}
+    try:
+        yield received
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 @contextmanager
@@ -377,11 +452,18 @@ def _metrics_across_workers(workers: int) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class _Database:
+    url: str
+    description: str  # for the log: never the password
+
+
 @contextmanager
-def _database(url: str | None, data_dir: Path) -> Iterator[str]:
-    """The given database, or the embedded one, migrated, for as long as the block runs."""
+def _database(url: str | None, data_dir: Path, *, supervise: bool = False) -> Iterator[_Database]:
+    """The given database, or the embedded one, migrated, for as long as the block runs.
+    `supervise`: restart the embedded server if it dies meanwhile (a gateway, not a one-shot)."""
     if url is not None:
-        yield url
+        yield _Database(url, without_password(url))
         return
     from . import embedded, schema
 
@@ -389,26 +471,43 @@ def _database(url: str | None, data_dir: Path) -> Iterator[str]:
     try:
         schema.upgrade(server.url)
         log.info("embedded PostgreSQL migrated to revision %s", schema.head())
-        yield server.url
+        if supervise:
+            server.supervise()
+        yield _Database(server.url, f"embedded PostgreSQL, data in {server.data_dir}")
     finally:
         server.stop()
 
 
-async def _check_schema(url: str) -> None:
-    """Refuse to serve a database that was never migrated: every request would fail."""
+def without_password(url: str) -> str:
+    """`url` fit for a log line: no password, in the authority or in the query."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        credentials, _, host = netloc.rpartition("@")
+        netloc = credentials.partition(":")[0] + "@" + host
+    query = urlencode(
+        [(name, value) for name, value in parse_qsl(parts.query) if name != "password"]
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+async def _check_schema(url: str) -> int:
+    """Refuse to serve a database that was never migrated: every request would fail. Returns
+    how many keys it holds, for the start-up summary."""
     from . import schema
     from .store.postgres import PostgresStore
 
     store = await PostgresStore.connect(url, min_size=1, max_size=1)
     try:
         revision = await store.schema_revision()
+        if revision != schema.head():
+            raise errors.ConfigError(
+                f"the database is at schema revision {revision or 'none'}, this gateway needs "
+                f"{schema.head()}: run `oncegate migrate` first"
+            )
+        return await store.count_keys()
     finally:
         await store.close()
-    if revision != schema.head():
-        raise errors.ConfigError(
-            f"the database is at schema revision {revision or 'none'}, this gateway needs "
-            f"{schema.head()}: run `oncegate migrate` first"
-        )
 
 
 if __name__ == "__main__":

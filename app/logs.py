@@ -10,12 +10,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 # Libraries that are chatty at INFO: httpx logs every request (a line per forward, and a cost on
-# the request path); alembic announces its plugins; pgserver narrates its housekeeping.
-_QUIET = ("pgserver", "alembic.runtime.plugins", "httpx", "httpcore")
+# the request path); alembic announces its plugins; pgserver narrates its housekeeping; uvicorn
+# says "Started server process" and "Shutting down" once per server, and the gateway runs two:
+# the gateway's own start-up summary and shutdown line say it once (oncegate.http.server).
+_QUIET = ("alembic.runtime.plugins", "httpx", "httpcore", "uvicorn.error")
+# Libraries whose warnings and errors the gateway says better itself, once: pgserver prints whole
+# command lines and server logs when PostgreSQL fails to start (oncegate.embedded names the log
+# and quotes its end); asyncpg's pool logs a traceback every second while PostgreSQL is down
+# (oncegate.store.postgres says once that it is down, and once that it is back).
+_SAID_BETTER = ("pgserver", "asyncpg.pool")
 
 
 class JsonFormatter(logging.Formatter):
@@ -34,13 +42,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """`2026-12-02T15:09:35.123Z INFO oncegate.request: ...`: UTC to the millisecond, as the
+    JSON lines, so the two formats of one event read the same time."""
+
+    converter = staticmethod(time.gmtime)
+    default_time_format = "%Y-%m-%dT%H:%M:%S"
+    default_msec_format = "%s.%03dZ"
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def configure(log_format: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     for name in _QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in _SAID_BETTER:
+        logging.getLogger(name).setLevel(logging.CRITICAL)

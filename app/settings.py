@@ -91,6 +91,18 @@ ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
+def default_data_dir(environ: Mapping[str, str], euid: int | None = None) -> Path:
+    """Where the embedded PostgreSQL keeps its data when nobody says: one place per user, never
+    the working directory, so a retry cannot miss its key because the gateway was started from
+    elsewhere. Root gets the system's place for service data."""
+    if (os.geteuid() if euid is None else euid) == 0:
+        return Path("/var/lib/oncegate")
+    base = environ.get("XDG_DATA_HOME") or ""
+    if not os.path.isabs(base):  # the XDG spec says to ignore a relative value
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "oncegate"
+
+
 def _check_upstream(value: str) -> str:
     parts = urlsplit(value)
     if "@" in parts.netloc:
@@ -159,13 +171,15 @@ class Route(BaseModel):
     @field_validator("methods", mode="before")
     @classmethod
     def _methods(cls, value: object) -> object:
+        if isinstance(value, str):  # `methods: POST` or `methods: POST, PATCH`
+            value = [part.strip() for part in value.split(",")]
         if isinstance(value, list | tuple | set | frozenset):
             methods = [str(method).upper() for method in value]
             for method in methods:
                 if not _METHOD.match(method):
                     raise ValueError(f"{method!r} is not an HTTP method")
             return frozenset(methods)
-        return value
+        raise ValueError(f"a list of HTTP methods, like [POST, PATCH], not {value!r}")
 
     @field_validator("scope_headers")
     @classmethod
@@ -191,9 +205,10 @@ class Route(BaseModel):
                 "second request could be forwarded while the first is still in flight"
             )
         if self.ttl <= self.lease_seconds:
+            source = "" if self.lease is not None else ", twice the timeout"
             raise ValueError(
-                f"ttl ({self.ttl:g}s) must exceed lease ({self.lease_seconds:g}s): a key cannot "
-                "expire while its request is still in flight"
+                f"ttl ({self.ttl:g}s) must exceed lease ({self.lease_seconds:g}s{source}): a key "
+                "cannot expire while its request is still in flight"
             )
         return self
 
@@ -211,7 +226,7 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     database_url: str | None = None
-    data_dir: Path = Path(".oncegate")
+    data_dir: Path = Field(default_factory=lambda: default_data_dir(os.environ))
     admin_token: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -281,6 +296,7 @@ def load(
         if environ.get(variable):
             merged[name] = environ[variable]
     merged.update({name: value for name, value in flags.items() if name in fields})
+    merged.setdefault("data_dir", default_data_dir(environ))
     default_ttl = merged.get("ttl", DEFAULT_TTL)
     routes = merged.get("routes") or []
     if not isinstance(routes, list):
@@ -299,7 +315,8 @@ def load(
     try:
         settings = Settings.model_validate(merged)
     except ValidationError as exc:
-        raise errors.ConfigError(_describe(exc, path)) from None
+        added = len(routes) if merged.get("upstream") else None
+        raise errors.ConfigError(_describe(exc, path, added)) from None
     if not settings.routes:
         raise errors.ConfigError(
             "no routes: give --upstream URL (one catch-all route) or --config FILE with routes"
@@ -315,7 +332,14 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise errors.ConfigError(f"{path}: not valid YAML: {exc}") from None
+        # PyYAML's own text names the stream "<unicode string>"; say the file, line and column.
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        raise errors.ConfigError(
+            f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+        ) from None
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -323,15 +347,23 @@ def _read_file(path: Path) -> dict[str, Any]:
     return document
 
 
-def _describe(exc: ValidationError, path: object) -> str:
-    lines = []
+def _describe(exc: ValidationError, path: object, added: int | None = None) -> str:
+    """One line per mistake, named as the user wrote it. `added` is the index of the route
+    that `upstream` (--upstream) adds: its mistakes are the flag's, not a `routes[N]` the user
+    never wrote, and a bad URL is said once, not once for the setting and once for the route."""
+    lines: list[str] = []
     for error in exc.errors():
-        location = "".join(
-            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
-        ).lstrip(".")
+        parts = list(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown field (a typo?)"
+        if added is not None and parts[:2] == ["routes", added]:
+            if parts[2:] == ["upstream"]:
+                continue  # the same mistake as `upstream` itself, said there
+            parts = ["the route 'default' that upstream (--upstream) adds", *parts[2:]]
+        location = "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts
+        ).lstrip(".")
         lines.append(f"  {location or 'settings'}: {message}")
     source = f" in {path}" if path else ""
     return f"invalid configuration{source}:\n" + "\n".join(lines)

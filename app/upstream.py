@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import aiohttp
 import yarl
 
-from . import headers
+from . import headers, tracing
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -163,42 +163,43 @@ class Upstream:
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
         attempt = _Attempt()
-        try:
-            async with self._session.request(
-                method,
-                yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                headers=_as_sent(
-                    headers.end_to_end(
-                        request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
-                    )
-                ),
-                data=body or None,
-                allow_redirects=False,
-                timeout=client_timeout,
-                trace_request_ctx=attempt,
-            ) as response:
-                content = await response.read()
-                raw_headers = response.raw_headers
-                status = response.status
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise NotSent(f"{type(exc).__name__}: {exc}") from exc
-        except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
-            raise NotSent(f"{type(exc).__name__}: not a URL that can be requested") from exc
-        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-            raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
-        except aiohttp.ClientResponseError as exc:
-            # Its text would name the URL, query included: logs hold neither.
-            raise AnswerLost(f"{type(exc).__name__}: {exc.message}", timed_out=False) from exc
-        except aiohttp.ClientError as exc:
-            raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
-        except Exception as exc:  # translated below, never swallowed
-            # Anything else (a bug here or in the client library) is classified by how far the
-            # request got, so that no key is left claimed by an error: released when the
-            # upstream cannot have seen the request, `unknown` when it may have.
-            reason = f"unexpected {type(exc).__name__}: {exc}"
-            if attempt.sent:
-                raise AnswerLost(reason, timed_out=False) from exc
-            raise NotSent(reason) from exc
+        outgoing = headers.end_to_end(
+            request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
+        )
+        # The `forward` span, when tracing: the upstream's trace context names it.
+        with tracing.forwarding(outgoing) as forwarded:
+            try:
+                async with self._session.request(
+                    method,
+                    yarl.URL(url, encoded=True),  # the path as received, escapes untouched
+                    headers=_as_sent(forwarded),
+                    data=body or None,
+                    allow_redirects=False,
+                    timeout=client_timeout,
+                    trace_request_ctx=attempt,
+                ) as response:
+                    content = await response.read()
+                    raw_headers = response.raw_headers
+                    status = response.status
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                raise NotSent(f"{type(exc).__name__}: {exc}") from exc
+            except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
+                raise NotSent(f"{type(exc).__name__}: not a URL that can be requested") from exc
+            except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+                raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
+            except aiohttp.ClientResponseError as exc:
+                # Its text would name the URL, query included: logs hold neither.
+                raise AnswerLost(f"{type(exc).__name__}: {exc.message}", timed_out=False) from exc
+            except aiohttp.ClientError as exc:
+                raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
+            except Exception as exc:  # translated below, never swallowed
+                # Anything else (a bug here or in the client library) is classified by how far the
+                # request got, so that no key is left claimed by an error: released when the
+                # upstream cannot have seen the request, `unknown` when it may have.
+                reason = f"unexpected {type(exc).__name__}: {exc}"
+                if attempt.sent:
+                    raise AnswerLost(reason, timed_out=False) from exc
+                raise NotSent(reason) from exc
         if not 100 <= status <= 599:
             # Not an HTTP status (RFC 9110 §15): an answer that cannot be relayed or stored, to a
             # request that was performed.

@@ -1078,6 +1078,7 @@ def main() -> int:
     signal.alarm(math.ceil(budget))
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="oncegate-bench-"))
+    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
     keep = True  # the server logs explain a failure
     command = quick.command_line()
     try:

@@ -1,14 +1,17 @@
 """A crash-safe agent in a page: copy it, change the steps.
 
-Run the gateway and the demo upstream first (`make run` does both), then:
+Run the gateway and the demo upstream first (`make run` does both), then, in the checkout:
 
-    ONCEGATE_DATABASE_URL=postgresql://... python examples/agent.py run-81
+    .venv/bin/python examples/agent.py run-81
 
 Kill it at any moment (Ctrl-C, `kill -9`) and run the same command again: it resumes at the
 first unfinished step with the earlier outputs in hand, and an action that was sent just before
 the crash is answered by the gateway from its store instead of being performed twice.
 
-The database needs the schema (`oncegate migrate`): the checkpoints live in it.
+The checkpoints live in the gateway's database: `ONCEGATE_DATABASE_URL` when it is set (migrated
+with `oncegate migrate`), otherwise the same embedded PostgreSQL that `oncegate serve` uses by
+default (`ONCEGATE_DATA_DIR`), joined while the gateway runs. `GATEWAY_URL` says where the gateway
+is (default http://127.0.0.1:8080).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def steps(customer: str) -> list[Step]:
 
 
 async def main(run_id: str) -> None:
-    store = await PostgresCheckpoints.connect(os.environ["ONCEGATE_DATABASE_URL"])
+    store = await PostgresCheckpoints.connect()  # the gateway's database (see above)
     try:
         async with httpx.AsyncClient(timeout=30.0) as http:
             # keys: f"{run_id}:step-2:email", ...; the gateway keeps them 24 h (its default

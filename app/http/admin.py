@@ -93,6 +93,10 @@ async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
 class KeyView(BaseModel):
     id: int
     route: str
+    scope: str = Field(
+        description="a short fingerprint of the key's scope: two records of one key with "
+        "different scopes were sent with different credentials (never the credential itself)"
+    )
     key: str
     state: State
     status: int | None
@@ -115,6 +119,7 @@ def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
     view = KeyView(
         id=record.id,
         route=record.route,
+        scope=record.scope_fingerprint,
         key=record.key,
         state=record.state,
         status=record.status,

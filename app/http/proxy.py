@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import errors, headers, metrics, paths
+from .. import errors, headers, metrics, paths, tracing
 from ..routing import RouteTable
 from ..service import ClientGone, Gateway, ProxyRequest, ProxyResponse
 from . import problems
@@ -148,6 +148,7 @@ def _problem(error: errors.GatewayError) -> Answer:
 
 def _account(route_name: str, method: str, answer: Answer, elapsed: float, request_id: str) -> None:
     """Count the request once and log it as one line, never with its body or credentials."""
+    tracing.annotate(route_name, answer.outcome)
     metrics.REQUESTS.labels(route_name, method, answer.outcome).inc()
     metrics.REQUEST_DURATION.labels(route_name, answer.outcome).observe(elapsed)
     if answer.blocked is not None:

@@ -22,10 +22,11 @@ import signal
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import uvicorn
 
-from .. import errors
+from .. import errors, tracing
 from ..settings import Settings
 from . import protocol
 from .app import create_admin_app, create_proxy_app, running
@@ -42,18 +43,68 @@ class _Server(uvicorn.Server):
         yield
 
 
-def run(settings: Settings, database_url: str) -> None:
-    sockets = [_bind(settings.host, settings.port), _bind(settings.host, settings.admin_port)]
+@dataclass(frozen=True)
+class Summary:
+    """What the start-up line says about the store."""
+
+    database: str  # the embedded data directory, or the URL without its password
+    keys: int
+
+
+def run(
+    settings: Settings, database_url: str, summary: Summary, received: list[int] | None = None
+) -> None:
+    """Serve until a signal. `received`: signals that came before the servers could handle them
+    (the CLI holds them while the gateway starts); the servers then stop as soon as they start."""
+    received = [] if received is None else received
+    sockets = [bind(settings.host, settings.port), bind(settings.host, settings.admin_port)]
+    _announce(settings, sockets, summary)
     if settings.workers == 1:
-        _work(settings, database_url, sockets)
-    else:
+        _work(settings, database_url, sockets, received)
+    elif not received:
         _supervise(settings, database_url, sockets)
 
 
-def _work(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+def _announce(settings: Settings, sockets: list[socket.socket], summary: Summary) -> None:
+    """The one start-up line: where to reach it, which store it opened, what the admin API is."""
+    proxy, admin = (_address(sock) for sock in sockets)
+    admin_api = (
+        "enabled (Authorization: Bearer $ONCEGATE_ADMIN_TOKEN)"
+        if settings.admin_token
+        else "disabled (set ONCEGATE_ADMIN_TOKEN to enable it)"
+    )
+    log.info(
+        "oncegate serving: proxy on %s, admin on %s (/metrics, /healthz, /readyz); database: "
+        "%s, keys held: %d; admin API %s",
+        proxy,
+        admin,
+        summary.database,
+        summary.keys,
+        admin_api,
+        extra={
+            "fields": {
+                "proxy": proxy,
+                "admin": admin,
+                "database": summary.database,
+                "keys": summary.keys,
+                "admin_api": bool(settings.admin_token),
+                "workers": settings.workers,
+            }
+        },
+    )
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _work(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
     loop_factory = _config(None, settings).get_loop_factory()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(settings, database_url, sockets))
+        runner.run(_serve(settings, database_url, sockets, received))
 
 
 def _supervise(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
@@ -69,7 +120,7 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
                 signal.signal(number, signal.SIG_DFL)
             status = 1
             try:
-                _work(settings, database_url, sockets)
+                _work(settings, database_url, sockets, [])
                 status = 0
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
@@ -102,15 +153,34 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
             signal.signal(number, handler)
 
 
-async def _serve(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+async def _serve(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
+    # Per process: with --workers, each worker exports its own spans (an exporter's thread does
+    # not survive a fork).
+    if tracing.setup():
+        log.info("tracing: exporting spans to %s", os.environ[tracing.ENDPOINT_VARIABLE])
+    try:
+        await _serve_traced(settings, database_url, sockets, received)
+    finally:
+        tracing.shutdown()
+
+
+async def _serve_traced(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
     async with running(settings, database_url) as runtime:
         servers = [
-            _Server(_config(create_proxy_app(runtime), settings)),
+            _Server(_config(tracing.wrap(create_proxy_app(runtime)), settings)),
             _Server(_config(create_admin_app(runtime), settings)),
         ]
         loop = asyncio.get_running_loop()
 
         def stop() -> None:
+            if any(server.should_exit for server in servers):
+                log.warning("second signal: exiting without waiting")
+            else:
+                log.info("stopping: no new connections; finishing the requests in flight")
             for server in servers:
                 if server.should_exit:
                     server.force_exit = True
@@ -118,6 +188,8 @@ async def _serve(settings: Settings, database_url: str, sockets: list[socket.soc
 
         for number in _SIGNALS:
             loop.add_signal_handler(number, stop)
+        if received:  # a signal came while the gateway was starting
+            stop()
         try:
             await asyncio.gather(
                 *(
@@ -144,7 +216,7 @@ def _config(app: object, settings: Settings) -> uvicorn.Config:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """Bind before anything starts, so a busy port is a clear message and not a traceback."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:

@@ -452,13 +452,16 @@ class Lab:
         for number, crash in enumerate(crashes or draw_crashes(runs, seed), start=1):
             for name in names:
                 strategy = STRATEGIES[name]
-                run = Run(strategy, number, f"{self.prefix}-{name}-run-{number}", crash)
-                # Only C's: E and F wait out their keys' lifetime, which a gateway kill's
-                # `unknown` key and its resolution would have to fit in.
-                if name == "C" and kill_gateway and kills.random() < kill_gateway:
-                    step = kills.choice(sorted(ACTION_STEPS))
-                    run.gateway_kill = GatewayKill(step, kills.uniform(0, GATEWAY_KILL_WINDOW))
-                self.plan.append(run)
+                self.plan.append(Run(strategy, number, f"{self.prefix}-{name}-run-{number}", crash))
+        # The share of C's runs, and at least one, so a short demo (5% of 40) shows a kill. Only
+        # C's: E and F wait out their keys' lifetime, which a gateway kill's `unknown` key and
+        # its resolution would have to fit in.
+        candidates = [run for run in self.plan if run.strategy.name == "C"]
+        if kill_gateway and candidates:
+            count = max(1, round(kill_gateway * len(candidates)))
+            for run in kills.sample(candidates, count):
+                step = kills.choice(sorted(ACTION_STEPS))
+                run.gateway_kill = GatewayKill(step, kills.uniform(0, GATEWAY_KILL_WINDOW))
         self.kill_gateway = kill_gateway
         self.late_resume = late_resume
         self.gateway_kills = 0

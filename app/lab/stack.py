@@ -130,6 +130,9 @@ def running(
     from .. import embedded, schema
 
     directory = Path(tempfile.mkdtemp(prefix="oncegate-lab-"))
+    # The lab's own directory (mkdtemp makes it private): as root the embedded PostgreSQL runs as
+    # pgserver's user, which must reach its data inside.
+    directory.chmod(0o755)
     services: list[Service] = []
     server = None
     own_database = database_url is None

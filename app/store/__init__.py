@@ -70,6 +70,14 @@ class KeyRecord:
     def stored_answer(self) -> SealedAnswer:
         return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
 
+    @property
+    def scope_fingerprint(self) -> str:
+        """A short name of the record's scope, so an operator can tell apart the records of one
+        key used by two credentials. The scope is already a SHA-256 of the route and the scope
+        headers' values: its first 6 bytes name it without saying more about a credential than
+        the digest does (one key rarely has more than a few scopes; 48 bits never collide)."""
+        return self.scope[:6].hex()
+
 
 def _stored_answer(
     sealed_with: str | None,

@@ -10,14 +10,18 @@ Design rules:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
+from .. import settings
 from ..agent.checkpoints import Checkpoint, CheckpointError, Pending
+from ..embedded import EmbeddedPostgres
 from .errors import translated
 from .queries import load
 
@@ -26,27 +30,63 @@ CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
 
 
+def _join_embedded() -> EmbeddedPostgres:
+    """The embedded server the gateway uses by default, migrated (idempotent)."""
+    from .. import embedded, schema
+
+    given = os.environ.get("ONCEGATE_DATA_DIR")
+    data_dir = Path(given) if given else settings.default_data_dir(os.environ)
+    server = embedded.start(data_dir)
+    try:
+        schema.upgrade(server.url)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 class PostgresCheckpoints:
-    def __init__(self, connection: asyncpg.Connection) -> None:
+    def __init__(
+        self, connection: asyncpg.Connection, embedded_server: EmbeddedPostgres | None = None
+    ) -> None:
         self._connection = connection
+        self._embedded = embedded_server
 
     @classmethod
     @translated("checkpoint_connect", "cannot connect to PostgreSQL")
-    async def connect(cls, url: str, *, flush_each_save: bool = True) -> PostgresCheckpoints:
-        """`flush_each_save=False` (`synchronous_commit = off`) makes a save visible at once but
+    async def connect(
+        cls, url: str | None = None, *, flush_each_save: bool = True
+    ) -> PostgresCheckpoints:
+        """Checkpoints in the database at `url`; without one, the gateway's own default:
+        `ONCEGATE_DATABASE_URL`, or else the embedded PostgreSQL in `ONCEGATE_DATA_DIR` (the
+        user's data directory by default), joined if a gateway runs it, started and migrated
+        otherwise, and let go by `close`.
+
+        `flush_each_save=False` (`synchronous_commit = off`) makes a save visible at once but
         flushed to disk a moment later: a checkpoint then survives the agent's death, not the
         database server's. Only for a throwaway database, like the lab's own."""
-        settings = {} if flush_each_save else {"synchronous_commit": "off"}
-        connection = await asyncpg.connect(
-            url,
-            timeout=CONNECT_TIMEOUT,
-            command_timeout=COMMAND_TIMEOUT,
-            server_settings=settings,
-        )
-        return cls(connection)
+        server = None
+        if url is None:
+            url = os.environ.get("ONCEGATE_DATABASE_URL") or None
+        if url is None:
+            server = await asyncio.to_thread(_join_embedded)
+            url = server.url
+        session = {} if flush_each_save else {"synchronous_commit": "off"}
+        try:
+            connection = await asyncpg.connect(
+                url, timeout=CONNECT_TIMEOUT, command_timeout=COMMAND_TIMEOUT,
+                server_settings=session,
+            )  # fmt: skip
+        except BaseException:
+            if server is not None:
+                await asyncio.to_thread(server.stop)
+            raise
+        return cls(connection, server)
 
     async def close(self) -> None:
         await self._connection.close()
+        if self._embedded is not None:
+            await asyncio.to_thread(self._embedded.stop)
 
     @translated("checkpoint_load")
     async def load(self, run_id: str) -> Checkpoint | None:

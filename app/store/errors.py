@@ -34,6 +34,34 @@ Parameters = ParamSpec("Parameters")
 Result = TypeVar("Result")
 
 
+class Outage:
+    """Whether PostgreSQL is down for one store, so that the log says once that it is down (where,
+    and why in words) and once that it is back, not a line per request while it is down.
+
+    A store that names its database has one as its `outage` attribute; `translated` reports each
+    operation's failure or success to it."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.down = False
+
+    def failed(self, operation: str, exc: BaseException) -> None:
+        if self.down:
+            log.debug("store %s failed: %s", operation, reason(exc))
+            return
+        self.down = True
+        log.error(
+            "PostgreSQL at %s is unavailable (%s): answering 503 store-unavailable and "
+            "forwarding nothing until it is back",
+            self.where,
+            reason(exc),
+        )
+
+    def recovered(self) -> None:
+        self.down = False
+        log.warning("PostgreSQL at %s is back", self.where)
+
+
 def translated(
     operation: str, failure: str = ""
 ) -> Callable[
@@ -50,13 +78,21 @@ def translated(
 
         @functools.wraps(method)
         async def run(*args: Parameters.args, **kwargs: Parameters.kwargs) -> Result:
+            outage = getattr(args[0], "outage", None) if args else None
             started = time.perf_counter()
             try:
-                return await method(*args, **kwargs)
+                result = await method(*args, **kwargs)
             except DRIVER_ERRORS as exc:
-                raise unavailable(operation, exc, failure) from exc
+                if isinstance(outage, Outage):
+                    outage.failed(operation, exc)
+                else:
+                    log.warning("store %s failed: %s", operation, reason(exc))
+                raise unavailable(exc, failure) from exc
             finally:
                 timer.observe(time.perf_counter() - started)
+            if isinstance(outage, Outage) and outage.down:
+                outage.recovered()
+            return result
 
         run.store_operation = operation  # type: ignore[attr-defined]  # the marker tests look for
         return run
@@ -64,11 +100,21 @@ def translated(
     return decorate
 
 
-def unavailable(operation: str, exc: BaseException, failure: str) -> errors.StoreUnavailable:
-    log.warning("store %s failed: %s: %s", operation, type(exc).__name__, exc)
+def unavailable(exc: BaseException, failure: str) -> errors.StoreUnavailable:
     if failure:
-        return errors.StoreUnavailable(f"{failure}: {type(exc).__name__}: {exc}")
+        return errors.StoreUnavailable(f"{failure}: {reason(exc)}")
     return errors.StoreUnavailable(
         "the idempotency store (PostgreSQL) is unavailable; the request was not forwarded. "
         "Retry with the same Idempotency-Key."
     )
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, in words: not `FileNotFoundError: [Errno 2]` for a socket that is gone."""
+    if isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+        return "no server is listening there"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"

@@ -26,13 +26,14 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
-from .. import sealing
+from .. import sealing, tracing
 from ..sealing import Keyring, SealedAnswer
 from . import Claim, Headers, KeyRecord, Record
-from .errors import DRIVER_ERRORS, translated
+from .errors import DRIVER_ERRORS, Outage, translated
 from .notify import Watch, Watchers
 from .queries import QUERIES
 
@@ -58,12 +59,15 @@ LISTEN_RETRY = 1.0
 
 
 class PostgresStore:
-    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, url: str) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, url: str, where: str = ""
+    ) -> None:
         self._pool = pool
         self._answer_pool = answer_pool
         self._url = url
         self._watchers = Watchers()
         self._listening: asyncio.Task[None] | None = None
+        self.outage = Outage(where or "(unnamed)")
 
     @classmethod
     @translated("connect", "cannot connect to PostgreSQL")
@@ -86,7 +90,7 @@ class PostgresStore:
         except BaseException:
             await pool.close()
             raise
-        return cls(pool, answer_pool, url)
+        return cls(pool, answer_pool, url, describe(url))
 
     async def close(self) -> None:
         if self._listening is not None:
@@ -139,6 +143,9 @@ class PostgresStore:
         self, operation: str, pool: asyncpg.Pool | None = None, **parameters: object
     ) -> Any:
         query = QUERIES[operation]
+        if tracing.active():  # a `claim` or `settle` span around the round trip
+            with tracing.store_operation(operation):
+                return await (pool or self._pool).fetchrow(query.sql, *query.arguments(parameters))
         return await (pool or self._pool).fetchrow(query.sql, *query.arguments(parameters))
 
     @translated("claim")
@@ -303,6 +310,11 @@ class PostgresStore:
     async def resolve_released(self, record_id: int) -> bool:
         return await self._fetchrow("admin_resolve_released", id=record_id) is not None
 
+    @translated("count_keys")
+    async def count_keys(self) -> int:
+        keys: int = (await self._fetchrow("count_keys"))["keys"]
+        return keys
+
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""
@@ -314,6 +326,19 @@ class PostgresStore:
                 "SELECT version_num FROM alembic_version"
             )
             return revision
+
+
+def describe(url: str) -> str:
+    """Where a PostgreSQL URL points, for messages: host and port or socket directory, and the
+    database; never the user or password."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    host = parts.hostname or query.get("host") or "localhost"
+    database = parts.path.lstrip("/") or query.get("dbname") or "(default database)"
+    if host.startswith("/"):
+        return f"the Unix socket in {host}, database {database}"
+    port = parts.port or query.get("port") or 5432
+    return f"{host}:{port}, database {database}"
 
 
 def _headers(document: str | None) -> Headers | None:

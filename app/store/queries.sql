@@ -233,3 +233,9 @@ WHERE row.id = resealed.id AND row.fencing_token = resealed.token;
 -- What is still not under the newest key, in the whole table.
 SELECT count(*) FROM oncegate_keys
 WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;
+
+-- name: count_keys
+-- How many keys the store holds, expired ones not yet purged included: said once at start-up,
+-- so an operator sees which store a gateway opened (an empty one where keys were expected is a
+-- wrong data directory or URL).
+SELECT count(*) AS keys FROM oncegate_keys;

@@ -120,3 +120,25 @@ async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -
         assert await connection.fetchval("SELECT count(*) FROM oncegate_keys") == 6
     finally:
         await connection.close()
+
+
+def test_version_and_help_say_what_each_command_does_and_its_defaults() -> None:
+    from importlib import metadata
+
+    version = oncegate("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"oncegate {metadata.version('oncegate')}"
+
+    wide = {"COLUMNS": "1000"}  # argparse wraps help to the terminal, hyphenated words too
+    serve = oncegate("serve", "--help", env=wide).stdout
+    assert "ONCEGATE_ADMIN_TOKEN enables the admin API" in serve
+    assert "warning drops the per-request lines (default info)" in serve
+    for command in ("migrate", "purge"):
+        text = oncegate(command, "--help", env=wide).stdout
+        # Both fall back to the embedded database, and say so (the old help said they used
+        # ONCEGATE_DATABASE_URL only).
+        assert "when it is unset, the embedded PostgreSQL in ONCEGATE_DATA_DIR" in text
+    assert "Delete the keys past their TTL once" in oncegate("purge", "--help", env=wide).stdout
+    demo = oncegate("demo-upstream", "--help", env=wide).stdout
+    assert "GET /actions lists every action really performed" in demo
+    assert "port (9000)" in demo and "(127.0.0.1)" in demo

@@ -62,6 +62,7 @@ def test_a_small_lab_run_has_the_contracts_shape(tmp_path: Path) -> None:
     assert a["checkpoint_seconds_avg"] == 0 < d["checkpoint_seconds_avg"]
     assert "runs" in result.stderr  # the progress bar
     assert chart.read_text().startswith("<svg")
+    assert f"oncegate lab: chart written to {chart.resolve()}" in result.stderr
 
 
 @pytest.mark.timeout(300)
@@ -77,6 +78,14 @@ def test_killing_the_gateway_too_repeats_and_loses_nothing_with_keys() -> None:
     # run may have had more than one), and the run then finished: nothing failed.
     resolved = kills["resolved_completed"] + kills["resolved_released"]
     assert resolved >= kills["runs_with_unknown_key"]
+
+
+@pytest.mark.timeout(300)
+def test_a_short_demo_with_the_default_share_still_kills_the_gateway() -> None:
+    # 5% of 8 runs rounds to 0: the lab kills at least once, or the demo shows nothing.
+    result = lab("--runs", "8", "--strategies", "C", "--kill-gateway", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["gateway_kills"]["kills"] >= 1
 
 
 def test_the_table_names_every_strategy_and_its_figures() -> None:

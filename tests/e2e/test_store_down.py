@@ -94,6 +94,17 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
             assert len(upstream.actions(done)) == 1
     finally:
         gateway.stop()
+    # Said once that it is down, where, and why in words; once that it is back; no traceback.
+    log = (module_dir / "gateway.log").read_text()
+    where = f"PostgreSQL at the Unix socket in {server.pgdata}, database postgres"
+    down = [line for line in log.splitlines() if f"{where} is unavailable" in line]
+    assert len(down) == 1, log
+    assert (
+        "is unavailable (no server is listening there): answering 503 store-unavailable and "
+        "forwarding nothing until it is back" in down[0]
+    )
+    assert log.count(f"{where} is back") == 1
+    assert "Traceback" not in log and "Errno" not in log
 
 
 async def test_a_postgres_crash_right_after_an_answer_never_forwards_twice(

@@ -596,3 +596,58 @@ def test_upstream_url(match: str, strip: bool, path: str, query: str, expected: 
 def test_upstream_url_keeps_the_upstream_base_path() -> None:
     based = route(match="/payments/", strip_prefix=True, upstream="http://h:1/api/")
     assert routing.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"
+
+
+def test_the_default_data_directory_is_the_users_never_the_working_directory() -> None:
+    user = 1000
+    assert settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"}, user) == Path(
+        "/data/ana/oncegate"
+    )
+    home = Path.home()
+    for environ in ({}, {"XDG_DATA_HOME": ""}, {"XDG_DATA_HOME": "relative/ignored"}):
+        expected = home / ".local" / "share" / "oncegate"
+        assert settings.default_data_dir(environ, user) == expected
+    assert settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"}, 0) == Path("/var/lib/oncegate")
+    loaded = settings.load({"upstream": UPSTREAM}, {"XDG_DATA_HOME": "/data/ana"}, None)
+    assert loaded.data_dir == settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"})
+
+
+def _config_error(flags: dict[str, str], path: Path | None = None) -> str:
+    with pytest.raises(errors.ConfigError) as raised:
+        settings.load(flags, {}, path)
+    return str(raised.value)
+
+
+def test_methods_may_be_one_word_and_a_wrong_type_says_what_is_expected(tmp_path: Path) -> None:
+    path = tmp_path / "oncegate.yaml"
+    path.write_text("routes:\n  - {name: a, match: /, upstream: 'http://x', methods: post}\n")
+    assert settings.load({}, {}, path).routes[0].methods == frozenset({"POST"})
+    path.write_text("routes:\n  - {name: a, match: /, upstream: 'http://x', methods: 5}\n")
+    assert _config_error({}, path) == (
+        f"invalid configuration in {path}:\n"
+        "  routes[0].methods: a list of HTTP methods, like [POST, PATCH], not 5"
+    )
+
+
+def test_a_bad_upstream_flag_is_said_once() -> None:
+    assert _config_error({"upstream": "127.0.0.1:9000"}) == (
+        "invalid configuration:\n"
+        "  upstream: '127.0.0.1:9000' is not an http:// or https:// URL with a host"
+    )
+
+
+def test_a_short_ttl_flag_blames_the_route_the_flag_adds_not_routes_0() -> None:
+    assert _config_error({"upstream": UPSTREAM, "ttl": "30s"}) == (
+        "invalid configuration:\n"
+        "  the route 'default' that upstream (--upstream) adds: ttl (30s) must exceed lease "
+        "(60s, twice the timeout): a key cannot expire while its request is still in flight"
+    )
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "oncegate.yaml"
+    path.write_text("routes:\n  - name: a\n    match: /\n   upstream: x\n")
+    assert _config_error({}, path) == (
+        f"{path}, line 4, column 4: not valid YAML: expected <block end>, but found "
+        "'<block mapping start>' (while parsing a block collection)"
+    )

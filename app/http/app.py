@@ -43,6 +43,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     upstream = Upstream()
     gateway = service.Gateway(store, upstream)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
+    counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
         # Every route's block counters exist from the start, at zero, so a dashboard's rate()
         # has a series to show before the first duplicate arrives.
@@ -54,9 +55,10 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         )
     finally:
         await gateway.drain()
-        purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await purger
+        for task in (purger, counter):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await upstream.aclose()
         await store.close()
 
@@ -121,3 +123,13 @@ async def _purge_forever(store: PostgresStore, interval: float) -> None:
             await service.purge_expired(store)
         except errors.StoreUnavailable:
             log.warning("purge skipped: the store is unavailable; trying again in %gs", interval)
+
+
+async def _count_keys_forever(store: PostgresStore, interval: float) -> None:
+    """Keep `oncegate_keys{state}` current: count at start, then every `interval`."""
+    while True:
+        try:
+            await service.count_keys(store)
+        except errors.StoreUnavailable:
+            log.warning("key count skipped: the store is unavailable; again in %gs", interval)
+        await asyncio.sleep(interval)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from . import Claim, Headers, KeyRecord, Record
+from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
 from .errors import translated
 from .queries import QUERIES
 
@@ -195,6 +196,43 @@ class PostgresStore:
     async def resolve_released(self, record_id: int) -> bool:
         return await self._fetchrow("admin_resolve_released", id=record_id) is not None
 
+    @translated("admin_queue")
+    async def queue(
+        self,
+        state: Listed,
+        route: str | None,
+        since: datetime | None,
+        after: tuple[datetime, int] | None,
+        limit: int,
+    ) -> list[QueuedKey]:
+        query = QUERIES["admin_queue"]
+        after_time, after_id = after if after is not None else (None, None)
+        arguments = query.arguments(
+            {"state": state, "route": route, "since": since, "after_time": after_time,
+             "after_id": after_id, "limit": limit}
+        )  # fmt: skip
+        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+            rows = await connection.fetch(query.sql, *arguments)
+        return [_queued(row) for row in rows]
+
+    @translated("admin_describe")
+    async def describe(self, record_id: int) -> QueuedKey | None:
+        row = await self._fetchrow("admin_describe", id=record_id)
+        return _queued(row) if row is not None else None
+
+    @translated("count_keys")
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        row = await self._fetchrow("count_keys", after=after, page_size=limit)
+        return KeyCount(
+            last_id=row["last_id"],
+            rows=row["counted"],
+            counts={
+                "in_progress": row["in_progress"],
+                "completed": row["completed"],
+                "unknown": row["unknown"],
+            },
+        )
+
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""
@@ -214,6 +252,21 @@ def _headers(document: str | None) -> Headers | None:
 
 def _headers_json(headers: Headers) -> str:
     return json.dumps([list(pair) for pair in headers])
+
+
+def _queued(row: asyncpg.Record) -> QueuedKey:
+    return QueuedKey(
+        id=row["id"],
+        route=row["route"],
+        key=row["key"],
+        state=row["state"],
+        cause=row["cause"],
+        status=row["response_status"],
+        created_at=row["created_at"],
+        lease_expires_at=row["lease_expires_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+    )
 
 
 def _record(row: asyncpg.Record) -> Record:

@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
     lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
     lab.set_defaults(run=_lab)
+
+    from . import operator_cli  # `oncegate keys`: the admin API from a terminal
+
+    operator_cli.add_parser(commands)
     return parser
 
 

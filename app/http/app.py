@@ -69,7 +69,7 @@ def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:
-    from . import admin
+    from . import admin, ui
 
     app = FastAPI(
         title="oncegate admin",
@@ -78,6 +78,8 @@ def create_admin_app(runtime: Runtime) -> FastAPI:
     )
     app.state.runtime = runtime
     app.include_router(admin.router)
+    app.include_router(ui.router)
+    app.add_exception_handler(ui.LoginNeeded, ui.login_needed)
     # One error format on both ports: FastAPI's own errors are turned into problems too.
     app.add_exception_handler(errors.GatewayError, _render_problem)
     app.add_exception_handler(RequestValidationError, _render_invalid_request)
@@ -106,7 +108,7 @@ async def _render_http_error(request: Request, error: Exception) -> Response:
     if error.status_code == 404:
         problem: errors.GatewayError = errors.NotFound(
             f"the admin port has no {request.url.path!r}: it serves /metrics, /healthz, "
-            "/readyz and /admin/keys"
+            "/readyz, /admin/keys and /admin/ui"
         )
     else:
         problem = errors.InvalidRequest(str(error.detail), status=error.status_code)

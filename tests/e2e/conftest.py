@@ -110,6 +110,7 @@ class Gateway:
         name: str = "gateway",
         admin_token: str = "",
         args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -120,7 +121,8 @@ class Gateway:
             ["serve", "--config", str(config), "--port", str(self.port),
              "--admin-port", str(self.admin_port), *args],
             directory / f"{name}.log",
-            env={"ONCEGATE_DATABASE_URL": database_url, "ONCEGATE_ADMIN_TOKEN": admin_token},
+            env={"ONCEGATE_DATABASE_URL": database_url, "ONCEGATE_ADMIN_TOKEN": admin_token,
+                 **(env or {})},
         )  # fmt: skip
         self.process.wait_listening(self.port)
         self.process.wait_listening(self.admin_port)

@@ -19,11 +19,14 @@ run: $(STAMP)
 	trap 'kill $$demo 2>/dev/null' EXIT INT TERM; \
 	$(BIN)/oncegate serve --upstream http://127.0.0.1:9000 --log-format text
 
-# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus (Debian's package).
+# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus, and
+# tests/e2e/test_queue.py drives /admin/ui in a real headless Chromium (both Debian's packages).
 TEST_TOOLS := $(VENV)/.test-tools
 $(TEST_TOOLS): $(STAMP)
 	command -v prometheus >/dev/null || (apt-get update && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+	command -v chromium >/dev/null || (apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 	touch $(TEST_TOOLS)
 
 # The whole suite but the slowest fault tests (a few minutes).

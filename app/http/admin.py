@@ -157,18 +157,7 @@ class Queue(BaseModel):
 
 
 def queued_view(record: QueuedKey) -> QueuedView:
-    return QueuedView(
-        id=record.id,
-        route=record.route,
-        key=record.key,
-        state=record.state,
-        cause=record.cause,
-        status=record.status,
-        created_at=record.created_at,
-        lease_expires_at=record.lease_expires_at,
-        completed_at=record.completed_at,
-        expires_at=record.expires_at,
-    )
+    return QueuedView.model_validate(record, from_attributes=True)
 
 
 @router.get(

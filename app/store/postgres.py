@@ -205,20 +205,40 @@ class PostgresStore:
         after: tuple[datetime, int] | None,
         limit: int,
     ) -> list[QueuedKey]:
-        query = QUERIES["admin_queue"]
-        after_time, after_id = after if after is not None else (None, None)
-        arguments = query.arguments(
-            {"state": state, "route": route, "since": since, "after_time": after_time,
-             "after_id": after_id, "limit": limit}
-        )  # fmt: skip
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
-            rows = await connection.fetch(query.sql, *arguments)
-        return [_queued(row) for row in rows]
+        return await self._queued(
+            id=None, state=state, route=route, since=since, after=after, limit=limit
+        )
 
     @translated("admin_describe")
     async def describe(self, record_id: int) -> QueuedKey | None:
-        row = await self._fetchrow("admin_describe", id=record_id)
-        return _queued(row) if row is not None else None
+        found = await self._queued(
+            id=record_id, state=None, route=None, since=None, after=None, limit=1
+        )
+        return found[0] if found else None
+
+    async def _queued(
+        self, after: tuple[datetime, int] | None, **parameters: object
+    ) -> list[QueuedKey]:
+        query = QUERIES["admin_queue"]
+        after_time, after_id = after if after is not None else (None, None)
+        arguments = query.arguments({**parameters, "after_time": after_time, "after_id": after_id})
+        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+            rows = await connection.fetch(query.sql, *arguments)
+        return [
+            QueuedKey(
+                id=row["id"],
+                route=row["route"],
+                key=row["key"],
+                state=row["state"],
+                cause=row["cause"],
+                status=row["response_status"],
+                created_at=row["created_at"],
+                lease_expires_at=row["lease_expires_at"],
+                completed_at=row["completed_at"],
+                expires_at=row["expires_at"],
+            )
+            for row in rows
+        ]
 
     @translated("count_keys")
     async def count_keys(self, after: int, limit: int) -> KeyCount:
@@ -252,21 +272,6 @@ def _headers(document: str | None) -> Headers | None:
 
 def _headers_json(headers: Headers) -> str:
     return json.dumps([list(pair) for pair in headers])
-
-
-def _queued(row: asyncpg.Record) -> QueuedKey:
-    return QueuedKey(
-        id=row["id"],
-        route=row["route"],
-        key=row["key"],
-        state=row["state"],
-        cause=row["cause"],
-        status=row["response_status"],
-        created_at=row["created_at"],
-        lease_expires_at=row["lease_expires_at"],
-        completed_at=row["completed_at"],
-        expires_at=row["expires_at"],
-    )
 
 
 def _record(row: asyncpg.Record) -> Record:

@@ -179,12 +179,12 @@ WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'un
 RETURNING id;
 
 -- name: admin_queue
--- The operator's queue: keys in one state, oldest first, one page after the cursor (created_at,
--- id). It scans, like admin_find: an index that could find the rare unknown rows would have to
--- name `state`, and storing an answer changes `state`, so every answer write would stop being a
--- HOT update (migration 0003). The cause is read from the stored `state`, which says what the
--- last writer did: `unknown` written by a gateway that lost the answer, or `in_progress` left by
--- one that never came back.
+-- What the gateway knows of keys: one key by id, or the operator's queue (the keys in one state,
+-- oldest first, one page after the cursor (created_at, id)). The queue scans, like admin_find: an
+-- index that could find the rare unknown rows would have to name `state`, and storing an answer
+-- changes `state`, so every answer write would stop being a HOT update (migration 0003). The
+-- cause is read from the stored `state`, which says what the last writer did: `unknown` written
+-- by a gateway that lost the answer, or `in_progress` left by one that never came back.
 SELECT id,
        route,
        key,
@@ -200,32 +200,14 @@ SELECT id,
 FROM (
     SELECT *, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
     FROM oncegate_keys
+    WHERE :id::bigint IS NULL OR id = :id
 ) AS keys
-WHERE state_now = :state
+WHERE (:state::text IS NULL OR state_now = :state)
   AND (:route::text IS NULL OR route = :route)
   AND (:since::timestamptz IS NULL OR created_at >= :since)
   AND (:after_time::timestamptz IS NULL OR (created_at, id) > (:after_time, :after_id::bigint))
 ORDER BY created_at, id
 LIMIT :limit;
-
--- name: admin_describe
-SELECT id,
-       route,
-       key,
-       state_now AS state,
-       CASE WHEN state_now = 'unknown' THEN
-           CASE state WHEN 'unknown' THEN 'answer_lost' ELSE 'lease_expired' END
-       END AS cause,
-       response_status,
-       created_at,
-       lease_expires_at,
-       completed_at,
-       expires_at
-FROM (
-    SELECT *, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
-    FROM oncegate_keys
-    WHERE id = :id
-) AS keys;
 
 -- name: count_keys
 -- One page of the sweep behind the gauge `oncegate_keys{state}`: at most :page_size rows, found

@@ -368,10 +368,11 @@ def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
 
 
 class Operator:
-    """What an operator may do to keys, for the admin API (contract section 6): look a key up in
-    every scope, release it, or settle an `unknown` one. The rules are here, not in the HTTP
-    layer: a key in flight is never released under its request, only an `unknown` key is
-    resolved, and input that cannot name a key never reaches the store."""
+    """What an operator may do to keys, for the admin API, its page and `oncegate keys` (contract
+    sections 6 and 9): look a key up in every scope, list the queue of keys in a state, release
+    a key, or settle an `unknown` one. The rules are here, not in the HTTP layer: a key in
+    flight is never released under its request, only an `unknown` key is resolved, and input
+    that cannot name a key never reaches the store."""
 
     def __init__(self, store: AdminStore) -> None:
         self._store = store

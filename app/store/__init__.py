@@ -129,7 +129,8 @@ class Store(Protocol):
 
 
 class AdminStore(Protocol):
-    """What the admin API needs: find a key, release it, or settle an `unknown` one."""
+    """What the admin API needs: find a key, list the keys in a state, release a key, or settle
+    an `unknown` one; and the count by state behind the gauge `oncegate_keys`."""
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]: ...
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test faults lint bench bench-all bench-quick clean
+.PHONY: run test faults soak lint bench bench-all bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: $(TEST_TOOLS)
 # The fault suite in full: real kills, outages under load, three gateways (docs/faults.md).
 faults: $(STAMP)
 	$(BIN)/python -m pytest -q tests/faults
+
+# The chaos soak and its history checker (docs/faults.md): 10 minutes of gateway kills and
+# PostgreSQL crashes under load, then every history checked. Options: make soak SOAK="--minutes 3 --seed 7"
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak $(SOAK)
 
 lint: $(STAMP)
 	$(BIN)/ruff check app migrations tests bench examples

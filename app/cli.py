@@ -74,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     purge = commands.add_parser("purge", help="delete expired keys once, in batches")
     purge.set_defaults(run=_purge)
 
+    rekey = commands.add_parser(
+        "rekey",
+        help="re-seal stored answers under the newest key of ONCEGATE_ENCRYPTION_KEYS",
+        description="Re-seal every stored answer (and seal plaintext ones) under the first key "
+        "of ONCEGATE_ENCRYPTION_KEYS, in bounded batches, so an older key can be removed. Safe "
+        "beside running gateways, and to stop and start again.",
+    )
+    rekey.add_argument("--batch-size", type=_positive, default=500, help="rows per batch (500)")
+    rekey.set_defaults(run=_rekey)
+
     demo = commands.add_parser(
         "demo-upstream", help="a fake email/ticket/payment service for demos, the lab and tests"
     )
@@ -89,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         "each run with SIGKILL at a random point, resume it, and count what the demo upstream "
         "really performed. Starts its own PostgreSQL, gateway and demo upstream unless told "
         "where they are.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
+    lab.add_argument("-h", "--help", action=_LabHelp, help="show this help message and exit")
     lab.add_argument("--runs", type=_positive, default=1000, help="runs per strategy (1000)")
     lab.add_argument("--seed", type=int, default=24, help="seed of the crash points (24)")
     lab.add_argument("--json", action="store_true", help="print one JSON object, not a table")
@@ -106,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="also SIGKILL the gateway during this share of the C runs (0.05 without a value)",
     )
+    lab.add_argument(
+        "--late-resume",
+        action="store_true",
+        help="also run E (C resumed after its keys expired at the gateway) and F (E with the "
+        "client's key-age check: stops for reconciliation instead of resending)",
+    )
     lab.add_argument("--jobs", type=_positive, default=4, help="runs at a time (4)")
     lab.add_argument("--database-url", metavar="URL", help="a migrated PostgreSQL, not embedded")
     lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
@@ -116,6 +135,51 @@ def _parser() -> argparse.ArgumentParser:
 
     operator_cli.add_parser(commands)
     return parser
+
+
+class _LabHelp(argparse.Action):
+    """`oncegate lab --help`, ending with the invented costs the lab prices its waste at: built
+    only when asked for, as it imports the lab (every other command would pay for it)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.epilog = _lab_costs()
+        parser.print_help()
+        parser.exit()
+
+
+def _lab_costs() -> str:
+    """`--help`'s account of the invented costs the wasted columns are priced at."""
+    from .lab import crashlab, task
+
+    steps = task.support_task("run")
+    lines = [
+        "The wasted tokens and seconds are priced at invented per-step costs, as the",
+        "write-up's are (the steps here take microseconds): every finished step redone, plus",
+        "the part of the step the crash interrupted. Checkpoint seconds: each save at "
+        f"{task.CHECKPOINT_SAVE_SECONDS * 1000:.0f} ms,",
+        "invented too.",
+        "",
+    ]
+    for number, step in enumerate(steps, start=1):
+        cost = task.COSTS[number]
+        lines.append(
+            f"  {number:>2} {step.name:<18} {cost.tokens:>6,} tokens {cost.seconds:>5.1f} s"
+        )
+    lines += ["", "The model expects, per run (docs/lab.md shows the arithmetic):"]
+    for name in "ABD":
+        tokens, seconds = crashlab.expectation(crashlab.STRATEGIES[name])
+        also = {"B": " (and C, E)", "D": " (and F)"}.get(name, "")
+        lines.append(f"  {name} {tokens:>8,.0f} tokens {seconds:>6.2f} s wasted{also}")
+    return "\n".join(lines)
 
 
 def _positive(text: str) -> int:
@@ -143,6 +207,11 @@ def _lab(arguments: argparse.Namespace) -> int:
         raise errors.ConfigError("--kill-gateway needs the lab's own gateway: drop --gateway")
     if not 0 <= arguments.kill_gateway <= 1:
         raise errors.ConfigError("--kill-gateway takes a share between 0 and 1")
+    if arguments.late_resume and arguments.gateway:
+        raise errors.ConfigError(
+            "--late-resume needs the lab's own gateway (its /late route keeps keys seconds, "
+            "not a day): drop --gateway"
+        )
     if arguments.gateway and not arguments.upstream and "C" in arguments.strategies:
         raise errors.ConfigError("--gateway needs --upstream: the one it forwards to")
     logs.configure("text", "warning")
@@ -154,6 +223,7 @@ def _lab(arguments: argparse.Namespace) -> int:
             strategies=arguments.strategies,
             jobs=arguments.jobs,
             kill_gateway=arguments.kill_gateway,
+            late_resume=arguments.late_resume,
             progress=crashlab.ProgressBar(sys.stderr),
         )
         outcome = lab.run()
@@ -236,6 +306,33 @@ def _purge(arguments: argparse.Namespace) -> int:
     with _database(url, data_dir) as database_url:
         deleted = asyncio.run(purge(database_url))
     print(f"purged {deleted} expired keys")
+    return 0
+
+
+def _rekey(arguments: argparse.Namespace) -> int:
+    from . import rekey
+    from .sealing import Keyring
+
+    logs.configure("text", "warning")
+    text = os.environ.get("ONCEGATE_ENCRYPTION_KEYS")
+    if not text:
+        raise errors.ConfigError(
+            "rekey needs ONCEGATE_ENCRYPTION_KEYS (name:base64-key,...): the first key seals"
+        )
+    keyring = Keyring.parse(text)
+    url, data_dir = _database_settings()
+    with _database(url, data_dir) as database_url:
+        done, unopenable = rekey.run(database_url, keyring, sys.stdout, arguments.batch_size)
+    print(f"re-sealed {done} stored answers under key {keyring.current!r}")
+    if unopenable:
+        print(
+            f"{len(unopenable)} stored answers could not be opened and were left as they are "
+            "(keep their key until they expire, or resolve them on the admin API):",
+            file=sys.stderr,
+        )
+        for record_id, reason in unopenable[:20]:
+            print(f"  key id {record_id}: {reason}", file=sys.stderr)
+        return 1
     return 0
 
 

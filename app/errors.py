@@ -175,6 +175,22 @@ class UpstreamUnavailable(GatewayError):
     outcome = "upstream_unavailable"
 
 
+class AnswerSealed(GatewayError):
+    """The request was performed, but its stored answer cannot be opened: the key that sealed
+    it is not configured, or the row was changed. Never forwarded again; replayed once the key
+    is back."""
+
+    status = 503
+    name = "answer-sealed"
+    title = "The stored answer cannot be opened"
+    outcome = "answer_sealed"
+
+    def __init__(self, detail: str, *, key_name: str, reason: str) -> None:
+        super().__init__(detail)
+        self.key_name = key_name  # for the operator's log, never the client's answer
+        self.reason = reason
+
+
 class StoreUnavailable(GatewayError):
     status = 503
     name = "store-unavailable"

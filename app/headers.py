@@ -48,6 +48,8 @@ HEAD_ANSWER_KEEPS = frozenset({"content-length"})
 NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
 REPLAYED = ("idempotent-replayed", "true")
 REQUEST_ID = "x-request-id"
+PREFER = "prefer"
+_WAIT = re.compile(r"^wait\s*=\s*\"?(\d{1,9})\"?$", re.IGNORECASE)
 _SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 # RFC 9110 §5.1 and §5.5: what a header name and a header value may hold.
 NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -132,3 +134,15 @@ def request_id(headers: list[tuple[str, str]]) -> str:
     request_id = uuid.uuid4().hex
     headers.append((REQUEST_ID, request_id))
     return request_id
+
+
+def requested_wait(values: Sequence[str]) -> int | None:
+    """The seconds of `Prefer: wait=N` (RFC 7240 §4.3), or None. Preferences are separated by
+    commas, their parameters by semicolons; the first `wait` counts, and one that is not a
+    number of seconds is ignored, as a preference a server does not understand is."""
+    for value in values:
+        for preference in value.split(","):
+            found = _WAIT.match(preference.split(";", 1)[0].strip())
+            if found:
+                return int(found.group(1))
+    return None

@@ -75,6 +75,12 @@ INFLIGHT = Gauge(
     ["route"],
     multiprocess_mode="livesum",  # with --workers: the sum over the live worker processes
 )
+WAIT_DURATION = Histogram(
+    "oncegate_wait_duration_seconds",
+    "Time a request with Prefer: wait spent waiting for its key to settle.",
+    ["route"],
+    buckets=_REQUEST_BUCKETS,
+)
 KEYS_PURGED = Counter(
     "oncegate_keys_purged_total",
     "Expired keys deleted by the purger.",

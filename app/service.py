@@ -38,12 +38,14 @@ import asyncio
 import base64
 import binascii
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from . import errors, fingerprint, headers, keys, metrics
+from . import errors, fingerprint, headers, keys, metrics, sealing
 from .routing import upstream_url
+from .sealing import Keyring, SealedAnswer
 from .settings import ROUTE_NAME, Route
 from .store import (
     LISTED_STATES,
@@ -55,6 +57,7 @@ from .store import (
     Record,
     Store,
 )
+from .store.notify import Watch
 from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ CLAIM_ATTEMPTS = 5
 # Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
 # a millisecond, less than handing them to a thread costs.
 OFF_LOOP_BODY = 1024 * 1024
+# A waiting request looks at its row this often, in case a settle notification was lost: often
+# enough that a lost one costs half a second, rare enough that a hundred waiters cost PostgreSQL
+# two hundred cheap reads a second.
+WAIT_POLL_INTERVAL = 0.5
+PREFERENCE_APPLIED = "preference-applied"
 PURGE_BATCH_SIZE = 1000
 PURGE_PAUSE = 0.05
 # The gauge `oncegate_keys` is counted by a sweep over the table in primary-key pages: each
@@ -82,6 +90,10 @@ QUEUE_PAGE_SIZE = 100
 QUEUE_MAX_PAGE_SIZE = 1000
 
 
+# Resolves when the client has hung up (the proxy port watches its connection).
+ClientGoneProbe = Callable[[], Awaitable[None]]
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyRequest:
     method: str
@@ -89,6 +101,7 @@ class ProxyRequest:
     query: str
     headers: Sequence[tuple[str, str]]  # names in lower case, values as received
     body: bytes
+    client_gone: ClientGoneProbe | None = None
 
     def header_values(self, name: str) -> list[str]:
         return [value for header, value in self.headers if header == name]
@@ -106,10 +119,13 @@ class ProxyResponse:
 
 
 class Gateway:
-    def __init__(self, store: Store, upstream: Upstream) -> None:
+    def __init__(self, store: Store, upstream: Upstream, keyring: Keyring | None = None) -> None:
         self._store = store
         self._upstream = upstream
+        # Seals every stored answer when set (ONCEGATE_ENCRYPTION_KEYS); opens sealed ones.
+        self._keyring = keyring
         self._inflight: set[asyncio.Task[ProxyResponse]] = set()
+        self._unopenable_logged: set[str] = set()
 
     async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
         if request.method not in route.methods:
@@ -126,7 +142,31 @@ class Gateway:
             route.name, [request.header_values(name) for name in route.scope_headers]
         )
         digest = await _fingerprint(request)
-        for _ in range(CLAIM_ATTEMPTS):
+        wait = _Wait.asked(request, route, self._store)
+        try:
+            response = await self._claim_or_answer(route, request, scope, key, digest, wait)
+        except errors.GatewayError as error:
+            if wait is not None and wait.used:
+                error.headers[PREFERENCE_APPLIED] = wait.applied
+            raise
+        finally:
+            if wait is not None:
+                wait.end(route)
+        if wait is not None and wait.used:
+            response.headers = [*response.headers, (PREFERENCE_APPLIED, wait.applied)]
+        return response
+
+    async def _claim_or_answer(
+        self,
+        route: Route,
+        request: ProxyRequest,
+        scope: bytes,
+        key: str,
+        digest: bytes,
+        wait: _Wait | None,
+    ) -> ProxyResponse:
+        laps = 0
+        while laps < CLAIM_ATTEMPTS:
             found = await self._store.claim(
                 route.name, scope, key, digest, route.lease_seconds, route.ttl
             )
@@ -134,12 +174,21 @@ class Gateway:
                 # Held by a claim that committed while ours ran: read it now.
                 found = await self._store.get(scope, key)
                 if found is None:
+                    laps += 1
                     continue  # and already released: claim again
             if isinstance(found, Record):
-                decision = decide(found, digest, route)
+                decision = decide(found, digest, route, self._keyring, scope)
                 if isinstance(decision, Replay):
                     return decision.response
                 if isinstance(decision, Refuse):
+                    self._log_sealed(decision.error)
+                    in_flight = isinstance(decision.error, errors.RequestInProgress)
+                    if (
+                        in_flight
+                        and wait is not None
+                        and await wait.until_settled(found, scope, key)
+                    ):
+                        continue  # it settled (or changed): answer as if we came after it
                     raise decision.error
                 if isinstance(decision, Reclaim):
                     claimed = await self._store.reclaim_expired(
@@ -148,18 +197,27 @@ class Gateway:
                 else:
                     claimed = await self._store.take_over(found, route.lease_seconds)
                 if claimed is None:
+                    laps += 1
                     continue  # it changed since we read it: look again
                 found = claimed
-            return await self._forward_protected(route, request, found)
+            return await self._forward_protected(route, request, found, scope)
         raise errors.RequestInProgress(
             "this Idempotency-Key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
         )
 
+    def _log_sealed(self, error: errors.GatewayError) -> None:
+        """Say once per key name that stored answers cannot be opened: an operator must add
+        the key; every retry meanwhile gets 503 answer-sealed."""
+        if isinstance(error, errors.AnswerSealed) and error.key_name not in self._unopenable_logged:
+            self._unopenable_logged.add(error.key_name)
+            log.error("stored answers sealed with key %r cannot be opened: %s", error.key_name,
+                      error.reason)  # fmt: skip
+
     async def _forward_protected(
-        self, route: Route, request: ProxyRequest, claim: Claim
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> ProxyResponse:
-        task = asyncio.create_task(self._forward_and_settle(route, request, claim))
+        task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
         self._inflight.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)
@@ -177,7 +235,7 @@ class Gateway:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def _forward_and_settle(
-        self, route: Route, request: ProxyRequest, claim: Claim
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> ProxyResponse:
         try:
             response = await self._send(route, request)
@@ -198,12 +256,19 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, "released")
-        stored_headers = headers.storable(response.headers)
-        body = response.body if len(response.body) <= route.max_stored_response else None
-        await self._settle(
-            "complete", self._store.complete(claim, response.status, stored_headers, body)
-        )
+        answer = None  # too large to store: the status alone
+        if len(response.body) <= route.max_stored_response:
+            body = response.body if route.store == "full" else b""
+            answer = self._sealed(claim.record_id, scope, headers.storable(response.headers), body)
+        await self._settle("complete", self._store.complete(claim, response.status, answer))
         return _answer(response, "forwarded")
+
+    def _sealed(
+        self, record_id: int, scope: bytes, answer_headers: Sequence[tuple[str, str]], body: bytes
+    ) -> SealedAnswer:
+        if self._keyring is None:
+            return sealing.plaintext(answer_headers, body)
+        return self._keyring.seal(record_id, scope, answer_headers, body)
 
     async def _forward_unprotected(
         self, route: Route, request: ProxyRequest, outcome: str
@@ -276,6 +341,79 @@ async def _fingerprint(request: ProxyRequest) -> bytes:
     return await asyncio.to_thread(fingerprint.compute, *arguments)
 
 
+class ClientGone(Exception):
+    """The client hung up while its request waited (`Prefer: wait`): nobody is left to answer,
+    and nothing was claimed for it."""
+
+
+class _Wait:
+    """A request's `Prefer: wait=N` (contract section 9): while its key is in flight, it waits,
+    up to N seconds and the route's `max_wait`, for the key to settle, then is answered as if it
+    had arrived afterwards. Woken by the store's settle notification; it also polls the row, so
+    a lost notification costs time, not the answer. It holds no pooled connection while it
+    waits, and stops when the client hangs up."""
+
+    def __init__(self, seconds: int, store: Store, client_gone: ClientGoneProbe | None) -> None:
+        self._store = store
+        self.applied = f"wait={seconds}"
+        self.used = False
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + seconds
+        self._spent = 0.0
+        self._client_gone = client_gone
+        self._gone: asyncio.Future[None] | None = None  # watching the client, once it waits
+
+    @classmethod
+    def asked(cls, request: ProxyRequest, route: Route, store: Store) -> _Wait | None:
+        requested = headers.requested_wait(request.header_values(headers.PREFER))
+        if not requested:
+            return None
+        return cls(min(requested, int(route.max_wait)), store, request.client_gone)
+
+    async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
+        """Wait for `record`'s claim to settle: True when it did (or changed), False when the
+        time ran out with it still in flight."""
+        loop = asyncio.get_running_loop()
+        if self._deadline <= loop.time():
+            return False
+        self.used = True
+        started = loop.time()
+        watch = self._store.watch(record.id)
+        try:
+            if not await self._store.mark_waited(record):
+                return True  # settled between our read and now
+            while (remaining := self._deadline - loop.time()) > 0:
+                if await self._woken(watch, min(WAIT_POLL_INTERVAL, remaining)):
+                    return True
+                now = await self._store.get(scope, key)
+                if now is None or now.token != record.token or now.state != "in_progress":
+                    return True
+            return False
+        finally:
+            watch.close()
+            self._spent += loop.time() - started
+
+    async def _woken(self, watch: Watch, timeout: float) -> bool:  # noqa: ASYNC109 - a poll
+        if self._client_gone is None:
+            return await watch.wait(timeout)
+        if self._gone is None:
+            self._gone = asyncio.ensure_future(self._client_gone())
+        gone = self._gone
+        woken = asyncio.ensure_future(watch.wait(timeout))
+        racing: list[asyncio.Future[Any]] = [woken, gone]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if gone.done():
+            woken.cancel()
+            raise ClientGone
+        return woken.result()
+
+    def end(self, route: Route) -> None:
+        if self._gone is not None:
+            self._gone.cancel()
+        if self.used:
+            metrics.WAIT_DURATION.labels(route.name).observe(self._spent)
+
+
 @dataclass(frozen=True, slots=True)
 class Replay:
     """Answer with the stored response."""
@@ -304,9 +442,16 @@ class TakeOver:
 Decision = Replay | Refuse | Reclaim | TakeOver
 
 
-def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
+def decide(
+    record: Record,
+    fingerprint: bytes,
+    route: Route,
+    keyring: Keyring | None = None,
+    scope: bytes = b"",
+) -> Decision:
     """What to do with a request whose key someone claimed before (contract sections 4 and 5).
-    Pure: `Gateway.handle` applies the decision through the store."""
+    Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
+    with `keyring`, bound to the row's id and `scope`."""
     if record.state == "expired":
         return Reclaim()  # a new key, whatever was sent under it before
     if record.fingerprint != fingerprint:
@@ -317,7 +462,7 @@ def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
             )
         )
     if record.state == "completed":
-        return _replay(record)
+        return _replay(record, keyring, scope)
     if record.state == "in_progress":
         return Refuse(
             errors.RequestInProgress(
@@ -335,7 +480,7 @@ def decide(record: Record, fingerprint: bytes, route: Route) -> Decision:
     )
 
 
-def _replay(record: Record) -> Replay | Refuse:
+def _replay(record: Record, keyring: Keyring | None, scope: bytes) -> Replay | Refuse:
     assert record.status is not None
     if not record.stored:
         return Refuse(
@@ -345,12 +490,31 @@ def _replay(record: Record) -> Replay | Refuse:
                 "it was not performed again"
             )
         )
-    assert record.headers is not None and record.body is not None
+    body: bytes | None
+    if record.sealed_with is None:
+        assert record.headers is not None and record.body is not None
+        answer_headers, body = list(record.headers), record.body
+    else:
+        try:
+            if keyring is None:
+                answer_headers, body = sealing.open_plain(record.stored_answer())
+            else:
+                answer_headers, body = keyring.open(record.id, scope, record.stored_answer())
+        except sealing.Unopenable as exc:
+            return Refuse(
+                errors.AnswerSealed(
+                    f"the request with this Idempotency-Key was performed (status "
+                    f"{record.status}), but its stored answer cannot be opened; it is replayed "
+                    "once the gateway has its key. It will not be performed again",
+                    key_name=exc.key_name,
+                    reason=str(exc),
+                )
+            )
     return Replay(
         ProxyResponse(
             status=record.status,
-            headers=[*record.headers, headers.REPLAYED],
-            body=record.body,
+            headers=[*answer_headers, headers.REPLAYED],
+            body=body or b"",
             outcome="replayed",
             blocked="replayed",
         )
@@ -372,10 +536,23 @@ class Operator:
     sections 6 and 9): look a key up in every scope, list the queue of keys in a state, release
     a key, or settle an `unknown` one. The rules are here, not in the HTTP layer: a key in
     flight is never released under its request, only an `unknown` key is resolved, and input
-    that cannot name a key never reaches the store."""
+    that cannot name a key never reaches the store. With a keyring, the answers it stores
+    are sealed and the ones it shows are opened."""
 
-    def __init__(self, store: AdminStore) -> None:
+    def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
         self._store = store
+        self._keyring = keyring
+
+    def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
+        """A record's stored headers and body, opened; (None, None) when they cannot be."""
+        if record.sealed_with is None:
+            return (None if record.headers is None else list(record.headers)), record.body
+        try:
+            if self._keyring is None:
+                return sealing.open_plain(record.stored_answer())
+            return self._keyring.open(record.id, record.scope, record.stored_answer())
+        except sealing.Unopenable:
+            return None, None
 
     async def queue(
         self,
@@ -438,10 +615,17 @@ class Operator:
             settled = await self._store.resolve_released(record_id)
         else:
             status, answer_headers, body = answer
+            scope = await self._store.scope_of(record_id)
+            if scope is None:
+                raise errors.NotFound(f"no key with id {record_id}")
             # Content-Length is recomputed on replay, and credentials are never stored.
-            settled = await self._store.resolve_completed(
-                record_id, status, headers.storable(answer_headers), body
+            storable = headers.storable(answer_headers)
+            sealed = (
+                sealing.plaintext(storable, body)
+                if self._keyring is None
+                else self._keyring.seal(record_id, scope, storable, body)
             )
+            settled = await self._store.resolve_completed(record_id, status, sealed)
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from . import errors
+from .sealing import Keyring
 
 ENV_PREFIX = "ONCEGATE_"
 
@@ -83,6 +84,7 @@ Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
+DEFAULT_MAX_WAIT = 10.0
 _METHOD = re.compile(r"^[A-Z]+$")
 # A route name: a metric label, a log field and the admin API's `route=`.
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -126,6 +128,11 @@ class Route(BaseModel):
     scope_headers: tuple[str, ...] = Field(("Authorization",), validate_default=True)
     release_statuses: frozenset[int] = frozenset({429, 503})
     on_unknown: Literal["reject", "forward"] = "reject"
+    # The longest a request with `Prefer: wait=N` waits for its key to settle (contract section 9).
+    max_wait: Duration = DEFAULT_MAX_WAIT
+    # `status_only`: keep the status and headers of answers, not their bodies (for APIs whose
+    # answers must not be kept); a replay then has an empty body.
+    store: Literal["full", "status_only"] = "full"
 
     @field_validator("name")
     @classmethod
@@ -217,7 +224,22 @@ class Settings(BaseModel):
     purge_interval: Duration = 60.0
     # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
     key_count_interval: Duration = 30.0
+    # `name:base64,...`: seal stored answers (oncegate.sealing). Checked at load, never echoed.
+    encryption_keys: str | None = None
     routes: tuple[Route, ...] = ()
+
+    @field_validator("encryption_keys")
+    @classmethod
+    def _encryption_keys(cls, value: str | None) -> str | None:
+        if value:
+            try:
+                Keyring.parse(value)
+            except errors.ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value or None
+
+    def keyring(self) -> Keyring | None:
+        return Keyring.parse(self.encryption_keys) if self.encryption_keys else None
 
     @field_validator("database_url")
     @classmethod

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import importlib.metadata
 import json
@@ -124,10 +125,16 @@ BARE = Configuration("bare proxy", "bare", 0)
 FORWARD = Configuration("oncegate forward", "gateway", 0)
 REPLAY = Configuration("oncegate replay", "gateway", 100)
 MIX = Configuration("oncegate mix 80/20", "gateway", 20)
+# The same gateway with ONCEGATE_ENCRYPTION_KEYS: what sealing every stored answer costs.
+SEALED_FORWARD = Configuration("oncegate sealed forward", "sealed", 0)
+SEALED_REPLAY = Configuration("oncegate sealed replay", "sealed", 100)
 IDEMKIT_FORWARD = Configuration("idemkit forward", "idemkit", 0)
 IDEMKIT_REPLAY = Configuration("idemkit replay", "idemkit", 100)
 IDEMKIT_MIX = Configuration("idemkit mix 80/20", "idemkit", 20)
-MAIN = (DIRECT, BARE, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD, IDEMKIT_REPLAY, IDEMKIT_MIX)
+MAIN = (
+    DIRECT, BARE, FORWARD, REPLAY, MIX, SEALED_FORWARD, SEALED_REPLAY,
+    IDEMKIT_FORWARD, IDEMKIT_REPLAY, IDEMKIT_MIX,
+)  # fmt: skip
 LATENCY = (BARE, FORWARD, REPLAY, MIX)
 SWEPT = (BARE, FORWARD, REPLAY)
 PEERS = {FORWARD: IDEMKIT_FORWARD, REPLAY: IDEMKIT_REPLAY, MIX: IDEMKIT_MIX}
@@ -303,7 +310,9 @@ def _start(
 def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
     environment = quick.server_environment(work / "data")
     external_url = environment.get("ONCEGATE_DATABASE_URL")
-    ports = {name: quick.free_port() for name in ("upstream", "gateway", "bare", "idemkit")}
+    ports = {
+        name: quick.free_port() for name in ("upstream", "gateway", "sealed", "bare", "idemkit")
+    }
     admin_port = quick.free_port()
     workers = ["--workers", str(arguments.workers)] if arguments.workers > 1 else []
     started: list[subprocess.Popen[bytes]] = []
@@ -355,6 +364,24 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             embedded_handle = embedded.start(work / "data")
             database_url = embedded_handle.url
             data_directory = embedded_handle.pgdata
+        sealed = _start(
+            quick.oncegate(
+                "serve",
+                "--upstream",
+                f"http://{HOST}:{ports['upstream']}",
+                "--host",
+                HOST,
+                "--port",
+                str(ports["sealed"]),
+                "--admin-port",
+                str(quick.free_port()),
+                *workers,
+            ),
+            work / "sealed.log",
+            {**environment, "ONCEGATE_DATABASE_URL": database_url,
+             "ONCEGATE_ENCRYPTION_KEYS": "bench:" + base64.b64encode(os.urandom(32)).decode()},
+            started,
+        )  # fmt: skip
         bare = _start(
             [
                 sys.executable,
@@ -391,6 +418,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             environment,
             started,
         )
+        quick.wait_listening(sealed, ports["sealed"], work / "sealed.log", STARTUP_TIMEOUT)
         quick.wait_listening(bare, ports["bare"], work / "bare.log", STARTUP_TIMEOUT)
         quick.wait_listening(idemkit, ports["idemkit"], work / "idemkit.log", STARTUP_TIMEOUT)
         yield Servers(
@@ -399,6 +427,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             pids={
                 "upstream": upstream.pid,
                 "gateway": gateway.pid,
+                "sealed": sealed.pid,
                 "bare": bare.pid,
                 "idemkit": idemkit.pid,
             },

@@ -49,7 +49,9 @@ async def main(run_id: str) -> None:
     store = await PostgresCheckpoints.connect(os.environ["ONCEGATE_DATABASE_URL"])
     try:
         async with httpx.AsyncClient(timeout=30.0) as http:
-            client = ActionClient(http, GATEWAY)  # keys: f"{run_id}:step-2:email", ...
+            # keys: f"{run_id}:step-2:email", ...; the gateway keeps them 24 h (its default
+            # ttl): give `key_lifetime=KeyLifetime(ttl=...)` when its route says otherwise.
+            client = ActionClient(http, GATEWAY)
             outputs = await run_agent(run_id, steps("ana@example.com"), store, client)
     finally:
         await store.close()

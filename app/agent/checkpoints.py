@@ -4,6 +4,8 @@ Invariants (also enforced by the table's constraints, migration 0002):
 - `outputs` has one entry per finished step: `len(outputs) == next_step - 1`.
 - `pending`, when set, belongs to `next_step`: the parameters of the action that step is about
   to send (or may have sent), saved before it was sent so a resumed run sends the same request.
+  Its `saved_at` is when they were saved, so before the gateway could have claimed their key:
+  an age counted from it is never less than the key's own (see `runner.StaleAction`).
 - A checkpoint belongs to one run of one task. A store refuses to overwrite a run's checkpoint
   with one of another task or with an older one (a smaller `next_step`): a stale process that
   wakes up late cannot rewind a run.
@@ -12,6 +14,7 @@ Invariants (also enforced by the table's constraints, migration 0002):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Protocol, TypeAlias
 
 JSON: TypeAlias = "bool | int | float | str | list[JSON] | dict[str, JSON] | None"
@@ -27,6 +30,11 @@ class Pending:
 
     step: int
     params: JSON
+    saved_at: datetime  # aware; when the parameters were saved (or an operator allowed a resend)
+
+    def __post_init__(self) -> None:
+        if self.saved_at.tzinfo is None:
+            raise CheckpointError("a pending action's saved_at needs a time zone")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +67,15 @@ class Checkpoint:
         """The checkpoint after `next_step` finished with `output`."""
         return Checkpoint(self.run_id, self.task, self.next_step + 1, (*self.outputs, output))
 
-    def with_pending(self, params: JSON) -> Checkpoint:
-        return Checkpoint(
-            self.run_id, self.task, self.next_step, self.outputs, Pending(self.next_step, params)
-        )
+    def with_pending(self, params: JSON, saved_at: datetime | None = None) -> Checkpoint:
+        """This checkpoint with `params` as its step's pending action, saved at `saved_at` (now
+        when not given)."""
+        pending = Pending(self.next_step, params, saved_at or utc_now())
+        return Checkpoint(self.run_id, self.task, self.next_step, self.outputs, pending)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
 
 
 class CheckpointStore(Protocol):

@@ -1,6 +1,9 @@
 """Send an action through the gateway with its key, and retry only what is safe to retry.
 
-Rules (issue 5):
+Rules:
+- Every keyed request says `Prefer: wait=N` (`RetryPolicy.wait`, 10 s; 0 turns it off): a retry
+  that finds the first attempt still in flight waits at the gateway for its answer, instead of
+  a 409 and a poll.
 - 2xx: done. A replay (`Idempotent-Replayed: true`) is as good as the first answer.
 - 409 `request-in-progress`: the first attempt is still running; wait `Retry-After`, ask again.
 - Connection errors: with a key, retry with backoff. Nothing was sent (connect refused or timed
@@ -13,6 +16,10 @@ Rules (issue 5):
   Retrying those cannot help, and `outcome-unknown` needs someone to find out what happened.
 
 Backoff is exponential with full jitter, bounded by `RetryPolicy.deadline` overall.
+
+A key lives at the gateway only so long (its route's `ttl`, 24 h by default), and a resend after
+that is performed as new. The client carries that lifetime (`KeyLifetime`) so the runner can
+refuse to resend an action saved too long ago (`runner.StaleAction`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import email.utils
 import random
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import httpx
 
@@ -68,6 +76,9 @@ class RetryPolicy:
     backoff_cap: float = 2.0
     # The longest a `Retry-After` is honoured; a larger one is treated as this.
     max_retry_after: float = 10.0
+    # Seconds a keyed request asks the gateway to wait for a first attempt in flight
+    # (`Prefer: wait`); the gateway caps it by the route's max_wait. 0: do not ask.
+    wait: int = 10
     # Overall bound on one action, retries and waits included.
     deadline: float = 60.0
 
@@ -101,8 +112,39 @@ def retry_after(response: httpx.Response) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+@dataclass(frozen=True, slots=True)
+class KeyLifetime:
+    """How long the gateway keeps a key, as this client's gateway route is configured.
+
+    An action saved more than `ttl - margin` ago is not resent (`runner.StaleAction`). The margin
+    covers what the age measured here cannot see: the resend's own retries (up to
+    `RetryPolicy.deadline`) and the clocks of other hosts that may have saved the action."""
+
+    # The gateway's default `ttl`; set it to the route's when that differs.
+    ttl: timedelta = timedelta(hours=24)
+    # An hour of a day: far more than a minute of retries and any sane clock skew, and a resume
+    # 23 hours late is rare enough that asking an operator then costs little.
+    margin: timedelta = timedelta(hours=1)
+
+    def __post_init__(self) -> None:
+        if self.ttl <= timedelta(0):
+            raise ValueError(f"a key lifetime must be positive, not {self.ttl}")
+        if not timedelta(0) <= self.margin < self.ttl:
+            raise ValueError(
+                f"the margin ({self.margin}) must be at least 0 and less than the ttl ({self.ttl})"
+            )
+
+    @property
+    def resend_until(self) -> timedelta:
+        """The largest age at which an action is still resent with its key."""
+        return self.ttl - self.margin
+
+
 class ActionClient:
-    """POSTs actions to `base_url` (the gateway) on a caller's `httpx.AsyncClient`."""
+    """POSTs actions to `base_url` (the gateway) on a caller's `httpx.AsyncClient`.
+
+    `key_lifetime` is the gateway's `ttl` for the route (24 h unless told); `None` turns the
+    runner's age check off, which a late resume pays for with a duplicate."""
 
     def __init__(
         self,
@@ -111,8 +153,10 @@ class ActionClient:
         *,
         policy: RetryPolicy | None = None,
         rng: random.Random | None = None,
+        key_lifetime: KeyLifetime | None = KeyLifetime(),
     ) -> None:
         self._http = http
+        self.key_lifetime = key_lifetime
         self._base_url = base_url.rstrip("/")
         self._policy = policy or RetryPolicy()
         self._random = rng or random.Random()  # noqa: S311 - jitter, not a secret
@@ -129,6 +173,8 @@ class ActionClient:
         request_headers = dict(headers or {})
         if key is not None:
             request_headers[KEY_HEADER] = key
+            if self._policy.wait:
+                request_headers.setdefault("Prefer", f"wait={self._policy.wait}")
         url = self._base_url + path
         deadline = time.monotonic() + self._policy.deadline
         attempt = 0

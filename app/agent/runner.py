@@ -12,6 +12,12 @@ For each step from the checkpoint's `next_step` on:
 A crash between 3 and 4 is the one the key is for: the resumed run sends the action again, and
 the gateway answers with the stored answer of the first attempt.
 
+Only as long as the gateway keeps the key: a run resumed after its key expired would have the
+action performed again. So a pending action saved longer ago than the client's key lifetime
+(less its margin, `client.KeyLifetime`) is not resent: the run stops with `StaleAction`, and an
+operator reconciles it from the upstream's records with `mark_done` (it was performed: record its
+answer) or `allow_resend` (it was not), then resumes the run.
+
 `order="save-then-act"` swaps 3 and 4 (the checkpoint first, with the parameters as the output).
 It exists to show, in the lab, that the swap turns duplicates into lost actions; do not use it.
 """
@@ -21,12 +27,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Literal, Protocol
 
 import httpx
 
 from . import keys
-from .checkpoints import JSON, Checkpoint, CheckpointStore, check_belongs
+from .checkpoints import (
+    JSON,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    Pending,
+    check_belongs,
+    utc_now,
+)
+from .client import KeyLifetime
 
 Order = Literal["act-then-save", "save-then-act"]
 # Called at each point of a step: `started`, `prepared` (an action's parameters are computed and
@@ -51,7 +67,39 @@ class Step:
 
 
 class Sender(Protocol):
+    # How long the gateway keeps a key; None: never refuse a resend for its age.
+    key_lifetime: KeyLifetime | None
+
     async def send(self, path: str, body: JSON, key: str | None) -> httpx.Response: ...
+
+
+class StaleAction(Exception):
+    """A pending action saved longer ago than the gateway keeps keys: resending it with its key
+    could perform it a second time, so the run stops for an operator to reconcile it."""
+
+    def __init__(self, run_id: str, step: int, key: str, age: timedelta, lifetime: KeyLifetime):
+        self.run_id, self.step, self.key, self.age = run_id, step, key, age
+        super().__init__(
+            f"run {run_id!r} stopped at step {step}: its action (key {key}) was saved "
+            f"{describe(age)} ago, and the gateway keeps keys {describe(lifetime.ttl)} (resent "
+            f"up to {describe(lifetime.resend_until)}): sent again, it may be performed twice. "
+            f"Check the upstream's records for key {key}, then either record the answer of the "
+            f"action it performed with mark_done(store, {run_id!r}, {step}, answer) or, if it "
+            f"performed none, allow the resend with allow_resend(store, {run_id!r}, {step}) "
+            f"(oncegate.agent.runner), and resume the run."
+        )
+
+
+def describe(age: timedelta) -> str:
+    """`42.0 s`, `15 min`, `23.5 h`, `3.2 days`: an age as an operator reads it."""
+    seconds = age.total_seconds()
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def task_name(steps: Sequence[Step]) -> str:
@@ -102,7 +150,11 @@ async def run_agent(
         if order == "act-then-save":
             pending = checkpoint.pending
             if pending is not None and pending.step == number:
-                params = pending.params  # computed by an earlier process, maybe sent already
+                # Computed by an earlier process, maybe sent already: resent with its key only
+                # while the gateway still has that key.
+                if key is not None:
+                    _check_age(run_id, pending, key, client.key_lifetime)
+                params = pending.params
             else:
                 params = step.compute(tuple(outputs))
                 checkpoint = checkpoint.with_pending(params)
@@ -123,6 +175,48 @@ async def run_agent(
             emit("done", number)
         outputs.append(output)
     return tuple(outputs)
+
+
+def _check_age(run_id: str, pending: Pending, key: str, lifetime: KeyLifetime | None) -> None:
+    if lifetime is None:
+        return
+    # A clock behind the one that saved the action reads a negative age; the margin covers it.
+    age = max(timedelta(0), utc_now() - pending.saved_at)
+    if age > lifetime.resend_until:
+        raise StaleAction(run_id, pending.step, key, age, lifetime)
+
+
+async def mark_done(store: CheckpointStore, run_id: str, step: int, output: JSON) -> Checkpoint:
+    """Reconcile a stopped run whose pending action the upstream did perform: finish `step`
+    with `output` (the upstream's answer), so the resumed run goes on without sending it."""
+    checkpoint, _ = await _stopped_at(store, run_id, step)
+    finished = checkpoint.finish(output)
+    await store.save(finished)
+    return finished
+
+
+async def allow_resend(
+    store: CheckpointStore, run_id: str, step: int, now: datetime | None = None
+) -> Checkpoint:
+    """Reconcile a stopped run whose pending action the upstream did not perform: save it
+    again as of `now`, so the resumed run sends it (same parameters, same key) as a fresh one."""
+    checkpoint, pending = await _stopped_at(store, run_id, step)
+    renewed = checkpoint.with_pending(pending.params, now or utc_now())
+    await store.save(renewed)
+    return renewed
+
+
+async def _stopped_at(store: CheckpointStore, run_id: str, step: int) -> tuple[Checkpoint, Pending]:
+    checkpoint = await store.load(run_id)
+    if checkpoint is None:
+        raise CheckpointError(f"run {run_id!r} has no checkpoint")
+    pending = checkpoint.pending
+    if pending is None or pending.step != step:
+        raise CheckpointError(
+            f"run {run_id!r} has no pending action at step {step} (it is at step "
+            f"{checkpoint.next_step}, pending: {'none' if pending is None else pending.step})"
+        )
+    return checkpoint, pending
 
 
 async def _perform(client: Sender, action: Action, params: JSON, key: str | None) -> JSON:

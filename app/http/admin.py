@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from .. import errors, headers, schema, service
 from .. import metrics as app_metrics
+from ..service import Operator
 from ..store import Cause, KeyRecord, QueuedKey, State
 from .app import Runtime
 
@@ -101,13 +102,16 @@ class KeyView(BaseModel):
     headers: list[tuple[str, str]] | None = Field(None, description="only with ?body=1")
     body: str | None = Field(None, description="only with ?body=1, when it is UTF-8 text")
     body_base64: str | None = Field(None, description="only with ?body=1, when it is not text")
+    sealed_with: str | None = Field(
+        None, description="the key that sealed the stored answer (ONCEGATE_ENCRYPTION_KEYS)"
+    )
 
 
 class KeyList(BaseModel):
     records: list[KeyView]
 
 
-def _view(record: KeyRecord, with_body: bool) -> KeyView:
+def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
     view = KeyView(
         id=record.id,
         route=record.route,
@@ -117,13 +121,16 @@ def _view(record: KeyRecord, with_body: bool) -> KeyView:
         created_at=record.created_at,
         completed_at=record.completed_at,
         expires_at=record.expires_at,
+        sealed_with=record.sealed_with,
     )
-    if with_body and record.body is not None:
-        view.headers = list(record.headers or [])
-        try:
-            view.body = record.body.decode("utf-8")
-        except UnicodeDecodeError:
-            view.body_base64 = base64.b64encode(record.body).decode()
+    if with_body:
+        answer_headers, body = operator.opened(record)
+        if body is not None:
+            view.headers = list(answer_headers or [])
+            try:
+                view.body = body.decode("utf-8")
+            except UnicodeDecodeError:
+                view.body_base64 = base64.b64encode(body).decode()
     return view
 
 
@@ -180,7 +187,7 @@ async def find_keys(
         if state is not None:
             raise errors.InvalidRequest("give key (one key in every scope) or state, not both")
         records = await runtime.operator.find(key, route)
-        return KeyList(records=[_view(record, body) for record in records])
+        return KeyList(records=[_view(record, body, runtime.operator) for record in records])
     if state is None:
         raise errors.InvalidRequest(
             "give key=K (one key in every scope) or state=unknown (the queue, oldest first)"

@@ -41,7 +41,8 @@ class Runtime:
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
     store = await PostgresStore.connect(database_url)
     upstream = Upstream()
-    gateway = service.Gateway(store, upstream)
+    keyring = settings.keyring()
+    gateway = service.Gateway(store, upstream, keyring)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
     counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
@@ -51,7 +52,11 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             metrics.DUPLICATES_BLOCKED.labels(route.name, reason)
     try:
         yield Runtime(
-            settings, store, gateway, service.Operator(store), RouteTable(settings.routes)
+            settings,
+            store,
+            gateway,
+            service.Operator(store, keyring),
+            RouteTable(settings.routes),
         )
     finally:
         await gateway.drain()

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import errors, headers, metrics, paths
 from ..routing import RouteTable
-from ..service import Gateway, ProxyRequest, ProxyResponse
+from ..service import ClientGone, Gateway, ProxyRequest, ProxyResponse
 from . import problems
 
 log = logging.getLogger("oncegate.request")
@@ -65,7 +65,7 @@ class ProxyApp:
         request_id = headers.request_id(request_headers)
         try:
             route_name, answer = await self._answer(scope, receive, request_headers, request_id)
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientGone):
             return  # nothing was claimed, and nobody is left to answer
         answer.headers.append((b"x-request-id", request_id.encode()))
         await send({"type": "http.response.start", "status": answer.status,
@@ -98,12 +98,13 @@ class ProxyApp:
                     query=scope.get("query_string", b"").decode("latin-1"),
                     headers=request_headers,
                     body=await read_body(receive, request_headers, route.max_body),
+                    client_gone=lambda: _hung_up(receive),
                 ),
             )
             return route_name, _relayed(result, scope["method"])
         except errors.GatewayError as error:
             return route_name, _problem(error)
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientGone):
             raise
         except Exception:  # the edge's last resort: logged and answered, not swallowed
             # A bug: the client still gets a problem (with the request id to report), never a
@@ -158,6 +159,13 @@ def _account(route_name: str, method: str, answer: Answer, elapsed: float, reque
                 "request_id": request_id,
             }},
         )  # fmt: skip
+
+
+async def _hung_up(receive: Receive) -> None:
+    """Return once the client has hung up: after the whole body, the server's next message for
+    this request is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(receive: Receive, request_headers: list[tuple[str, str]], limit: int) -> bytes:

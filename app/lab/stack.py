@@ -3,7 +3,9 @@ process on a free loopback port, or the ones the caller names instead.
 
 The gateway can be killed with SIGKILL and started again on the same ports (`--kill-gateway`);
 its route has a short timeout and lease so a key left in flight by a killed gateway turns
-`unknown` within seconds, not the default minute.
+`unknown` within seconds, not the default minute. A second route, `/late`, forwards to the same
+upstream but keeps its keys only `LATE_TTL` seconds, so `--late-resume` can resume runs after
+their keys expired without waiting a day.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ STARTUP_TIMEOUT = 30.0
 # of 3 s bounds how long a retry waits on a claim whose gateway was killed.
 GATEWAY_TIMEOUT = "2s"
 GATEWAY_LEASE = "3s"
+# The `/late` route's key lifetime: longer than the lease (the gateway insists), short enough
+# that a run resumed past it waits seconds.
+LATE_TTL = 4.0
+LATE_PREFIX = "/late"
 
 # `python -m` of the command line, named from this package (installed as `oncegate`).
 CLI_MODULE = __name__.split(".")[0] + ".cli"
@@ -103,6 +109,7 @@ class Stack:
     database_url: str
     upstream_url: str
     gateway_url: str
+    late_gateway_url: str | None  # the `/late` route; None when the gateway is not the lab's own
     admin_url: str | None  # None when the gateway is not the lab's own
     admin_token: str | None
     gateway: Service | None  # the lab's own gateway, which it may kill and restart
@@ -137,14 +144,16 @@ def running(
             services.append(Service(arguments, directory / "upstream.log", {}, [port]))
             upstream_url = f"http://127.0.0.1:{port}"
         gateway = None
-        admin_url = token = None
+        admin_url = token = late_gateway_url = None
         if gateway_url is None:
             port, admin_port = free_port(), free_port()
             token = secrets.token_urlsafe(24)
             config = directory / "gateway.yaml"
             route = {"name": "lab", "match": "/", "upstream": upstream_url,
                      "timeout": GATEWAY_TIMEOUT, "lease": GATEWAY_LEASE}  # fmt: skip
-            config.write_text(yaml.safe_dump({"routes": [route]}))
+            late = {**route, "name": "late", "match": LATE_PREFIX, "strip_prefix": True,
+                    "ttl": f"{LATE_TTL:g}s"}  # fmt: skip
+            config.write_text(yaml.safe_dump({"routes": [route, late]}))
             gateway = Service(
                 ["serve", "--config", str(config), "--port", str(port),
                  "--admin-port", str(admin_port), "--log-level", "warning"],
@@ -154,10 +163,11 @@ def running(
             )  # fmt: skip
             services.append(gateway)
             gateway_url = f"http://127.0.0.1:{port}"
+            late_gateway_url = gateway_url + LATE_PREFIX
             admin_url = f"http://127.0.0.1:{admin_port}"
         yield Stack(
-            database_url, upstream_url, gateway_url, admin_url, token, gateway, directory,
-            own_database,
+            database_url, upstream_url, gateway_url, late_gateway_url, admin_url, token, gateway,
+            directory, own_database,
         )  # fmt: skip
     finally:
         for service in reversed(services):

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
+from .. import sealing
+from ..sealing import SealedAnswer
+from .notify import Watch
+
 # What a key is now (`oncegate_key_state` in SQL, migration 0005): `in_progress` while its lease
 # runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran out,
 # `completed` with its answer stored.
@@ -35,9 +39,14 @@ class Record:
     fingerprint: bytes
     state: State
     status: int | None
-    headers: Headers | None
-    body: bytes | None
+    headers: Headers | None  # None when sealed: then `sealed_headers` holds them
+    body: bytes | None  # sealed when `sealed_with` is set
     stored: bool  # False when the answer was over `max_stored_response`
+    sealed_with: str | None = None  # the name of the key that sealed the answer
+    sealed_headers: bytes | None = None
+
+    def stored_answer(self) -> SealedAnswer:
+        return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,7 @@ class KeyRecord:
 
     id: int
     route: str
+    scope: bytes
     key: str
     state: State
     status: int | None
@@ -54,6 +64,23 @@ class KeyRecord:
     created_at: datetime
     completed_at: datetime | None
     expires_at: datetime
+    sealed_with: str | None = None
+    sealed_headers: bytes | None = None
+
+    def stored_answer(self) -> SealedAnswer:
+        return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
+
+
+def _stored_answer(
+    sealed_with: str | None,
+    headers: Headers | None,
+    sealed_headers: bytes | None,
+    body: bytes | None,
+) -> SealedAnswer:
+    if sealed_with is not None:
+        assert sealed_headers is not None
+        return SealedAnswer(sealed_with, sealed_headers, body)
+    return sealing.plaintext(headers or [], body)
 
 
 # How a key turned `unknown`, read from what its last writer stored (not from the clock):
@@ -110,16 +137,22 @@ class Store(Protocol):
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         """Claim an `unknown` key again with a new fencing token; None if it changed meanwhile."""
 
-    async def complete(
-        self, claim: Claim, status: int, headers: Headers, body: bytes | None
-    ) -> bool:
-        """Store the answer (`body=None`: too large to store). False if the claim was lost."""
+    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
+        """Store the answer (None: too large to store: the status alone). False if the claim
+        was lost."""
 
     async def release(self, claim: Claim) -> bool:
         """Delete the key so the next request is forwarded. False if the claim was lost."""
 
     async def mark_unknown(self, claim: Claim) -> bool:
         """The request may have reached the upstream and its answer is lost."""
+
+    async def mark_waited(self, record: Record) -> bool:
+        """Ask to be told when this in-flight claim settles (`watch`). False when it is not in
+        flight any more: there is nothing to wait for."""
+
+    def watch(self, record_id: int) -> Watch:
+        """A `Watch` woken when the row settles, for as long as it is not closed."""
 
     async def purge(self, batch_size: int) -> int:
         """Delete one batch of expired keys; return how many."""
@@ -137,10 +170,11 @@ class AdminStore(Protocol):
     async def delete(self, record_id: int) -> bool | None:
         """Delete a key: True; False when its request is in flight now; None if no such key."""
 
-    async def resolve_completed(
-        self, record_id: int, status: int, headers: Headers, body: bytes
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
         """Complete an `unknown` key; False if there is no such `unknown` key."""
+
+    async def scope_of(self, record_id: int) -> bytes | None:
+        """The scope of a key (sealing binds it), or None if there is no such key."""
 
     async def resolve_released(self, record_id: int) -> bool:
         """Delete an `unknown` key; False if there is no such `unknown` key."""

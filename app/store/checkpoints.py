@@ -11,6 +11,7 @@ Design rules:
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,21 @@ class PostgresCheckpoints:
         row = await self._run("fetchrow", "checkpoint_load", run_id)
         if row is None:
             return None
-        pending = json.loads(row["pending"]) if row["pending"] is not None else None
+        pending = None
+        if row["pending"] is not None:
+            document = json.loads(row["pending"])
+            saved_at = document.get("saved_at")
+            pending = Pending(
+                document["step"],
+                document["params"],
+                row["updated_at"] if saved_at is None else datetime.fromisoformat(saved_at),
+            )
         return Checkpoint(
             run_id=row["run_id"],
             task=row["task"],
             next_step=row["next_step"],
             outputs=tuple(json.loads(row["outputs"])),
-            pending=None if pending is None else Pending(pending["step"], pending["params"]),
+            pending=pending,
         )
 
     @translated("checkpoint_save")
@@ -73,7 +82,13 @@ class PostgresCheckpoints:
             json.dumps(list(checkpoint.outputs)),
             None
             if pending is None
-            else json.dumps({"step": pending.step, "params": pending.params}),
+            else json.dumps(
+                {
+                    "step": pending.step,
+                    "params": pending.params,
+                    "saved_at": pending.saved_at.isoformat(),
+                }
+            ),
         )
         if saved is not None:
             return

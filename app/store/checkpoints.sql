@@ -2,7 +2,9 @@
 -- (`-- name: NAME`). Kept apart from the gateway's queries.sql: another table, another user.
 
 -- name: checkpoint_load
-SELECT run_id, task, next_step, outputs::text AS outputs, pending::text AS pending
+-- `updated_at` dates a pending action saved before it carried its own `saved_at` (the save that
+-- set it was the row's last: a resumed run sends a pending action without saving it again).
+SELECT run_id, task, next_step, outputs::text AS outputs, pending::text AS pending, updated_at
 FROM oncegate_checkpoints
 WHERE run_id = $1;
 

@@ -19,7 +19,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
+from .. import sealing
+from ..sealing import SealedAnswer
 from . import Cause, Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record, State
+from .notify import Watch, Watchers
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,8 @@ class _Row:
     headers: Headers | None = None
     body: bytes | None = None
     stored: bool = False
+    sealed_with: str | None = None
+    sealed_headers: bytes | None = None
 
 
 def state_of(row: _Row, now: float) -> State:
@@ -59,6 +64,19 @@ class MemoryStore:
         self._clock = clock
         self._rows: dict[tuple[bytes, str], _Row] = {}
         self._ids = itertools.count(1)
+        self._watchers = Watchers()
+
+    def watch(self, record_id: int) -> Watch:
+        return self._watchers.watch(record_id)
+
+    async def mark_waited(self, record: Record) -> bool:
+        await self._yield()
+        row = self._by_id(record.id)
+        return (
+            row is not None
+            and row.token == record.token
+            and state_of(row, self._clock()) == "in_progress"
+        )
 
     async def _yield(self) -> None:
         # Every operation is a round trip in the real store: let other tasks run in between.
@@ -117,24 +135,23 @@ class MemoryStore:
         self._rows[(row.scope, row.key)] = taken
         return Claim(taken.id, taken.token)
 
-    async def complete(
-        self, claim: Claim, status: int, headers: Headers, body: bytes | None
-    ) -> bool:
+    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         await self._yield()
         row = self._held(claim, ("in_progress", "unknown"))
         if row is None:
             return False
-        stored = body is not None
-        self._rows[(row.scope, row.key)] = replace(
-            row,
-            state="completed",
-            status=status,
-            headers=list(headers) if stored else None,
-            body=body,
-            stored=stored,
-            completed_at=self._clock(),
-            lease_expires_at=None,
+        self._rows[(row.scope, row.key)] = _with_answer(
+            replace(
+                row,
+                state="completed",
+                status=status,
+                stored=answer is not None,
+                completed_at=self._clock(),
+                lease_expires_at=None,
+            ),
+            answer,
         )
+        self._watchers.settled(row.id)
         return True
 
     async def release(self, claim: Claim) -> bool:
@@ -143,6 +160,7 @@ class MemoryStore:
         if row is None:
             return False
         del self._rows[(row.scope, row.key)]
+        self._watchers.settled(row.id)
         return True
 
     async def mark_unknown(self, claim: Claim) -> bool:
@@ -151,6 +169,7 @@ class MemoryStore:
         if row is None:
             return False
         self._rows[(row.scope, row.key)] = replace(row, state="unknown", lease_expires_at=None)
+        self._watchers.settled(row.id)
         return True
 
     async def purge(self, batch_size: int) -> int:
@@ -171,6 +190,7 @@ class MemoryStore:
             KeyRecord(
                 id=row.id,
                 route=row.route,
+                scope=row.scope,
                 key=row.key,
                 state=state_of(row, now),
                 status=row.status,
@@ -179,6 +199,8 @@ class MemoryStore:
                 created_at=_datetime(row.created_at),
                 completed_at=None if row.completed_at is None else _datetime(row.completed_at),
                 expires_at=_datetime(row.expires_at),
+                sealed_with=row.sealed_with,
+                sealed_headers=row.sealed_headers,
             )
             for row in sorted(self._rows.values(), key=lambda row: row.id)
             if row.key == key and (route is None or row.route == route)
@@ -194,26 +216,30 @@ class MemoryStore:
         del self._rows[(row.scope, row.key)]
         return True
 
-    async def resolve_completed(
-        self, record_id: int, status: int, headers: Headers, body: bytes
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
         await self._yield()
         now = self._clock()
         row = self._by_id(record_id)
         if row is None or state_of(row, now) != "unknown":
             return False
-        self._rows[(row.scope, row.key)] = replace(
-            row,
-            state="completed",
-            token=row.token + 1,
-            lease_expires_at=None,
-            status=status,
-            headers=list(headers),
-            body=body,
-            stored=True,
-            completed_at=now,
+        self._rows[(row.scope, row.key)] = _with_answer(
+            replace(
+                row,
+                state="completed",
+                token=row.token + 1,
+                lease_expires_at=None,
+                status=status,
+                stored=True,
+                completed_at=now,
+            ),
+            answer,
         )
         return True
+
+    async def scope_of(self, record_id: int) -> bytes | None:
+        await self._yield()
+        row = self._by_id(record_id)
+        return None if row is None else row.scope
 
     async def resolve_released(self, record_id: int) -> bool:
         await self._yield()
@@ -304,7 +330,19 @@ class MemoryStore:
             headers=row.headers,
             body=row.body,
             stored=row.stored,
+            sealed_with=row.sealed_with,
+            sealed_headers=row.sealed_headers,
         )
+
+
+def _with_answer(row: _Row, answer: SealedAnswer | None) -> _Row:
+    if answer is None:
+        return replace(row, headers=None, body=None, sealed_with=None, sealed_headers=None)
+    if answer.key_name is None:
+        return replace(row, headers=sealing.header_pairs(answer.headers), body=answer.body,
+                       sealed_with=None, sealed_headers=None)  # fmt: skip
+    return replace(row, headers=None, body=answer.body, sealed_with=answer.key_name,
+                   sealed_headers=answer.headers)  # fmt: skip
 
 
 def _datetime(seconds: float) -> datetime:

@@ -3,8 +3,9 @@
 Design rules:
 - One statement per operation, autocommitted: one round trip, no transaction held open.
 - The pool does not reset connections on release. Nothing here changes session state (no SET,
-  no LISTEN, no advisory locks, no open transaction), so asyncpg's reset query would only add a
-  round trip to every request.
+  no LISTEN, no advisory locks, no open transaction) on a pooled connection, so asyncpg's reset
+  query would only add a round trip to every request. The one LISTEN is on a connection of its
+  own (`watch`).
 - asyncpg prepares each statement once per connection and reuses it (its statement cache).
 - Storing an answer (`complete`) commits without waiting for the WAL flush (a second, small pool
   whose sessions run with synchronous_commit off): one fsync fewer on every forward. The claim
@@ -19,15 +20,21 @@ Design rules:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from .. import sealing
+from ..sealing import Keyring, SealedAnswer
 from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
-from .errors import translated
+from .errors import DRIVER_ERRORS, translated
+from .notify import Watch, Watchers
 from .queries import QUERIES
 
 log = logging.getLogger(__name__)
@@ -43,10 +50,21 @@ async def _no_reset(connection: asyncpg.Connection) -> None:
     """See the module docstring: nothing to reset."""
 
 
+# `Prefer: wait`: settles of rows someone waits on are announced on this channel (queries.sql),
+# and one connection per process listens to it, opened when the first request waits. Waiters
+# also poll their row, so a broken listener only slows them until it is back.
+CHANNEL = "oncegate_settled"
+LISTENER_NAME = "oncegate-listener"  # its application_name, to find it in pg_stat_activity
+LISTEN_RETRY = 1.0
+
+
 class PostgresStore:
-    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, url: str) -> None:
         self._pool = pool
         self._answer_pool = answer_pool
+        self._url = url
+        self._watchers = Watchers()
+        self._listening: asyncio.Task[None] | None = None
 
     @classmethod
     @translated("connect", "cannot connect to PostgreSQL")
@@ -69,11 +87,52 @@ class PostgresStore:
         except BaseException:
             await pool.close()
             raise
-        return cls(pool, answer_pool)
+        return cls(pool, answer_pool, url)
 
     async def close(self) -> None:
+        if self._listening is not None:
+            self._listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listening
         await self._answer_pool.close()
         await self._pool.close()
+
+    def watch(self, record_id: int) -> Watch:
+        if self._listening is None:
+            self._listening = asyncio.create_task(self._listen_forever())
+        return self._watchers.watch(record_id)
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen_once()
+            except DRIVER_ERRORS as exc:
+                log.warning("listening for settled keys failed: %s: %s", type(exc).__name__, exc)
+            self._watchers.wake_all()  # what settled while nobody listened: look again now
+            await asyncio.sleep(LISTEN_RETRY)
+
+    async def _listen_once(self) -> None:
+        connection = await asyncpg.connect(
+            self._url, timeout=CONNECT_TIMEOUT, server_settings={"application_name": LISTENER_NAME}
+        )
+        closed = asyncio.Event()
+        connection.add_termination_listener(lambda _: closed.set())
+        try:
+            await connection.add_listener(CHANNEL, self._notified)
+            self._watchers.wake_all()
+            await closed.wait()
+            log.warning("the connection listening for settled keys was lost; reconnecting")
+        finally:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await connection.close(timeout=CONNECT_TIMEOUT)
+
+    def _notified(self, connection: object, pid: int, channel: str, payload: str) -> None:
+        self._watchers.settled(int(payload))
+
+    @translated("mark_waited")
+    async def mark_waited(self, record: Record) -> bool:
+        row = await self._fetchrow("mark_waited", id=record.id, token=record.token)
+        return row is not None
 
     async def _fetchrow(
         self, operation: str, pool: asyncpg.Pool | None = None, **parameters: object
@@ -116,19 +175,15 @@ class PostgresStore:
         return Claim(row["id"], row["fencing_token"]) if row else None
 
     @translated("complete")
-    async def complete(
-        self, claim: Claim, status: int, headers: Headers, body: bytes | None
-    ) -> bool:
-        stored = body is not None
+    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         row = await self._fetchrow(
             "complete",
             pool=self._answer_pool,
             id=claim.record_id,
             token=claim.token,
             status=status,
-            headers=_headers_json(headers) if stored else None,
-            body=body,
-            stored=stored,
+            stored=answer is not None,
+            **_answer_columns(answer),
         )
         return row is not None
 
@@ -160,6 +215,7 @@ class PostgresStore:
             KeyRecord(
                 id=row["id"],
                 route=row["route"],
+                scope=bytes(row["scope"]),
                 key=row["key"],
                 state=row["state"],
                 status=row["response_status"],
@@ -168,6 +224,8 @@ class PostgresStore:
                 created_at=row["created_at"],
                 completed_at=row["completed_at"],
                 expires_at=row["expires_at"],
+                sealed_with=row["sealed_with"],
+                sealed_headers=row["sealed_headers"],
             )
             for row in rows
         ]
@@ -180,17 +238,55 @@ class PostgresStore:
         return False if row["exists"] else None
 
     @translated("admin_resolve_completed")
-    async def resolve_completed(
-        self, record_id: int, status: int, headers: Headers, body: bytes
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
         row = await self._fetchrow(
-            "admin_resolve_completed",
-            id=record_id,
-            status=status,
-            headers=_headers_json(headers),
-            body=body,
+            "admin_resolve_completed", id=record_id, status=status, **_answer_columns(answer)
         )
         return row is not None
+
+    @translated("admin_scope")
+    async def scope_of(self, record_id: int) -> bytes | None:
+        row = await self._fetchrow("admin_scope", id=record_id)
+        return None if row is None else bytes(row["scope"])
+
+    @translated("rekey")
+    async def rekey(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
+        """Re-seal the next batch of stored answers (ids above `after`) under the keyring's
+        newest key, in one transaction. An answer that cannot be opened is left as it is and
+        reported: re-sealing must never lose one."""
+        batch, update, remaining = (
+            QUERIES["rekey_batch"], QUERIES["rekey_row"], QUERIES["rekey_remaining"]
+        )  # fmt: skip
+        resealed, unopenable, last = 0, [], after
+        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+            async with connection.transaction():
+                rows = await connection.fetch(
+                    batch.sql,
+                    *batch.arguments(
+                        {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                    ),
+                )
+                for row in rows:
+                    last = row["id"]
+                    scope = bytes(row["scope"])
+                    try:
+                        headers, body = keyring.open(row["id"], scope, _stored(row))
+                    except sealing.Unopenable as exc:
+                        unopenable.append((row["id"], str(exc)))
+                        continue
+                    sealed = keyring.seal(row["id"], scope, headers, body)
+                    await connection.execute(
+                        update.sql,
+                        *update.arguments(
+                            {"id": row["id"], "token": row["fencing_token"], "body": sealed.body,
+                             "sealed_with": sealed.key_name, "sealed_headers": sealed.headers}
+                        ),
+                    )  # fmt: skip
+                    resealed += 1
+            left: int = await connection.fetchval(
+                remaining.sql, *remaining.arguments({"newest": keyring.current, "after": last})
+            )
+        return RekeyBatch(resealed, unopenable, last, left, done=not rows)
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:
@@ -270,10 +366,6 @@ def _headers(document: str | None) -> Headers | None:
     return [(name, value) for name, value in json.loads(document)] if document else None
 
 
-def _headers_json(headers: Headers) -> str:
-    return json.dumps([list(pair) for pair in headers])
-
-
 def _record(row: asyncpg.Record) -> Record:
     return Record(
         id=row["id"],
@@ -284,4 +376,33 @@ def _record(row: asyncpg.Record) -> Record:
         headers=_headers(row["response_headers"]),
         body=row["response_body"],
         stored=row["response_stored"],
+        sealed_with=row["sealed_with"],
+        sealed_headers=row["sealed_headers"],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RekeyBatch:
+    resealed: int
+    unopenable: list[tuple[int, str]]  # row id and why
+    last: int  # the highest id looked at: the next batch starts after it
+    left: int  # answers after it still to re-seal
+    done: bool  # nothing was left to look at
+
+
+def _answer_columns(answer: SealedAnswer | None) -> dict[str, object]:
+    """The columns of a stored answer: sealed ones in `sealed_headers` and `response_body`,
+    plaintext headers as JSON in `response_headers`."""
+    if answer is None:
+        return {"headers": None, "body": None, "sealed_with": None, "sealed_headers": None}
+    if answer.key_name is None:
+        return {"headers": answer.headers.decode(), "body": answer.body, "sealed_with": None,
+                "sealed_headers": None}  # fmt: skip
+    return {"headers": None, "body": answer.body, "sealed_with": answer.key_name,
+            "sealed_headers": answer.headers}  # fmt: skip
+
+
+def _stored(row: asyncpg.Record) -> SealedAnswer:
+    if row["sealed_with"] is not None:
+        return SealedAnswer(row["sealed_with"], row["sealed_headers"], row["response_body"])
+    return sealing.plaintext(_headers(row["response_headers"]) or [], row["response_body"])

@@ -33,12 +33,14 @@ WITH claimed AS (
 SELECT true AS claimed, id, fencing_token,
        NULL::bytea AS fingerprint, NULL::text AS state,
        NULL::smallint AS response_status, NULL::jsonb AS response_headers,
-       NULL::bytea AS response_body, NULL::boolean AS response_stored
+       NULL::bytea AS response_body, NULL::boolean AS response_stored,
+       NULL::text AS sealed_with, NULL::bytea AS sealed_headers
 FROM claimed
 UNION ALL
 SELECT false, id, fencing_token, fingerprint,
        oncegate_key_state(state, lease_expires_at, expires_at),
-       response_status, response_headers, response_body, response_stored
+       response_status, response_headers, response_body, response_stored,
+       sealed_with, sealed_headers
 FROM oncegate_keys
 WHERE scope = :scope AND key = :key AND NOT EXISTS (SELECT FROM claimed);
 
@@ -50,7 +52,9 @@ SELECT id,
        response_status,
        response_headers,
        response_body,
-       response_stored
+       response_stored,
+       sealed_with,
+       sealed_headers
 FROM oncegate_keys
 WHERE scope = :scope AND key = :key;
 
@@ -69,7 +73,10 @@ SET route = :route,
     response_status = NULL,
     response_headers = NULL,
     response_body = NULL,
-    response_stored = false
+    response_stored = false,
+    sealed_with = NULL,
+    sealed_headers = NULL,
+    waited = false
 WHERE id = :id
   AND fencing_token = :token
   AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
@@ -91,28 +98,42 @@ RETURNING id, fencing_token;
 
 -- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
--- better than `unknown`); a take-over changed the token and refuses it.
+-- better than `unknown`); a take-over changed the token and refuses it. A settle wakes the
+-- requests waiting on the key (`mark_waited`), delivered when it commits.
 UPDATE oncegate_keys
 SET state = 'completed',
     response_status = :status,
     response_headers = :headers::jsonb,
     response_body = :body,
     response_stored = :stored,
+    sealed_with = :sealed_with,
+    sealed_headers = :sealed_headers,
     completed_at = now(),
     lease_expires_at = NULL
 WHERE id = :id AND fencing_token = :token AND state IN ('in_progress', 'unknown')
-RETURNING id;
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
 
 -- name: release
 DELETE FROM oncegate_keys
 WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
-RETURNING id;
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
 
 -- name: mark_unknown
 UPDATE oncegate_keys
 SET state = 'unknown',
     lease_expires_at = NULL
 WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
+RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
+
+-- name: mark_waited
+-- `Prefer: wait`: ask for a notification when this in-flight key settles (complete, release
+-- and mark_unknown send one for a row marked so; migration 0006). Nothing returned: it is not
+-- in flight any more (or not this claim), so there is nothing to wait for.
+UPDATE oncegate_keys
+SET waited = true
+WHERE id = :id
+  AND fencing_token = :token
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'in_progress'
 RETURNING id;
 
 -- name: purge
@@ -134,11 +155,14 @@ WHERE ctid = ANY(ARRAY(
 -- an index on `key` would cost every claim an extra index write.
 SELECT id,
        route,
+       scope,
        key,
        oncegate_key_state(state, lease_expires_at, expires_at) AS state,
        response_status,
        response_headers,
        response_body,
+       sealed_with,
+       sealed_headers,
        created_at,
        completed_at,
        expires_at
@@ -169,6 +193,8 @@ SET state = 'completed',
     response_headers = :headers::jsonb,
     response_body = :body,
     response_stored = true,
+    sealed_with = :sealed_with,
+    sealed_headers = :sealed_headers,
     completed_at = now()
 WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
@@ -225,3 +251,29 @@ FROM (
     ORDER BY id
     LIMIT :page_size
 ) AS page;
+
+-- name: admin_scope
+SELECT scope FROM oncegate_keys WHERE id = :id;
+
+-- name: rekey_batch
+-- `oncegate rekey`: the next batch (by id, after the last one) of stored answers not sealed
+-- under the newest key, locked so two rekeys or a reclaim never work on the same row at once
+-- (the caller re-seals them in one transaction).
+SELECT id, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
+FROM oncegate_keys
+WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
+ORDER BY id
+LIMIT :batch_size
+FOR UPDATE SKIP LOCKED;
+
+-- name: rekey_row
+UPDATE oncegate_keys
+SET response_headers = NULL,
+    response_body = :body,
+    sealed_with = :sealed_with,
+    sealed_headers = :sealed_headers
+WHERE id = :id AND fencing_token = :token;
+
+-- name: rekey_remaining
+SELECT count(*) FROM oncegate_keys
+WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after;

@@ -3,11 +3,12 @@ gateway as real processes (the helpers of tests/e2e)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from oncegate.store.checkpoints import PostgresCheckpoints
 from tests.e2e.conftest import DemoUpstream, Gateway, free_port
 from tests.e2e.conftest import module_dir as module_dir
 from tests.e2e.conftest import upstream as upstream
@@ -34,3 +35,13 @@ def gateway(
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture
+async def checkpoints(database_url: str) -> AsyncIterator[PostgresCheckpoints]:
+    """The checkpoint store on this module's database, one connection per test."""
+    store = await PostgresCheckpoints.connect(database_url)
+    try:
+        yield store
+    finally:
+        await store.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -11,15 +11,6 @@ import pytest
 from oncegate import schema
 from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
 from oncegate.store.checkpoints import PostgresCheckpoints
-
-
-@pytest.fixture
-async def checkpoints(database_url: str) -> AsyncIterator[PostgresCheckpoints]:
-    store = await PostgresCheckpoints.connect(database_url)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def test_a_run_never_saved_has_no_checkpoint(checkpoints: PostgresCheckpoints) -> None:
@@ -36,10 +27,11 @@ async def test_the_pending_action_is_saved_and_cleared_by_the_next_step(
     checkpoints: PostgresCheckpoints,
 ) -> None:
     at_step_2 = Checkpoint("run-2", "task", 2, ("first",))
-    pending = at_step_2.with_pending({"amount_cents": 1250})
+    saved_at = datetime(2026, 12, 1, 9, 30, 15, 250000, tzinfo=UTC)
+    pending = at_step_2.with_pending({"amount_cents": 1250}, saved_at)
     await checkpoints.save(pending)
     loaded = await checkpoints.load("run-2")
-    assert loaded is not None and loaded.pending == Pending(2, {"amount_cents": 1250})
+    assert loaded is not None and loaded.pending == Pending(2, {"amount_cents": 1250}, saved_at)
     await checkpoints.save(pending.finish({"id": "ch_1"}))
     loaded = await checkpoints.load("run-2")
     assert loaded == Checkpoint("run-2", "task", 3, ("first", {"id": "ch_1"}))
@@ -63,9 +55,35 @@ async def test_an_older_checkpoint_cannot_rewind_a_run(checkpoints: PostgresChec
 async def test_saving_the_same_step_again_is_allowed(checkpoints: PostgresCheckpoints) -> None:
     first = Checkpoint("run-5", "task", 2, ("a",))
     await checkpoints.save(first)
-    await checkpoints.save(first.with_pending({"to": "ana@example.com"}))
+    with_pending = first.with_pending({"to": "ana@example.com"})
+    await checkpoints.save(with_pending)
     loaded = await checkpoints.load("run-5")
-    assert loaded is not None and loaded.pending == Pending(2, {"to": "ana@example.com"})
+    assert loaded is not None and loaded.pending == with_pending.pending
+
+
+async def test_a_pending_action_saved_without_its_time_is_dated_by_its_row(
+    checkpoints: PostgresCheckpoints, database_url: str
+) -> None:
+    # As the library saved pending actions before they carried `saved_at`: the save that set
+    # the pending action was the row's last, so its `updated_at` is when the action was saved.
+    connection = await asyncpg.connect(database_url)
+    try:
+        updated_at = await connection.fetchval(
+            "INSERT INTO oncegate_checkpoints (run_id, task, next_step, outputs, pending, "
+            "updated_at) VALUES ('run-old', 't', 2, '[\"a\"]', "
+            '\'{"step": 2, "params": {"to": "ana"}}\', now() - interval \'3 days\') '
+            "RETURNING updated_at"
+        )
+    finally:
+        await connection.close()
+    loaded = await checkpoints.load("run-old")
+    assert loaded is not None and loaded.pending == Pending(2, {"to": "ana"}, updated_at)
+
+
+def test_a_pending_action_needs_an_aware_time() -> None:
+    with pytest.raises(CheckpointError, match="time zone"):
+        Pending(2, {}, datetime(2026, 12, 1, 9, 30))
+    assert Pending(2, {}, datetime.now(UTC) - timedelta(days=1)).step == 2
 
 
 def test_a_loaded_checkpoint_of_another_run_or_task_is_refused() -> None:
@@ -81,7 +99,7 @@ def test_a_checkpoint_has_one_output_per_finished_step() -> None:
     with pytest.raises(CheckpointError, match="needs 2 outputs"):
         Checkpoint("run-8", "task", 3, ("only one",))
     with pytest.raises(CheckpointError, match="pending action of step 2"):
-        Checkpoint("run-8", "task", 3, ("a", "b"), Pending(2, {}))
+        Checkpoint("run-8", "task", 3, ("a", "b"), Pending(2, {}, datetime.now(UTC)))
 
 
 async def test_the_table_enforces_the_invariants_too(database_url: str) -> None:

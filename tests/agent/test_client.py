@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from oncegate.agent.client import (
     ActionClient,
     GaveUp,
+    KeyLifetime,
     KeyReused,
     OutcomeUnknown,
     RetryPolicy,
@@ -52,10 +54,27 @@ async def test_a_sent_action_and_its_resend_are_performed_once(
     assert len(upstream.actions(key)) == 1
 
 
-async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
+async def test_a_retry_waits_at_the_gateway_for_the_first_attempt_by_default(
     gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
+    slow = asyncio.create_task(
+        client.send("/emails", {"to": "cy@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
+    )
+    await asyncio.sleep(0.2)  # the first attempt holds the key now
+    retried = await client.send("/emails", {"to": "cy@example.com"}, key)
+    first = await slow
+    assert retried.status_code == 201 and retried.json() == first.json()
+    assert retried.headers["preference-applied"] == "wait=10"  # answered by waiting, no 409
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
+    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    # Without `Prefer: wait`, the client polls as the gateway's 409 and Retry-After say.
+    client = ActionClient(http, gateway.url, policy=RetryPolicy(deadline=10.0, wait=0))
+    key = new_key()
     slow = asyncio.create_task(
         client.send("/emails", {"to": "bo@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
     )
@@ -163,3 +182,15 @@ def test_only_the_gateways_problems_have_a_problem_name() -> None:
     )
     assert problem_name(problem) == "request-in-progress"
     assert problem_name(httpx.Response(409, json={"type": "x"})) is None
+
+
+def test_a_key_lifetime_resends_until_its_ttl_less_the_margin() -> None:
+    assert KeyLifetime().resend_until == timedelta(hours=23)
+    lifetime = KeyLifetime(ttl=timedelta(seconds=2), margin=timedelta(seconds=0.5))
+    assert lifetime.resend_until == timedelta(seconds=1.5)
+    with pytest.raises(ValueError, match="must be positive"):
+        KeyLifetime(ttl=timedelta(0))
+    with pytest.raises(ValueError, match="less than the ttl"):
+        KeyLifetime(ttl=timedelta(hours=1), margin=timedelta(hours=1))
+    with pytest.raises(ValueError, match="at least 0"):
+        KeyLifetime(margin=timedelta(seconds=-1))

@@ -12,12 +12,14 @@ import os
 import signal
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 
 from oncegate.agent.checkpoints import JSON, Checkpoint, CheckpointError
-from oncegate.agent.runner import Action, Step, run_agent
+from oncegate.agent.client import KeyLifetime
+from oncegate.agent.runner import Action, StaleAction, Step, allow_resend, mark_done, run_agent
 from oncegate.lab import crashlab
 from oncegate.lab.task import ACTION_STEPS, STEPS, support_task
 from oncegate.store.checkpoints import PostgresCheckpoints
@@ -94,8 +96,9 @@ def test_a_run_killed_at_any_point_resumes_and_performs_each_action_once(
 class Recorder:
     """A sender that performs nothing, for runs whose point is what the runner sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, key_lifetime: KeyLifetime | None = None) -> None:
         self.sent: list[tuple[str, JSON, str | None]] = []
+        self.key_lifetime = key_lifetime
 
     async def send(self, path: str, body: JSON, key: str | None) -> httpx.Response:
         self.sent.append((path, body, key))
@@ -135,3 +138,103 @@ async def test_a_run_id_is_not_resumed_by_another_task(database_url: str) -> Non
             await run_agent("shared-id", support_task("shared-id"), store, Recorder())
     finally:
         await store.close()
+
+
+# --- a resume later than the key's lifetime ---------------------------------------------------
+
+PAY_STEPS = [
+    Step("think", lambda outputs: "thought"),
+    Step("pay", lambda outputs: {"amount_cents": 1}, Action("charge", "/c")),
+    Step("close", lambda outputs: "closed"),
+]
+LIFETIME = KeyLifetime(ttl=timedelta(hours=24), margin=timedelta(hours=1))
+
+
+async def left_pending(store: PostgresCheckpoints, age: timedelta) -> str:
+    """A run stopped at step 2 with its charge saved `age` ago (maybe sent); its id."""
+    run_id = f"late-{uuid.uuid4().hex[:8]}"
+    checkpoint = Checkpoint(run_id, "pay-task", 2, ("thought",))
+    await store.save(checkpoint.with_pending({"amount_cents": 4200}, datetime.now(UTC) - age))
+    return run_id
+
+
+async def test_an_action_saved_longer_ago_than_the_key_lifetime_is_not_resent(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(hours=30))
+    sender = Recorder(LIFETIME)
+    with pytest.raises(StaleAction) as raised:
+        await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
+    assert sender.sent == []
+    stale = raised.value
+    key = f"{run_id}:step-2:charge"
+    assert (stale.run_id, stale.step, stale.key) == (run_id, 2, key)
+    assert timedelta(hours=30) <= stale.age < timedelta(hours=31)
+    message = str(stale)
+    for part in (repr(run_id), "step 2", key, "30.0 h", "mark_done(store,", "allow_resend(store,"):
+        assert part in message
+    # Nothing moved: the run stays stopped at its pending action until someone reconciles it.
+    checkpoint = await checkpoints.load(run_id)
+    assert checkpoint is not None and checkpoint.next_step == 2 and checkpoint.pending is not None
+
+
+async def test_within_the_margin_of_the_lifetime_is_too_late_already(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(hours=23, minutes=30))
+    with pytest.raises(StaleAction):
+        await run_agent(run_id, PAY_STEPS, checkpoints, Recorder(LIFETIME), task="pay-task")
+
+
+async def test_a_fresh_pending_action_is_resent_with_the_same_key(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(hours=22))
+    sender = Recorder(LIFETIME)
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
+    assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
+    assert outputs == ("thought", {"sent": 1}, "closed")
+
+
+async def test_with_the_check_off_a_late_action_is_resent(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(days=3))
+    sender = Recorder(key_lifetime=None)
+    await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
+    assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
+
+
+async def test_allowing_the_resend_explicitly_resends_it_with_the_same_key(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(days=3))
+    with pytest.raises(StaleAction):
+        await run_agent(run_id, PAY_STEPS, checkpoints, Recorder(LIFETIME), task="pay-task")
+    await allow_resend(checkpoints, run_id, 2)
+    sender = Recorder(LIFETIME)
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
+    assert sender.sent == [("/c", {"amount_cents": 4200}, f"{run_id}:step-2:charge")]
+    assert outputs == ("thought", {"sent": 1}, "closed")
+
+
+async def test_marking_the_step_done_records_the_answer_and_sends_nothing(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(days=3))
+    receipt: JSON = {"id": "ch_81", "amount_cents": 4200}
+    await mark_done(checkpoints, run_id, 2, receipt)
+    sender = Recorder(LIFETIME)
+    outputs = await run_agent(run_id, PAY_STEPS, checkpoints, sender, task="pay-task")
+    assert sender.sent == []
+    assert outputs == ("thought", receipt, "closed")
+
+
+async def test_reconciling_a_step_that_has_nothing_pending_is_refused(
+    checkpoints: PostgresCheckpoints,
+) -> None:
+    run_id = await left_pending(checkpoints, timedelta(days=3))
+    with pytest.raises(CheckpointError, match="no pending action at step 3"):
+        await mark_done(checkpoints, run_id, 3, {})
+    with pytest.raises(CheckpointError, match="has no checkpoint"):
+        await allow_resend(checkpoints, "never-ran", 2)

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from oncegate import errors, service
+from oncegate.sealing import plaintext
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
@@ -98,7 +99,7 @@ async def test_the_same_key_in_another_scope_is_another_key(store: Store) -> Non
 async def test_a_completed_key_holds_its_answer(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, [("location", "/a/1")], b'{"id": 1}')
+    assert await store.complete(owner, 201, plaintext([("location", "/a/1")], b'{"id": 1}'))
     found = await record(store, key)
     assert (found.state, found.status, found.body, found.stored) == (
         "completed",
@@ -112,7 +113,7 @@ async def test_a_completed_key_holds_its_answer(store: Store) -> None:
 async def test_an_answer_too_large_to_store_keeps_its_status_only(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, [("location", "/a/1")], None)
+    assert await store.complete(owner, 201, None)
     found = await record(store, key)
     assert (found.state, found.status, found.body, found.stored) == ("completed", 201, None, False)
 
@@ -133,10 +134,10 @@ async def test_a_superseded_token_settles_nothing(store: Store) -> None:
     assert found.state == "unknown"
     new_owner = await store.take_over(found, LONG)
     assert new_owner is not None and new_owner.token > owner.token
-    assert not await store.complete(owner, 201, [], b"stale")
+    assert not await store.complete(owner, 201, plaintext([], b"stale"))
     assert not await store.release(owner)
     assert not await store.mark_unknown(owner)
-    assert await store.complete(new_owner, 201, [], b"fresh")
+    assert await store.complete(new_owner, 201, plaintext([], b"fresh"))
     assert (await record(store, key)).body == b"fresh"
 
 
@@ -153,7 +154,7 @@ async def test_only_an_unknown_key_is_taken_over(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
     assert await store.take_over(await record(store, key), LONG) is None  # in flight
-    assert await store.complete(owner, 201, [], b"done")
+    assert await store.complete(owner, 201, plaintext([], b"done"))
     assert await store.take_over(await record(store, key), LONG) is None  # completed
 
 
@@ -167,7 +168,7 @@ async def test_a_claim_whose_lease_ran_out_reads_unknown(store: Store) -> None:
 async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, 201, [], b"old")
+    assert await store.complete(owner, 201, plaintext([], b"old"))
     await asyncio.sleep(0.5)
     found = await record(store, key)
     assert found.state == "expired"
@@ -177,7 +178,7 @@ async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) 
     assert len([result for result in results if result is not None]) == 1
     fresh = await record(store, key)
     assert (fresh.state, fresh.fingerprint, fresh.body) == ("in_progress", digest("new"), None)
-    assert not await store.complete(owner, 201, [], b"stale")
+    assert not await store.complete(owner, 201, plaintext([], b"stale"))
 
 
 async def test_an_unknown_key_past_its_ttl_is_expired(store: Store) -> None:
@@ -192,7 +193,7 @@ async def test_purge_deletes_expired_keys_only(store: Store) -> None:
     kept, gone = new_key(), new_key()
     await claim(store, kept)
     owner = await claim(store, gone, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, 201, [], b"old")
+    assert await store.complete(owner, 201, plaintext([], b"old"))
     await asyncio.sleep(0.5)
     purged = 0
     while deleted := await store.purge(100):
@@ -208,14 +209,16 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
         assert await store.mark_unknown(await claim(store, key))
     busy = await claim(store, in_flight)
     settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
-    assert await store.resolve_completed(settled_id, 201, [("x-a", "b")], b"found")
-    assert not await store.resolve_completed(settled_id, 201, [], b"twice")  # completed now
+    assert await store.resolve_completed(settled_id, 201, plaintext([("x-a", "b")], b"found"))
+    assert not await store.resolve_completed(
+        settled_id, 201, plaintext([], b"twice")
+    )  # completed now
     found = await record(store, settled)
     assert (found.state, found.body, found.token) == ("completed", b"found", 2)
     assert await store.resolve_released(released_id)
     assert await store.get(SCOPE, released) is None
     assert not await store.resolve_released(busy.record_id)
-    assert not await store.resolve_completed(busy.record_id, 201, [], b"")
+    assert not await store.resolve_completed(busy.record_id, 201, plaintext([], b""))
     assert await store.delete(busy.record_id) is False  # its request is in flight
     assert await store.delete(settled_id) is True
     assert await store.delete(settled_id) is None
@@ -237,7 +240,7 @@ async def test_the_queue_lists_a_state_oldest_first_with_how_keys_turned_unknown
     assert await store.mark_unknown(lost)  # its gateway saw the answer lost
     abandoned = await claimed(lease=0.1)  # its gateway "died": nobody settles it
     done = await claimed()
-    assert await store.complete(done, 201, [], b"done")
+    assert await store.complete(done, 201, plaintext([], b"done"))
     busy = await claimed()
     await asyncio.sleep(0.3)  # the abandoned lease runs out
 
@@ -270,7 +273,7 @@ async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
 ) -> None:
     owners = [await claim(store, new_key()) for _ in range(3)]
     assert await store.mark_unknown(owners[0])
-    assert await store.complete(owners[1], 201, [], b"")
+    assert await store.complete(owners[1], 201, plaintext([], b""))
     after = owners[0].record_id - 1  # this test's keys are the newest ones
     first = await store.count_keys(after, 2)
     assert (first.last_id, first.rows) == (owners[1].record_id, 2)

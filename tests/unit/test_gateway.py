@@ -7,12 +7,14 @@ hands on every look). The in-memory store passes the PostgreSQL store's conforma
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from oncegate import errors, fingerprint, keys, service, settings
+from oncegate import errors, fingerprint, headers, keys, service, settings
+from oncegate.sealing import plaintext
 from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
@@ -158,7 +160,9 @@ async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
                 self.calls.append("claim")
                 winner = await MemoryStore.claim(self, *args, **kwargs)  # type: ignore[arg-type]
                 assert isinstance(winner, Claim)
-                await self.complete(winner, 201, [("location", "/a/1")], b'{"first": true}')
+                await self.complete(
+                    winner, 201, plaintext([("location", "/a/1")], b'{"first": true}')
+                )
                 return None
             return await super().claim(*args, **kwargs)
 
@@ -217,4 +221,72 @@ async def test_an_unknown_key_on_a_forwarding_route_is_taken_over_and_forwarded(
     assert (answer.status, answer.outcome) == (201, "forwarded")
     [found] = await store.find("k5", None)
     assert found.state == "completed"
-    assert not await store.complete(first, 500, [], b"late")  # the old token settles nothing
+    assert not await store.complete(
+        first, 500, plaintext([], b"late")
+    )  # the old token settles nothing
+
+
+def waiting(key: str, gone: asyncio.Event | None = None) -> ProxyRequest:
+    async def hung_up() -> None:
+        assert gone is not None
+        await gone.wait()
+
+    plain = request(key)
+    return ProxyRequest(
+        method=plain.method, path=plain.path, query=plain.query, body=plain.body,
+        headers=[*plain.headers, ("prefer", "wait=10")],
+        client_gone=hung_up if gone is not None else None,
+    )  # fmt: skip
+
+
+async def test_a_waiting_request_is_woken_by_the_settle_and_replayed(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server)
+    first = await store.claim("r", scope_of(route), "w1", REQUEST_FINGERPRINT, 600, 600)
+    assert isinstance(first, Claim)
+    waiter = asyncio.create_task(Gateway(store, upstream).handle(route, waiting("w1")))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # waiting, not answered 409
+    assert await store.complete(first, 201, plaintext([("location", "/a/1")], b"settled"))
+    answer = await asyncio.wait_for(waiter, 10)
+    assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
+    assert ("preference-applied", "wait=10") in answer.headers
+    assert upstream_server.requests("w1") == []
+
+
+async def test_a_waiting_request_whose_client_hangs_up_stops_and_claims_nothing(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server)
+    first = await store.claim("r", scope_of(route), "w2", REQUEST_FINGERPRINT, 600, 600)
+    assert isinstance(first, Claim)
+    gone = asyncio.Event()
+    waiter = asyncio.create_task(Gateway(store, upstream).handle(route, waiting("w2", gone)))
+    await asyncio.sleep(0.05)
+    gone.set()
+    with pytest.raises(service.ClientGone):
+        await asyncio.wait_for(waiter, 10)
+    assert await store.release(first)  # the first claim is untouched, still its owner's
+    assert upstream_server.requests("w2") == []
+
+
+@pytest.mark.parametrize(
+    ("values", "seconds"),
+    [
+        (["wait=5"], 5),
+        (["respond-async, wait=7"], 7),
+        (["wait = 3 ; extra"], 3),
+        (['wait="4"'], 4),
+        (["handling=lenient", "wait=2"], 2),
+        (["wait=soon"], None),
+        (["wait=-1"], None),
+        ([], None),
+    ],
+)
+def test_the_wait_preference_is_read_as_rfc_7240_says(
+    values: list[str], seconds: int | None
+) -> None:
+    assert headers.requested_wait(values) == seconds

@@ -1,0 +1,58 @@
+"""`oncegate rekey`: re-seal every stored answer under the newest key, so an old one can go.
+
+Batches are bounded (each is one transaction that locks its rows, skipping rows another rekey
+holds), so a rekey can run beside live gateways and be stopped and started again at any point:
+it picks up what is left. On a terminal it draws a progress bar; otherwise it prints one line per
+batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TextIO
+
+from .sealing import Keyring
+from .store.postgres import PostgresStore
+
+BATCH_SIZE = 500
+_BAR = 30
+
+
+def run(
+    database_url: str, keyring: Keyring, out: TextIO, batch_size: int = BATCH_SIZE
+) -> tuple[int, list[tuple[int, str]]]:
+    """Re-seal everything; return how many answers were re-sealed, and the ids of those that
+    could not be opened (their key is missing, or they were changed), with why."""
+    return asyncio.run(_run(database_url, keyring, out, batch_size))
+
+
+async def _run(
+    database_url: str, keyring: Keyring, out: TextIO, batch_size: int
+) -> tuple[int, list[tuple[int, str]]]:
+    store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
+    done, unopenable, after = 0, [], 0
+    try:
+        while True:
+            batch = await store.rekey(keyring, batch_size, after)
+            done += batch.resealed
+            unopenable += batch.unopenable
+            after = batch.last
+            _progress(out, done + len(unopenable), batch.left, keyring.current)
+            if batch.done or batch.left == 0:
+                break
+    finally:
+        await store.close()
+    if out.isatty():
+        out.write("\n")
+    return done, unopenable
+
+
+def _progress(out: TextIO, done: int, left: int, key_name: str) -> None:
+    """`done`: answers looked at so far (re-sealed, or found unopenable)."""
+    total = done + left
+    if out.isatty():
+        filled = _BAR if total == 0 else _BAR * done // total
+        out.write(f"\r[{'#' * filled}{'.' * (_BAR - filled)}] {done}/{total} under {key_name}")
+    else:
+        out.write(f"looked at {done} answers for {key_name}, {left} left\n")
+    out.flush()

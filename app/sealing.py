@@ -1,0 +1,161 @@
+"""Sealing stored answers: AES-256-GCM, under named keys (`ONCEGATE_ENCRYPTION_KEYS`).
+
+Stored bodies and headers of a payment API are card and personal data. With a keyring, every
+answer is sealed before it reaches the database, and nothing of it is there in plaintext but
+its status:
+
+- `ONCEGATE_ENCRYPTION_KEYS` is `name:base64,name:base64,...`, each key 32 random bytes. The first
+  seals; every one opens, so a key is rotated by putting a new one first and retired after
+  `oncegate rekey` has re-sealed the rows under the new one.
+- A sealed value is a 12-byte random nonce and the ciphertext with its tag. The key's name is
+  stored beside it, and the row's id, its scope and which part it is (headers or body) are bound
+  as associated data: a sealed answer moved to another row, another scope or the other column
+  does not open.
+- A value that does not open (its key is not configured, or it was changed) raises `Unopenable`:
+  the gateway answers 503 `answer-sealed` and never forwards the request again, since it was
+  performed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from . import errors
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+_NONCE_BYTES = 12  # the size GCM is designed for; random per value, never reused in practice
+KEY_BYTES = 32
+
+
+class Unopenable(Exception):
+    """A sealed value that cannot be opened: its key is not configured, or it was changed."""
+
+    def __init__(self, message: str, key_name: str) -> None:
+        super().__init__(message)
+        self.key_name = key_name
+
+
+@dataclass(frozen=True, slots=True)
+class SealedAnswer:
+    """An answer's headers and body as they are stored: sealed under `key_name`, or in plaintext
+    when `key_name` is None."""
+
+    key_name: str | None
+    headers: bytes  # JSON of the header pairs, sealed or not
+    body: bytes | None  # None: not stored (too large, or `store: status_only`)
+
+
+class Keyring:
+    def __init__(self, keys: Sequence[tuple[str, bytes]]) -> None:
+        if not keys:
+            raise ValueError("a keyring needs at least one key")
+        self.current = keys[0][0]
+        self._ciphers = {name: AESGCM(key) for name, key in keys}
+
+    @classmethod
+    def parse(cls, text: str) -> Keyring:
+        """`name:base64,...`, checked whole; the message never holds key material."""
+        keys: list[tuple[str, bytes]] = []
+        for position, entry in enumerate(part.strip() for part in text.split(",")):
+            name, separator, encoded = entry.partition(":")
+            where = f"ONCEGATE_ENCRYPTION_KEYS entry {position + 1}"
+            if not separator or not _NAME.match(name):
+                raise errors.ConfigError(
+                    f"{where}: give name:base64-key, the name 1-32 letters, digits, '.', '_' or '-'"
+                )
+            try:
+                key = base64.b64decode(encoded, validate=True)
+            except binascii.Error:
+                raise errors.ConfigError(f"{where} ({name}): the key is not base64") from None
+            if len(key) != KEY_BYTES:
+                raise errors.ConfigError(
+                    f"{where} ({name}): the key is {len(key)} bytes; AES-256 needs {KEY_BYTES} "
+                    f"(make one with: python -c 'import os, base64; "
+                    f"print(base64.b64encode(os.urandom({KEY_BYTES})).decode())')"
+                )
+            if any(name == known for known, _ in keys):
+                raise errors.ConfigError(f"{where}: the name {name!r} is given twice")
+            keys.append((name, key))
+        return cls(keys)
+
+    def names(self) -> list[str]:
+        return list(self._ciphers)
+
+    def seal(self, record_id: int, scope: bytes, headers: Sequence[tuple[str, str]],
+             body: bytes | None) -> SealedAnswer:  # fmt: skip
+        cipher = self._ciphers[self.current]
+        return SealedAnswer(
+            key_name=self.current,
+            headers=_seal(cipher, _headers_json(headers), _bound(record_id, scope, b"headers")),
+            body=None if body is None else _seal(cipher, body, _bound(record_id, scope, b"body")),
+        )
+
+    def open(
+        self, record_id: int, scope: bytes, stored: SealedAnswer
+    ) -> tuple[list[tuple[str, str]], bytes | None]:
+        """The headers and body of a stored answer, sealed or not."""
+        if stored.key_name is None:
+            return header_pairs(stored.headers), stored.body
+        cipher = self._ciphers.get(stored.key_name)
+        if cipher is None:
+            raise Unopenable(
+                f"sealed with key {stored.key_name!r}, which ONCEGATE_ENCRYPTION_KEYS does not "
+                "hold",
+                stored.key_name,
+            )
+        headers = _open(cipher, stored, stored.headers, _bound(record_id, scope, b"headers"))
+        body = None
+        if stored.body is not None:
+            body = _open(cipher, stored, stored.body, _bound(record_id, scope, b"body"))
+        return header_pairs(headers), body
+
+
+def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
+    """An answer stored as it is (no keyring)."""
+    return SealedAnswer(key_name=None, headers=_headers_json(headers), body=body)
+
+
+def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes | None]:
+    """Open without a keyring: plaintext rows only."""
+    if stored.key_name is not None:
+        raise Unopenable(
+            f"sealed with key {stored.key_name!r}, and ONCEGATE_ENCRYPTION_KEYS is not set",
+            stored.key_name,
+        )
+    return header_pairs(stored.headers), stored.body
+
+
+def _bound(record_id: int, scope: bytes, part: bytes) -> bytes:
+    return b"oncegate:1:" + str(record_id).encode() + b":" + scope + b":" + part
+
+
+def _seal(cipher: AESGCM, data: bytes, associated: bytes) -> bytes:
+    nonce = os.urandom(_NONCE_BYTES)
+    return nonce + cipher.encrypt(nonce, data, associated)
+
+
+def _open(cipher: AESGCM, stored: SealedAnswer, data: bytes, associated: bytes) -> bytes:
+    try:
+        return cipher.decrypt(data[:_NONCE_BYTES], data[_NONCE_BYTES:], associated)
+    except InvalidTag:
+        raise Unopenable(
+            "does not open: it was changed, or moved from another row", stored.key_name or ""
+        ) from None
+
+
+def _headers_json(headers: Sequence[tuple[str, str]]) -> bytes:
+    return json.dumps([list(pair) for pair in headers]).encode()
+
+
+def header_pairs(data: bytes) -> list[tuple[str, str]]:
+    """Header pairs from their stored JSON."""
+    return [(name, value) for name, value in json.loads(data)]

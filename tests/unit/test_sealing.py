@@ -1,0 +1,91 @@
+"""oncegate.sealing: AES-256-GCM under named keys, bound to the row (contract section 9)."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import pytest
+
+from oncegate import errors, sealing
+from oncegate.sealing import Keyring, SealedAnswer, Unopenable
+
+SCOPE = b"s" * 32
+HEADERS = [("content-type", "application/json"), ("location", "/charges/ch_1")]
+BODY = b'{"id": "ch_1", "card": "4242"}'
+
+
+def key() -> str:
+    return base64.b64encode(os.urandom(32)).decode()
+
+
+def keyring(*names: str) -> Keyring:
+    return Keyring.parse(",".join(f"{name}:{key()}" for name in names))
+
+
+def test_a_sealed_answer_opens_to_what_was_sealed_and_holds_no_plaintext() -> None:
+    ring = keyring("k1")
+    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
+    assert sealed.key_name == "k1"
+    assert sealed.body is not None and b"4242" not in sealed.body
+    assert b"ch_1" not in sealed.headers and b"location" not in sealed.headers
+    assert ring.open(7, SCOPE, sealed) == (HEADERS, BODY)
+
+
+def test_the_first_key_seals_and_every_key_opens() -> None:
+    old_text, new_text = f"k1:{key()}", f"k2:{key()}"
+    old = Keyring.parse(old_text)
+    sealed_old = old.seal(1, SCOPE, HEADERS, BODY)
+    rotated = Keyring.parse(f"{new_text},{old_text}")
+    assert rotated.seal(1, SCOPE, HEADERS, BODY).key_name == "k2"
+    assert rotated.open(1, SCOPE, sealed_old) == (HEADERS, BODY)
+    with pytest.raises(Unopenable, match="does not hold") as refused:
+        Keyring.parse(new_text).open(1, SCOPE, sealed_old)
+    assert refused.value.key_name == "k1"
+
+
+@pytest.mark.parametrize(
+    "moved",
+    [
+        lambda sealed: (8, SCOPE, sealed),  # another row
+        lambda sealed: (7, b"t" * 32, sealed),  # another scope
+        lambda sealed: (7, SCOPE, SealedAnswer("k1", sealed.body, sealed.headers)),  # swapped
+        lambda sealed: (7, SCOPE, SealedAnswer("k1", sealed.headers, _flip(sealed.body))),
+        lambda sealed: (7, SCOPE, SealedAnswer("k1", _flip(sealed.headers), sealed.body)),
+    ],
+    ids=["row", "scope", "swapped-columns", "body-byte", "headers-byte"],
+)
+def test_a_sealed_answer_moved_or_changed_does_not_open(moved: object) -> None:
+    ring = keyring("k1")
+    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
+    record_id, scope, stored = moved(sealed)  # type: ignore[operator]
+    with pytest.raises(Unopenable, match="does not open"):
+        ring.open(record_id, scope, stored)
+
+
+def _flip(data: bytes | None) -> bytes:
+    assert data is not None
+    return data[:20] + bytes([data[20] ^ 1]) + data[21:]
+
+
+def test_plaintext_answers_open_without_a_keyring_and_sealed_ones_do_not() -> None:
+    assert sealing.open_plain(sealing.plaintext(HEADERS, BODY)) == (HEADERS, BODY)
+    with pytest.raises(Unopenable, match="not set"):
+        sealing.open_plain(keyring("k1").seal(1, SCOPE, HEADERS, BODY))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("k1", "name:base64-key"),
+        ("k1:not base64!", "not base64"),
+        (f"k1:{base64.b64encode(os.urandom(16)).decode()}", "16 bytes; AES-256 needs 32"),
+        (f"k1:{key()},k1:{key()}", "given twice"),
+        (f"bad name:{key()}", "name:base64-key"),
+    ],
+)
+def test_a_bad_keyring_is_refused_without_showing_key_material(text: str, message: str) -> None:
+    with pytest.raises(errors.ConfigError, match=message) as refused:
+        Keyring.parse(text)
+    secret = text.rpartition(":")[2]
+    assert len(secret) < 8 or secret not in str(refused.value)

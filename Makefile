@@ -18,17 +18,19 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	@VENV=$(VENV) bash scripts/run.sh
 
-# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus (Debian's package),
-# installed here when it can be (root, with apt-get). Elsewhere those tests say they are skipped
-# and the rest of the suite runs; CI (root on Debian) always has it.
+# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus, and
+# tests/e2e/test_queue.py drives /admin/ui in a real headless Chromium (both Debian's packages),
+# installed here when they can be (root, with apt-get). Elsewhere those tests say they are
+# skipped and the rest of the suite runs; CI (root on Debian) always has them.
 test-tools: $(STAMP)
-	@command -v prometheus >/dev/null || { \
+	@{ command -v prometheus >/dev/null && command -v chromium >/dev/null; } || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-				apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+				apt-get install -y -qq --no-install-recommends prometheus chromium >/dev/null; \
 		else \
-			echo "make test: prometheus is not installed and cannot be installed here" \
-				"(needs root and apt-get): the dashboard's tests will be skipped."; \
+			echo "make test: prometheus or chromium is not installed and cannot be installed" \
+				"here (needs root and apt-get): the dashboard's and the admin page's tests" \
+				"will be skipped."; \
 		fi; }
 
 # The whole suite but the slowest fault tests (a few minutes).

@@ -175,6 +175,10 @@ def _parser() -> argparse.ArgumentParser:
     lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
     lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
     lab.set_defaults(run=_lab)
+
+    from . import operator_cli  # `oncegate keys`: the admin API from a terminal
+
+    operator_cli.add_parser(commands)
     return parser
 
 
@@ -505,7 +509,7 @@ async def _check_schema(url: str) -> int:
                 f"the database is at schema revision {revision or 'none'}, this gateway needs "
                 f"{schema.head()}: run `oncegate migrate` first"
             )
-        return await store.count_keys()
+        return await store.total_keys()
     finally:
         await store.close()
 

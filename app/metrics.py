@@ -86,6 +86,15 @@ KEYS_PURGED = Counter(
     "Expired keys deleted by the purger.",
 )
 
+KEYS = Gauge(
+    "oncegate_keys",
+    "Keys in the store by state, counted by a periodic sweep of the table (every "
+    "key_count_interval); the same database-wide figure from every gateway.",
+    ["state"],
+    # Every worker sweeps the same table: the freshest figure is the one to show, not a sum.
+    multiprocess_mode="livemostrecent",
+)
+
 
 def exposition() -> bytes:
     """The text for `/metrics`: this process's metrics, or with --workers every worker's."""

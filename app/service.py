@@ -35,17 +35,29 @@ key turns `unknown` when its lease runs out: the safe direction.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from . import errors, fingerprint, headers, keys, metrics, sealing
 from .routing import upstream_url
 from .sealing import Keyring, Sealer
 from .settings import ROUTE_NAME, Route
-from .store import AdminStore, Claim, KeyRecord, Record, Store
+from .store import (
+    LISTED_STATES,
+    AdminStore,
+    Claim,
+    KeyRecord,
+    Listed,
+    QueuedKey,
+    Record,
+    Store,
+)
 from .store.notify import Watch
 from .upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 
@@ -69,6 +81,14 @@ PREFERENCE_APPLIED = "preference-applied"
 # on the same table never wait behind it; the pause between batches leaves room for traffic.
 PURGE_BATCH_SIZE = 1000
 PURGE_PAUSE = 0.05
+# The gauge `oncegate_keys` is counted by a sweep over the table in primary-key pages: each
+# statement reads at most this many rows (a few milliseconds), and the pause between pages
+# leaves the database to the traffic, as the purger does.
+KEY_COUNT_PAGE_SIZE = 5000
+KEY_COUNT_PAUSE = 0.02
+# One page of the operator's queue: enough for a screen, small enough to scan quickly.
+QUEUE_PAGE_SIZE = 100
+QUEUE_MAX_PAGE_SIZE = 1000
 
 
 # Resolves when the client has hung up (the proxy port watches its connection).
@@ -505,11 +525,12 @@ def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
 
 
 class Operator:
-    """What an operator may do to keys, for the admin API (contract section 6): look a key up in
-    every scope, release it, or settle an `unknown` one. The rules are here, not in the HTTP
-    layer: a key in flight is never released under its request, only an `unknown` key is
-    resolved, and input that cannot name a key never reaches the store. With a keyring, the
-    answers it stores are sealed and the ones it shows are opened."""
+    """What an operator may do to keys, for the admin API, its page and `oncegate keys` (contract
+    sections 6 and 9): look a key up in every scope, list the queue of keys in a state, release
+    a key, or settle an `unknown` one. The rules are here, not in the HTTP layer: a key in
+    flight is never released under its request, only an `unknown` key is resolved, and input
+    that cannot name a key never reaches the store. With a keyring, the answers it stores
+    are sealed and the ones it shows are opened."""
 
     def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
         self._store = store
@@ -524,14 +545,44 @@ class Operator:
         except sealing.Unopenable:
             return None, None
 
+    async def queue(
+        self,
+        state: str,
+        route: str | None = None,
+        since: datetime | None = None,
+        cursor: str | None = None,
+        limit: int = QUEUE_PAGE_SIZE,
+    ) -> QueuePage:
+        """Keys in `state` (the operator's queue: `unknown`), oldest first, one page. The
+        cursor is opaque to clients: the (created_at, id) of the last key of a page, so a page
+        is never shifted by keys settled or added while an operator reads the one before."""
+        listed = _listed(state)
+        _check_route(route)
+        if since is not None and since.tzinfo is None:
+            raise errors.InvalidRequest(
+                "since needs a time zone, e.g. 2026-12-03T06:00:00Z, so it names one moment"
+            )
+        if not 0 < limit <= QUEUE_MAX_PAGE_SIZE:
+            raise errors.InvalidRequest(f"limit must be 1 to {QUEUE_MAX_PAGE_SIZE}")
+        after = decode_cursor(cursor) if cursor is not None else None
+        # One more than asked for says whether another page follows.
+        found = await self._store.queue(listed, route, since, after, limit + 1)
+        records = found[:limit]
+        return QueuePage(records, encode_cursor(records[-1]) if len(found) > limit else None)
+
+    async def describe(self, record_id: int) -> QueuedKey:
+        found = await self._store.describe(_existing_id(record_id))
+        if found is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        return found
+
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not (key.isascii() and key.isprintable()):
             raise errors.InvalidRequest(
                 f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
                 "Idempotency-Key is"
             )
-        if route is not None and not ROUTE_NAME.match(route):
-            raise errors.InvalidRequest(f"route must be a route name ({ROUTE_NAME.pattern})")
+        _check_route(route)
         return await self._store.find(key, route)
 
     async def release(self, record_id: int) -> None:
@@ -566,6 +617,44 @@ class Operator:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 
 
+@dataclass(frozen=True, slots=True)
+class QueuePage:
+    records: list[QueuedKey]
+    cursor: str | None  # where the next page starts; None on the last page
+
+
+def _check_route(route: str | None) -> None:
+    if route is not None and not ROUTE_NAME.match(route):
+        raise errors.InvalidRequest(f"route must be a route name ({ROUTE_NAME.pattern})")
+
+
+def _listed(state: str) -> Listed:
+    for listed in LISTED_STATES:
+        if state == listed:
+            return listed
+    raise errors.InvalidRequest(f"state must be one of {', '.join(LISTED_STATES)}")
+
+
+def encode_cursor(record: QueuedKey) -> str:
+    text = f"{record.created_at.isoformat()}|{record.id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        moment, _, number = text.partition("|")
+        after = (datetime.fromisoformat(moment), int(number))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise errors.InvalidRequest(
+            "cursor is not one this gateway gave out: pass the `cursor` of the previous page "
+            "unchanged"
+        ) from None
+    if after[0].tzinfo is None or not 0 < after[1] < 2**63:
+        raise errors.InvalidRequest("cursor is not one this gateway gave out")
+    return after
+
+
 def _existing_id(record_id: int) -> int:
     """Row ids are positive 64-bit integers: any other number names no key."""
     if not 0 < record_id < 2**63:
@@ -585,3 +674,27 @@ async def purge_expired(
         if deleted < batch_size:
             return total
         await asyncio.sleep(pause)
+
+
+async def count_keys(
+    store: AdminStore,
+    page_size: int = KEY_COUNT_PAGE_SIZE,
+    pause: float = KEY_COUNT_PAUSE,
+) -> dict[Listed, int]:
+    """Count every key by state, one bounded page at a time, then set `oncegate_keys{state}`.
+
+    The gauge changes once per sweep, to the sweep's totals, never to a half-counted figure.
+    A key that changes state while the sweep runs is counted as it was when its page was read."""
+    totals: dict[Listed, int] = dict.fromkeys(LISTED_STATES, 0)
+    after = 0
+    while True:
+        page = await store.count_keys(after, page_size)
+        for state, count in page.counts.items():
+            totals[state] += count
+        if page.last_id is None or page.rows < page_size:
+            break
+        after = page.last_id
+        await asyncio.sleep(pause)
+    for state, count in totals.items():
+        metrics.KEYS.labels(state).set(count)
+    return totals

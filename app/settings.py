@@ -237,6 +237,8 @@ class Settings(BaseModel):
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     purge_interval: Duration = 60.0
+    # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
+    key_count_interval: Duration = 30.0
     # `name:base64,...`: seal stored answers (oncegate.sealing). Checked at load, never echoed.
     encryption_keys: str | None = None
     routes: tuple[Route, ...] = ()

@@ -20,10 +20,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, model_validator
 
-from .. import errors, headers, schema
+from .. import errors, headers, schema, service
 from .. import metrics as app_metrics
 from ..service import Operator
-from ..store import KeyRecord, State
+from ..store import Cause, KeyRecord, QueuedKey, State
 from .app import Runtime
 
 router = APIRouter()
@@ -139,17 +139,76 @@ def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
     return view
 
 
+class QueuedView(BaseModel):
+    """A key in the operator's queue, with what the gateway knows of it. Which gateway sent it
+    is not known: claims do not record it."""
+
+    id: int
+    route: str
+    key: str
+    state: State
+    cause: Cause | None = Field(
+        description="how an unknown key turned unknown: answer_lost (the upstream timed out or "
+        "broke the connection after the request was sent) or lease_expired (its gateway never "
+        "settled it: it died, or PostgreSQL failed when it stored the answer)"
+    )
+    status: int | None = Field(description="the upstream's status, when an answer was stored")
+    created_at: datetime = Field(description="when the key was claimed and its request sent")
+    lease_expires_at: datetime | None = Field(
+        description="in flight: when its lease runs out; lease_expired: when it ran out"
+    )
+    completed_at: datetime | None
+    expires_at: datetime = Field(description="after this, a retry is forwarded as a new request")
+
+
+class Queue(BaseModel):
+    records: list[QueuedView]
+    next_cursor: str | None = Field(
+        description="pass as ?cursor= for the next page; null on the last page"
+    )
+
+
+def queued_view(record: QueuedKey) -> QueuedView:
+    return QueuedView.model_validate(record, from_attributes=True)
+
+
 @router.get(
     "/admin/keys",
-    summary="A key in every scope",
+    summary="A key in every scope (?key=), or the queue of keys in a state (?state=unknown)",
     dependencies=[Admin],
     responses={401: {"description": "no or wrong token"}, 404: {"description": "no token set"}},
 )
 async def find_keys(
-    runtime: RuntimeDep, key: str, route: str | None = None, body: bool = False
-) -> KeyList:
-    records = await runtime.operator.find(key, route)
-    return KeyList(records=[_view(record, body, runtime.operator) for record in records])
+    runtime: RuntimeDep,
+    key: str | None = None,
+    route: str | None = None,
+    body: bool = False,
+    state: str | None = None,
+    since: datetime | None = None,
+    cursor: str | None = None,
+    limit: int = service.QUEUE_PAGE_SIZE,
+) -> KeyList | Queue:
+    if key is not None:
+        if state is not None:
+            raise errors.InvalidRequest("give key (one key in every scope) or state, not both")
+        records = await runtime.operator.find(key, route)
+        return KeyList(records=[_view(record, body, runtime.operator) for record in records])
+    if state is None:
+        raise errors.InvalidRequest(
+            "give key=K (one key in every scope) or state=unknown (the queue, oldest first)"
+        )
+    page = await runtime.operator.queue(state, route, since, cursor, limit)
+    return Queue(records=[queued_view(record) for record in page.records], next_cursor=page.cursor)
+
+
+@router.get(
+    "/admin/keys/{record_id}",
+    summary="One key by its id, with what the gateway knows of it",
+    dependencies=[Admin],
+    responses={404: {"description": "no such key"}},
+)
+async def describe_key(runtime: RuntimeDep, record_id: int) -> QueuedView:
+    return queued_view(await runtime.operator.describe(record_id))
 
 
 @router.delete(

@@ -44,6 +44,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     keyring = settings.keyring()
     gateway = service.Gateway(store, upstream, keyring)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
+    counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
         # Every route's block counters exist from the start, at zero, so a dashboard's rate()
         # has a series to show before the first duplicate arrives.
@@ -59,9 +60,10 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         )
     finally:
         await gateway.drain()
-        purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await purger
+        for task in (purger, counter):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await upstream.aclose()
         await store.close()
 
@@ -72,7 +74,7 @@ def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:
-    from . import admin
+    from . import admin, ui
 
     app = FastAPI(
         title="oncegate admin",
@@ -81,6 +83,8 @@ def create_admin_app(runtime: Runtime) -> FastAPI:
     )
     app.state.runtime = runtime
     app.include_router(admin.router)
+    app.include_router(ui.router)
+    app.add_exception_handler(ui.LoginNeeded, ui.login_needed)
     # One error format on both ports: FastAPI's own errors are turned into problems too.
     app.add_exception_handler(errors.GatewayError, _render_problem)
     app.add_exception_handler(RequestValidationError, _render_invalid_request)
@@ -109,7 +113,7 @@ async def _render_http_error(request: Request, error: Exception) -> Response:
     if error.status_code == 404:
         problem: errors.GatewayError = errors.NotFound(
             f"the admin port has no {request.url.path!r}: it serves /metrics, /healthz, "
-            "/readyz and /admin/keys"
+            "/readyz, /admin/keys and /admin/ui"
         )
     else:
         problem = errors.InvalidRequest(str(error.detail), status=error.status_code)
@@ -126,3 +130,13 @@ async def _purge_forever(store: PostgresStore, interval: float) -> None:
             await service.purge_expired(store)
         except errors.StoreUnavailable:
             log.warning("purge skipped: the store is unavailable; trying again in %gs", interval)
+
+
+async def _count_keys_forever(store: PostgresStore, interval: float) -> None:
+    """Keep `oncegate_keys{state}` current: count at start, then every `interval`."""
+    while True:
+        try:
+            await service.count_keys(store)
+        except errors.StoreUnavailable:
+            log.warning("key count skipped: the store is unavailable; again in %gs", interval)
+        await asyncio.sleep(interval)

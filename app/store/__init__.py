@@ -91,6 +91,43 @@ def _stored_answer(
     return sealing.plaintext(headers or [], body)
 
 
+# How a key turned `unknown`, read from what its last writer stored (not from the clock):
+# `answer_lost`: its gateway sent the request and marked the key, because the upstream timed out
+# or broke the connection before its whole answer came back; `lease_expired`: its gateway never
+# settled it (the gateway died, or PostgreSQL failed when it tried to store the answer) and the
+# lease ran out.
+Cause = Literal["answer_lost", "lease_expired"]
+# The states the gauge `oncegate_keys` and the operator's queue know. `expired` keys are new keys
+# waiting for the purger: nobody acts on them.
+Listed = Literal["in_progress", "completed", "unknown"]
+LISTED_STATES: tuple[Listed, ...] = ("in_progress", "completed", "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedKey:
+    """A key in the operator's queue: what the gateway knows about it without its answer."""
+
+    id: int
+    route: str
+    key: str
+    state: State
+    cause: Cause | None  # set when `state` is `unknown`
+    status: int | None  # the upstream's status, when an answer was stored
+    created_at: datetime  # claimed, and sent upstream right after
+    lease_expires_at: datetime | None  # in flight: until when; `lease_expired`: when it ran out
+    completed_at: datetime | None
+    expires_at: datetime  # after this a retry is a new request, forwarded again
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCount:
+    """One page of the sweep that counts keys by state: rows `after` < id <= `last_id`."""
+
+    last_id: int | None  # None: no rows past `after`
+    rows: int
+    counts: dict[Listed, int]
+
+
 class Store(Protocol):
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
@@ -133,7 +170,8 @@ class Store(Protocol):
 
 
 class AdminStore(Protocol):
-    """What the admin API needs: find a key, release it, or settle an `unknown` one."""
+    """What the admin API needs: find a key, list the keys in a state, release a key, or settle
+    an `unknown` one; and the count by state behind the gauge `oncegate_keys`."""
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]: ...
 
@@ -148,5 +186,21 @@ class AdminStore(Protocol):
 
     async def resolve_released(self, record_id: int) -> bool:
         """Delete an `unknown` key; False if there is no such `unknown` key."""
+
+    async def queue(
+        self,
+        state: Listed,
+        route: str | None,
+        since: datetime | None,
+        after: tuple[datetime, int] | None,
+        limit: int,
+    ) -> list[QueuedKey]:
+        """Keys in `state`, oldest first (`created_at`, then `id`), claimed at or after `since`,
+        and after the key `after` names (created_at, id): at most `limit`."""
+
+    async def describe(self, record_id: int) -> QueuedKey | None: ...
+
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        """Count by state the first `limit` rows whose id is above `after`, in id order."""
 
     async def schema_revision(self) -> str | None: ...

@@ -21,7 +21,7 @@ from typing import Literal
 
 from .. import sealing
 from ..sealing import SealedAnswer
-from . import Claim, Headers, KeyRecord, Record, State
+from . import Cause, Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record, State
 from .notify import Watch, Watchers
 
 
@@ -253,6 +253,68 @@ class MemoryStore:
             return False
         del self._rows[(row.scope, row.key)]
         return True
+
+    async def queue(
+        self,
+        state: Listed,
+        route: str | None,
+        since: datetime | None,
+        after: tuple[datetime, int] | None,
+        limit: int,
+    ) -> list[QueuedKey]:
+        await self._yield()
+        now = self._clock()
+        found = sorted(
+            (
+                self._queued(row, now)
+                for row in self._rows.values()
+                if state_of(row, now) == state and (route is None or row.route == route)
+            ),
+            key=lambda queued: (queued.created_at, queued.id),
+        )
+        return [
+            queued
+            for queued in found
+            if (since is None or queued.created_at >= since)
+            and (after is None or (queued.created_at, queued.id) > after)
+        ][:limit]
+
+    async def describe(self, record_id: int) -> QueuedKey | None:
+        await self._yield()
+        row = self._by_id(record_id)
+        return self._queued(row, self._clock()) if row is not None else None
+
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        await self._yield()
+        now = self._clock()
+        rows = sorted(self._rows.values(), key=lambda row: row.id)
+        page = [row for row in rows if row.id > after][:limit]
+        counts: dict[Listed, int] = {"in_progress": 0, "completed": 0, "unknown": 0}
+        for row in page:
+            state = state_of(row, now)
+            if state != "expired":
+                counts[state] += 1
+        return KeyCount(last_id=page[-1].id if page else None, rows=len(page), counts=counts)
+
+    def _queued(self, row: _Row, now: float) -> QueuedKey:
+        state = state_of(row, now)
+        cause: Cause | None = None
+        if state == "unknown":
+            cause = "answer_lost" if row.state == "unknown" else "lease_expired"
+        return QueuedKey(
+            id=row.id,
+            route=row.route,
+            key=row.key,
+            state=state,
+            cause=cause,
+            status=row.status,
+            created_at=_datetime(row.created_at),
+            lease_expires_at=None
+            if row.lease_expires_at is None
+            else _datetime(row.lease_expires_at),
+            completed_at=None if row.completed_at is None else _datetime(row.completed_at),
+            expires_at=_datetime(row.expires_at),
+        )
 
     def _by_id(self, record_id: int) -> _Row | None:
         return next((row for row in self._rows.values() if row.id == record_id), None)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -32,7 +33,7 @@ import asyncpg
 
 from .. import sealing, tracing
 from ..sealing import Keyring, SealedAnswer
-from . import Claim, Headers, KeyRecord, Record
+from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
 from .errors import DRIVER_ERRORS, Outage, translated
 from .notify import Watch, Watchers
 from .queries import QUERIES
@@ -310,10 +311,68 @@ class PostgresStore:
     async def resolve_released(self, record_id: int) -> bool:
         return await self._fetchrow("admin_resolve_released", id=record_id) is not None
 
-    @translated("count_keys")
-    async def count_keys(self) -> int:
-        keys: int = (await self._fetchrow("count_keys"))["keys"]
+    @translated("total_keys")
+    async def total_keys(self) -> int:
+        """Every row of the key table, expired ones not yet purged included."""
+        keys: int = (await self._fetchrow("total_keys"))["keys"]
         return keys
+
+    @translated("admin_queue")
+    async def queue(
+        self,
+        state: Listed,
+        route: str | None,
+        since: datetime | None,
+        after: tuple[datetime, int] | None,
+        limit: int,
+    ) -> list[QueuedKey]:
+        return await self._queued(
+            id=None, state=state, route=route, since=since, after=after, limit=limit
+        )
+
+    @translated("admin_describe")
+    async def describe(self, record_id: int) -> QueuedKey | None:
+        found = await self._queued(
+            id=record_id, state=None, route=None, since=None, after=None, limit=1
+        )
+        return found[0] if found else None
+
+    async def _queued(
+        self, after: tuple[datetime, int] | None, **parameters: object
+    ) -> list[QueuedKey]:
+        query = QUERIES["admin_queue"]
+        after_time, after_id = after if after is not None else (None, None)
+        arguments = query.arguments({**parameters, "after_time": after_time, "after_id": after_id})
+        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+            rows = await connection.fetch(query.sql, *arguments)
+        return [
+            QueuedKey(
+                id=row["id"],
+                route=row["route"],
+                key=row["key"],
+                state=row["state"],
+                cause=row["cause"],
+                status=row["response_status"],
+                created_at=row["created_at"],
+                lease_expires_at=row["lease_expires_at"],
+                completed_at=row["completed_at"],
+                expires_at=row["expires_at"],
+            )
+            for row in rows
+        ]
+
+    @translated("count_keys")
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        row = await self._fetchrow("count_keys", after=after, page_size=limit)
+        return KeyCount(
+            last_id=row["last_id"],
+            rows=row["counted"],
+            counts={
+                "in_progress": row["in_progress"],
+                "completed": row["completed"],
+                "unknown": row["unknown"],
+            },
+        )
 
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:

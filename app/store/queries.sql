@@ -204,6 +204,54 @@ DELETE FROM oncegate_keys
 WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
 
+-- name: admin_queue
+-- What the gateway knows of keys: one key by id, or the operator's queue (the keys in one state,
+-- oldest first, one page after the cursor (created_at, id)). The queue scans, like admin_find: an
+-- index that could find the rare unknown rows would have to name `state`, and storing an answer
+-- changes `state`, so every answer write would stop being a HOT update (migration 0003). The
+-- cause is read from the stored `state`, which says what the last writer did: `unknown` written
+-- by a gateway that lost the answer, or `in_progress` left by one that never came back.
+SELECT id,
+       route,
+       key,
+       state_now AS state,
+       CASE WHEN state_now = 'unknown' THEN
+           CASE state WHEN 'unknown' THEN 'answer_lost' ELSE 'lease_expired' END
+       END AS cause,
+       response_status,
+       created_at,
+       lease_expires_at,
+       completed_at,
+       expires_at
+FROM (
+    SELECT *, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
+    FROM oncegate_keys
+    WHERE :id::bigint IS NULL OR id = :id
+) AS keys
+WHERE (:state::text IS NULL OR state_now = :state)
+  AND (:route::text IS NULL OR route = :route)
+  AND (:since::timestamptz IS NULL OR created_at >= :since)
+  AND (:after_time::timestamptz IS NULL OR (created_at, id) > (:after_time, :after_id::bigint))
+ORDER BY created_at, id
+LIMIT :limit;
+
+-- name: count_keys
+-- One page of the sweep behind the gauge `oncegate_keys{state}`: at most :page_size rows, found
+-- through the primary key, so each statement reads a bounded number of rows however large the
+-- table is (service.count_keys pauses between pages).
+SELECT max(id) AS last_id,
+       count(*) AS counted,
+       count(*) FILTER (WHERE state_now = 'in_progress') AS in_progress,
+       count(*) FILTER (WHERE state_now = 'completed') AS completed,
+       count(*) FILTER (WHERE state_now = 'unknown') AS unknown
+FROM (
+    SELECT id, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
+    FROM oncegate_keys
+    WHERE id > :after
+    ORDER BY id
+    LIMIT :page_size
+) AS page;
+
 -- name: admin_scope
 SELECT scope FROM oncegate_keys WHERE id = :id;
 
@@ -234,7 +282,7 @@ WHERE row.id = resealed.id AND row.fencing_token = resealed.token;
 SELECT count(*) FROM oncegate_keys
 WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;
 
--- name: count_keys
+-- name: total_keys
 -- How many keys the store holds, expired ones not yet purged included: said once at start-up,
 -- so an operator sees which store a gateway opened (an empty one where keys were expected is a
 -- wrong data directory or URL).

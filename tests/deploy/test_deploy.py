@@ -58,6 +58,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 DASHBOARD = ROOT / "deploy" / "grafana" / "oncegate.json"
 GRAFANA_PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+ALERT_RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
+ALERT_RULES_TEST = HERE / "alerts_test.yml"
 GATEWAY_CONFIG = ROOT / "deploy" / "oncegate.yaml"
 
 COMPOSE_SCHEMA = HERE / "compose-spec.json"
@@ -74,6 +76,7 @@ CONTRACT_METRICS = {
     "oncegate_store_operation_duration_seconds",
     "oncegate_inflight_requests",
     "oncegate_keys_purged_total",
+    "oncegate_keys",
 }
 
 
@@ -240,6 +243,28 @@ def test_prometheus_config_passes_promtool() -> None:
         timeout=30,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
+    promtool = required_binary("promtool")
+    for command in (["check", "rules", str(ALERT_RULES)], ["test", "rules", str(ALERT_RULES_TEST)]):
+        result = subprocess.run(
+            [promtool, *command], capture_output=True, text=True, timeout=60, cwd=HERE
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    rules = [rule for group in load_yaml(ALERT_RULES)["groups"] for rule in group["rules"]]
+    unknown = {rule["alert"]: rule for rule in rules}["OncegateUnknownKeys"]
+    assert metric_names(unknown["expr"]) == {"oncegate_keys"}
+    assert 'state="unknown"' in unknown["expr"]
+
+
+def test_prometheus_in_compose_loads_the_alert_rules(compose: dict[str, Any]) -> None:
+    prometheus = compose["services"]["prometheus"]
+    config_path = Path(option(prometheus["command"], "--config.file"))
+    rule_files = load_yaml(PROMETHEUS_CONFIG)["rule_files"]
+    # Relative rule files are read beside the config file, as promtool checked above.
+    loaded = [str(config_path.parent / name) for name in rule_files]
+    assert [mounts(prometheus).get(path) for path in loaded] == [ALERT_RULES]
 
 
 def test_grafana_is_provisioned_with_the_dashboard(
@@ -666,7 +691,7 @@ class AdminGateway:
 class Prometheus:
     """`prometheus` on loopback, scraping one target every second, with storage in `directory`."""
 
-    def __init__(self, directory: Path, target: str) -> None:
+    def __init__(self, directory: Path, target: str, rule_files: tuple[Path, ...] = ()) -> None:
         binary = required_binary("prometheus")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -675,6 +700,7 @@ class Prometheus:
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(path) for path in rule_files],
                     "scrape_configs": [
                         {"job_name": "oncegate", "static_configs": [{"targets": [target]}]}
                     ],
@@ -759,9 +785,27 @@ def observed_gateway(
                 "timeout": "500ms",
             }
         )
-        gateway = AdminGateway(tmp_path, database_url, routes, ONCEGATE_PURGE_INTERVAL="1s")
+        # Answers of this one come back after its timeout: its keys turn unknown.
+        routes.append(
+            {
+                "name": "slowpay",
+                "match": "/slowpay",
+                "upstream": demo.url,
+                "strip_prefix": True,
+                "timeout": "500ms",
+            }
+        )
+        gateway = AdminGateway(
+            tmp_path,
+            database_url,
+            routes,
+            ONCEGATE_PURGE_INTERVAL="1s",
+            ONCEGATE_KEY_COUNT_INTERVAL="1s",
+        )
         stack.append(gateway.process.stop)
-        prometheus = Prometheus(tmp_path, f"127.0.0.1:{gateway.admin_port}")
+        prometheus = Prometheus(
+            tmp_path, f"127.0.0.1:{gateway.admin_port}", rule_files=(ALERT_RULES,)
+        )
         stack.append(prometheus.stop)
         prometheus.wait_ready()
         yield demo, gateway, prometheus
@@ -796,6 +840,10 @@ def send_traffic(client: httpx.Client) -> None:
         time.sleep(0.3)
         assert post("/emails", key, {"to": "cy"}).status_code == 409
         assert first.result().status_code == 201
+
+    # A charge whose answer comes after the route's timeout: its key turns unknown.
+    lost = post("/slowpay/charges", str(uuid.uuid4()), {"amount": 81}, **{"X-Demo-Delay": "2"})
+    assert lost.status_code == 504
 
 
 def scraped_requests(gateway: AdminGateway) -> float:
@@ -849,6 +897,11 @@ def test_every_dashboard_query_returns_data_after_traffic(
                 f"prometheus to scrape {total:g} requests",
             )
     wait_for(lambda: prometheus.query("oncegate_keys_purged_total > 0"), 15, "the purger to run")
+    wait_for(
+        lambda: prometheus.query('oncegate_keys{state="unknown"} > 0'),
+        15,
+        "the key count to see the unknown keys",
+    )
     time.sleep(1.5)  # one more scrape after the last change, so every rate has its end point
 
     empty = []
@@ -895,3 +948,25 @@ def test_without_prometheus_the_dashboard_tests_say_they_are_skipped_except_in_c
     assert "`promtool` is not installed, so the dashboard's queries were not checked" in (
         " ".join(result.stdout.split())
     )
+
+
+def test_the_unknown_key_alert_fires_on_a_real_gateway(
+    observed_gateway: tuple[DemoUpstream, AdminGateway, Prometheus],
+) -> None:
+    """The example rule, loaded by a real Prometheus, turns pending once a key is unknown (it
+    fires after its `for`, which the promtool unit test covers)."""
+    _, gateway, prometheus = observed_gateway
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        lost = client.post(
+            "/slowpay/charges",
+            json={"amount": 81},
+            headers={"Idempotency-Key": str(uuid.uuid4()), "X-Demo-Delay": "2"},
+        )
+    assert lost.status_code == 504
+    wait_for(
+        lambda: prometheus.query('ALERTS{alertname="OncegateUnknownKeys"}'),
+        30,
+        "the OncegateUnknownKeys alert to become pending",
+    )
+    (alert,) = prometheus.query('ALERTS{alertname="OncegateUnknownKeys"}')
+    assert alert["metric"]["severity"] == "page"

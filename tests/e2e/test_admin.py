@@ -78,7 +78,7 @@ async def test_the_openapi_document_describes_the_admin_api(gateway: Gateway) ->
     paths = document["paths"]
     assert {"/metrics", "/healthz", "/readyz", "/admin/keys", "/admin/keys/{record_id}",
             "/admin/keys/{record_id}/resolve"} <= set(paths)  # fmt: skip
-    assert set(paths["/admin/keys/{record_id}"]) == {"delete"}
+    assert set(paths["/admin/keys/{record_id}"]) == {"delete", "get"}
     assert set(paths["/admin/keys/{record_id}/resolve"]) == {"post"}
     schemes = document["components"]["securitySchemes"]
     assert any(scheme["type"] == "http" and scheme["scheme"] == "bearer"

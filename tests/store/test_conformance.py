@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import pytest
+from prometheus_client import REGISTRY
 
-from oncegate import errors
+from oncegate import errors, service
 from oncegate.sealing import plaintext
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
@@ -265,6 +266,75 @@ async def test_a_settle_of_a_row_nobody_waits_on_wakes_no_one(store: AdminAndKey
         assert not await watch.wait(0.5)  # nothing was sent: the waiter would poll instead
     finally:
         watch.close()
+
+
+async def test_the_queue_lists_a_state_oldest_first_with_how_keys_turned_unknown(
+    store: AdminAndKeyStore,
+) -> None:
+    route = "queue-" + new_key()[:8]  # the listing is by route: this test's keys only
+
+    async def claimed(lease: float = LONG) -> Claim:
+        owner = await store.claim(route, SCOPE, new_key(), FINGERPRINT, lease, LONG)
+        assert isinstance(owner, Claim)
+        return owner
+
+    lost = await claimed()
+    assert await store.mark_unknown(lost)  # its gateway saw the answer lost
+    abandoned = await claimed(lease=0.1)  # its gateway "died": nobody settles it
+    done = await claimed()
+    assert await store.complete(done, 201, plaintext([], b"done"))
+    busy = await claimed()
+    await asyncio.sleep(0.3)  # the abandoned lease runs out
+
+    unknown = await store.queue("unknown", route, None, None, 10)
+    assert [(entry.id, entry.cause) for entry in unknown] == [
+        (lost.record_id, "answer_lost"),
+        (abandoned.record_id, "lease_expired"),
+    ]
+    assert unknown[0].created_at <= unknown[1].created_at
+    assert unknown[0].lease_expires_at is None  # a marked key keeps no lease
+    assert unknown[1].lease_expires_at is not None  # when the abandoned lease ran out
+    assert all(entry.state == "unknown" and entry.status is None for entry in unknown)
+    (completed,) = await store.queue("completed", route, None, None, 10)
+    assert (completed.id, completed.status, completed.cause) == (done.record_id, 201, None)
+    (in_flight,) = await store.queue("in_progress", route, None, None, 10)
+    assert (in_flight.id, in_flight.cause) == (busy.record_id, None)
+
+    first = unknown[0]
+    assert await store.queue("unknown", route, None, None, 1) == [first]
+    after_first = await store.queue("unknown", route, None, (first.created_at, first.id), 10)
+    assert after_first == unknown[1:]
+    assert await store.queue("unknown", route, unknown[1].created_at, None, 10) == unknown[1:]
+    assert await store.queue("unknown", route + "-other", None, None, 10) == []
+    assert await store.describe(abandoned.record_id) == unknown[1]
+    assert await store.describe(2**62) is None
+
+
+async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
+    store: AdminAndKeyStore,
+) -> None:
+    owners = [await claim(store, new_key()) for _ in range(3)]
+    assert await store.mark_unknown(owners[0])
+    assert await store.complete(owners[1], 201, plaintext([], b""))
+    after = owners[0].record_id - 1  # this test's keys are the newest ones
+    first = await store.count_keys(after, 2)
+    assert (first.last_id, first.rows) == (owners[1].record_id, 2)
+    second = await store.count_keys(first.last_id or 0, 2)
+    assert (second.last_id, second.rows) == (owners[2].record_id, 1)
+    assert {state: first.counts[state] + second.counts[state] for state in first.counts} == {
+        "in_progress": 1,
+        "completed": 1,
+        "unknown": 1,
+    }
+    end = await store.count_keys(owners[2].record_id, 2)
+    assert (end.last_id, end.rows) == (None, 0)
+
+    # The sweep's totals, in pages of two, are the same as one page of everything.
+    whole = await store.count_keys(0, 10**6)
+    totals = await service.count_keys(store, page_size=2, pause=0)
+    assert totals == whole.counts
+    for state, count in totals.items():
+        assert REGISTRY.get_sample_value("oncegate_keys", {"state": state}) == count
 
 
 @pytest.mark.parametrize("kind", [PostgresStore, PostgresCheckpoints])

@@ -1,0 +1,414 @@
+"""`/admin/ui`: the operator's page on the admin port (contract section 9).
+
+Server-rendered HTML and one stylesheet from this port; no script at all, so nothing runs in the
+operator's browser but forms, and the Content-Security-Policy says so (`default-src 'none'`).
+
+How the browser carries the admin token, and why:
+- A browser cannot be made to send `Authorization: Bearer` from a plain form or link, so the page
+  starts with a login form: the operator pastes `ONCEGATE_ADMIN_TOKEN`, compared in constant
+  time, and gets a session cookie. The token itself never goes into the cookie: the cookie is an
+  expiry signed with HMAC-SHA256 under the token, so it stops working when it expires or when the
+  token is changed, and nothing is stored on the server (several gateways, several workers).
+- The cookie is `HttpOnly` (no script could read it, were there one), `SameSite=Strict` (another
+  site's page cannot make the browser send it), `Path=/admin/ui`, and `Secure` when the page is
+  served over https.
+- Every form that changes something carries a CSRF token, the HMAC of the session cookie under
+  the admin token, checked in constant time: a second defence for browsers that do not honour
+  SameSite. Changes are POSTs only; a GET never settles a key.
+- The rules are the admin API's: the page calls the same `service.Operator`, so a key in flight
+  is never released, and only an `unknown` key is resolved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from html import escape
+from typing import Annotated
+from urllib.parse import parse_qs, urlencode
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import HTMLResponse, RedirectResponse
+from pydantic import ValidationError
+
+from .. import errors, service
+from ..store import QueuedKey
+from .admin import Resolution, RuntimeDep
+
+router = APIRouter(prefix="/admin/ui", include_in_schema=False)
+
+COOKIE = "oncegate_session"
+# A working day: long enough not to interrupt an incident, short enough that a cookie left in a
+# shared browser stops working by the next shift.
+SESSION_SECONDS = 8 * 3600
+# Forms hold a status, a few headers and a body an operator types or pastes: far below this.
+MAX_FORM_BYTES = 1024 * 1024
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+STYLE = """
+body { font: 15px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
+h1 { font-size: 1.4em; } h1 a { color: inherit; text-decoration: none; }
+table { border-collapse: collapse; width: 100%; margin: 1em 0; }
+th, td { text-align: left; padding: .3em .6em; border-bottom: 1px solid #ddd; }
+th { background: #f4f4f4; } td code { font-size: .9em; }
+.note { background: #eef6ee; padding: .6em 1em; } .error { background: #fbeaea; padding: .6em 1em; }
+form.inline { display: inline; } fieldset { margin: 1em 0; border: 1px solid #ccc; }
+label { display: block; margin: .4em 0; } textarea { width: 100%; font-family: monospace; }
+header form { float: right; }
+"""
+
+
+def _sign(token: str, purpose: str, value: str) -> str:
+    return hmac.new(token.encode(), f"{purpose}|{value}".encode(), hashlib.sha256).hexdigest()
+
+
+def new_session(token: str, now: float) -> str:
+    expires = str(int(now) + SESSION_SECONDS)
+    return f"{expires}.{_sign(token, 'session', expires)}"
+
+
+def session_valid(token: str, cookie: str, now: float) -> bool:
+    expires, _, signature = cookie.partition(".")
+    if not expires.isdigit() or int(expires) <= now:
+        return False
+    return hmac.compare_digest(signature, _sign(token, "session", expires))
+
+
+def csrf_token(token: str, cookie: str) -> str:
+    return _sign(token, "csrf", cookie)
+
+
+class Session:
+    """The operator behind a request: the admin token and their session cookie."""
+
+    def __init__(self, token: str, cookie: str) -> None:
+        self.token = token
+        self.cookie = cookie
+
+    @property
+    def csrf(self) -> str:
+        return csrf_token(self.token, self.cookie)
+
+
+class LoginNeeded(Exception):
+    """No valid session: answered with the login form."""
+
+
+def _admin_token(runtime: RuntimeDep) -> str:
+    token = runtime.settings.admin_token
+    if not token:
+        raise errors.AdminDisabled(
+            "the admin page is off: start the gateway with ONCEGATE_ADMIN_TOKEN set to a secret"
+        )
+    return token
+
+
+async def _session(request: Request, runtime: RuntimeDep) -> Session:
+    token = _admin_token(runtime)
+    cookie = request.cookies.get(COOKIE, "")
+    if not session_valid(token, cookie, time.time()):
+        raise LoginNeeded
+    return Session(token, cookie)
+
+
+SessionDep = Annotated[Session, Depends(_session)]
+
+
+def page(title: str, content: str, status: int = 200, session: Session | None = None) -> Response:
+    logout = ""
+    if session is not None:
+        logout = (
+            '<form method="post" action="/admin/ui/logout">'
+            f"{_csrf_field(session)}<button>Log out</button></form>"
+        )
+    document = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{escape(title)} · oncegate</title>
+<link rel="stylesheet" href="/admin/ui/style.css"></head>
+<body><header>{logout}<h1><a href="/admin/ui">oncegate</a> · {escape(title)}</h1></header>
+{content}
+</body></html>"""
+    return HTMLResponse(document, status_code=status, headers=SECURITY_HEADERS)
+
+
+def login_page(message: str = "", status: int = 401) -> Response:
+    shown = f'<p class="error">{escape(message)}</p>' if message else ""
+    return page(
+        "log in",
+        f"""{shown}
+<form method="post" action="/admin/ui/login">
+<label>Admin token (ONCEGATE_ADMIN_TOKEN)
+<input type="password" name="token" autocomplete="current-password" required autofocus></label>
+<button>Log in</button></form>""",
+        status,
+    )
+
+
+def _csrf_field(session: Session) -> str:
+    return f'<input type="hidden" name="csrf" value="{escape(session.csrf)}">'
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """The fields of an urlencoded form, each given once."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != (
+        "application/x-www-form-urlencoded"
+    ):
+        raise errors.InvalidRequest("send the page's form (application/x-www-form-urlencoded)")
+    body = await request.body()
+    if len(body) > MAX_FORM_BYTES:
+        raise errors.InvalidRequest("the form is too large", status=413)
+    try:
+        fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=20)
+    except (UnicodeDecodeError, ValueError):
+        raise errors.InvalidRequest("the form is not valid UTF-8 url-encoded text") from None
+    return {name: values[-1] for name, values in fields.items()}
+
+
+def _forged(session: Session, form: Mapping[str, str]) -> Response | None:
+    """The refusal of a form that did not come from this page, or None when it did."""
+    if hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+        return None
+    message = (
+        "This form did not come from the admin page (its CSRF token is missing or wrong): "
+        "nothing was changed. Reload the page and try again."
+    )
+    return page("refused", f'<p class="error">{message}</p>', 403, session)
+
+
+async def login_needed(request: Request, error: Exception) -> Response:
+    return login_page()
+
+
+@router.get("/style.css")
+async def style() -> Response:
+    return Response(STYLE, media_type="text/css", headers=SECURITY_HEADERS)
+
+
+@router.post("/login")
+async def login(request: Request, runtime: RuntimeDep) -> Response:
+    token = _admin_token(runtime)
+    form = await _form(request)
+    if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
+        return login_page("That is not the admin token.")
+    response = RedirectResponse("/admin/ui", status_code=303, headers=SECURITY_HEADERS)
+    response.set_cookie(
+        COOKIE,
+        new_session(token, time.time()),
+        max_age=SESSION_SECONDS,
+        path="/admin/ui",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request, session: SessionDep) -> Response:
+    refused = _forged(session, await _form(request))
+    if refused is not None:
+        return refused
+    response = RedirectResponse("/admin/ui", status_code=303, headers=SECURITY_HEADERS)
+    response.delete_cookie(COOKIE, path="/admin/ui", httponly=True, samesite="strict")
+    return response
+
+
+def _time(moment: datetime | None) -> str:
+    return "—" if moment is None else escape(moment.isoformat(timespec="seconds"))
+
+
+CAUSES = {
+    "answer_lost": "answer lost: the upstream timed out or broke the connection after the "
+    "request was sent",
+    "lease_expired": "lease ran out: its gateway never settled it (it died, or PostgreSQL failed "
+    "when it stored the answer)",
+}
+SETTLED = {
+    "complete": "settled as completed: retries get that answer",
+    "release": "released: the next retry is forwarded",
+}
+
+
+@router.get("")
+async def queue(
+    runtime: RuntimeDep,
+    session: SessionDep,
+    route: str = "",
+    since: str = "",
+    cursor: str = "",
+    settled: int | None = None,
+    action: str = "",
+) -> Response:
+    note = ""
+    if settled is not None and action in SETTLED:
+        note = f'<p class="note">Key {settled} {SETTLED[action]}.</p>'
+    try:
+        moment = datetime.fromisoformat(since) if since else None
+    except ValueError:
+        return _queue_page(session, route, since, note, error="since is not an ISO 8601 time")
+    try:
+        listed = await runtime.operator.queue("unknown", route or None, moment, cursor or None)
+    except errors.InvalidRequest as exc:
+        return _queue_page(session, route, since, note, error=exc.detail)
+    return _queue_page(session, route, since, note, listed)
+
+
+def _queue_page(
+    session: Session,
+    route: str,
+    since: str,
+    note: str,
+    listed: service.QueuePage | None = None,
+    error: str = "",
+) -> Response:
+    shown = f'<p class="error">{escape(error)}</p>' if error else ""
+    filters = f"""<form method="get" action="/admin/ui">
+<label>Route <input name="route" value="{escape(route)}"></label>
+<label>Claimed since (ISO 8601, with a zone) <input name="since" value="{escape(since)}"
+ placeholder="2026-12-03T06:00:00Z"></label>
+<button>Filter</button></form>"""
+    rows = ""
+    if listed is not None:
+        rows = "".join(_queue_row(record) for record in listed.records)
+    table = (
+        "<table><thead><tr><th>id</th><th>route</th><th>key</th><th>claimed</th>"
+        "<th>how it turned unknown</th><th>expires</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+        if rows
+        else "<p>No key waits for an operator.</p>"
+    )
+    more = ""
+    if listed is not None and listed.cursor is not None:
+        query = urlencode({"route": route, "since": since, "cursor": listed.cursor})
+        more = f'<p><a href="/admin/ui?{escape(query)}">Next page</a></p>'
+    explanation = (
+        "<p>Keys in state <b>unknown</b>, oldest first: their request may or may not have been "
+        "performed upstream. Retries get 409 until each is resolved here; after it expires a "
+        "retry is forwarded again.</p>"
+    )
+    return page(
+        "unknown keys",
+        f"{note}{shown}{explanation}{filters}{table}{more}",
+        400 if error else 200,
+        session,
+    )
+
+
+def _queue_row(record: QueuedKey) -> str:
+    cause = record.cause or ""
+    return (
+        f'<tr><td><a href="/admin/ui/keys/{record.id}">{record.id}</a></td>'
+        f"<td>{escape(record.route)}</td><td><code>{escape(record.key)}</code></td>"
+        f"<td>{_time(record.created_at)}</td><td>{escape(CAUSES.get(cause, cause))}</td>"
+        f"<td>{_time(record.expires_at)}</td></tr>"
+    )
+
+
+@router.get("/keys/{record_id}")
+async def key_page(runtime: RuntimeDep, session: SessionDep, record_id: int) -> Response:
+    try:
+        record = await runtime.operator.describe(record_id)
+    except errors.NotFound as exc:
+        return page("no such key", f'<p class="error">{escape(exc.detail)}</p>', 404, session)
+    return _key_page(session, record)
+
+
+def _key_page(
+    session: Session,
+    record: QueuedKey,
+    error: str = "",
+    status: int = 200,
+    form: Mapping[str, str] | None = None,
+) -> Response:
+    form = form or {}
+    facts: Sequence[tuple[str, str]] = [
+        ("id", str(record.id)),
+        ("route", escape(record.route)),
+        ("key", f"<code>{escape(record.key)}</code>"),
+        ("state", escape(record.state)),
+        ("how it turned unknown", escape(CAUSES.get(record.cause or "", "—"))),
+        ("upstream status", str(record.status) if record.status is not None else "— (no answer)"),
+        ("claimed and sent", _time(record.created_at)),
+        ("lease ends / ended", _time(record.lease_expires_at)),
+        ("completed", _time(record.completed_at)),
+        ("expires (then a retry is forwarded again)", _time(record.expires_at)),
+        ("gateway", "not recorded: claims do not say which gateway made them"),
+    ]
+    table = "<table>" + "".join(
+        f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in facts
+    )
+    table += "</table>"
+    shown = f'<p class="error">{escape(error)}</p>' if error else ""
+    actions = "<p>Only an <b>unknown</b> key can be resolved here.</p>"
+    if record.state == "unknown":
+        target = f"/admin/ui/keys/{record.id}/resolve"
+        actions = f"""<p>Ask the upstream whether it performed this request (it received the
+Idempotency-Key above), then settle the key with the answer it gave, or release it.</p>
+<form method="post" action="{target}"><fieldset><legend>It was performed</legend>
+{_csrf_field(session)}<input type="hidden" name="action" value="complete">
+<label>Status <input name="status" type="number" min="200" max="599" required
+ value="{escape(form.get("status", ""))}"></label>
+<label>Headers, one <code>Name: value</code> a line
+<textarea name="headers" rows="3">{escape(form.get("headers", ""))}</textarea></label>
+<label>Body (UTF-8 text)<textarea name="body" rows="6">{escape(form.get("body", ""))}</textarea>
+</label><button>Settle as completed</button></fieldset></form>
+<form method="post" action="{target}"><fieldset><legend>It was not performed</legend>
+{_csrf_field(session)}<input type="hidden" name="action" value="release">
+<button>Release: the next retry is forwarded</button></fieldset></form>"""
+    return page(f"key {record.id}", f"{shown}{table}{actions}", status, session)
+
+
+def _resolution(form: Mapping[str, str]) -> Resolution:
+    """The form as the admin API's resolution, validated by the same rules."""
+    if form.get("action") != "complete":
+        return Resolution(action="release")
+    pairs = []
+    for line in form.get("headers", "").splitlines():
+        if line.strip():
+            name, colon, value = line.partition(":")
+            if not colon:
+                raise ValueError(f"{line!r} is not a 'Name: value' header line")
+            pairs.append((name.strip(), value.strip()))
+    status = form.get("status", "").strip()
+    return Resolution(
+        action="complete",
+        status=int(status) if status.isdigit() else None,
+        headers=pairs,
+        body=form.get("body", ""),
+    )
+
+
+@router.post("/keys/{record_id}/resolve")
+async def resolve(
+    request: Request, runtime: RuntimeDep, session: SessionDep, record_id: int
+) -> Response:
+    form = await _form(request)
+    refused = _forged(session, form)
+    if refused is not None:
+        return refused
+    record = await runtime.operator.describe(record_id)
+    try:
+        resolution = _resolution(form)
+    except (ValidationError, ValueError) as exc:
+        message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        return _key_page(session, record, message.removeprefix("Value error, "), 422, form)
+    answer = None
+    if resolution.action == "complete":
+        assert resolution.status is not None
+        answer = (resolution.status, resolution.headers, resolution.body_bytes())
+    try:
+        await runtime.operator.resolve(record_id, answer)
+    except errors.KeyNotUnknown as exc:
+        return _key_page(session, record, exc.detail, exc.status_code, form)
+    query = urlencode({"settled": record_id, "action": resolution.action})
+    return RedirectResponse(f"/admin/ui?{query}", status_code=303, headers=SECURITY_HEADERS)

@@ -6,6 +6,8 @@ Failures come in two kinds, and the difference is the whole point of the gateway
 - `AnswerLost`: the request may have reached the upstream, but no complete answer came back
   (read timeout, reset, malformed answer). The side effect may have happened, so the key turns
   `unknown`.
+Any other exception (a bug here or in aiohttp) is classified by whether the request was handed to
+a connection (`_Request`): `NotSent` before, `AnswerLost` after.
 A connection the upstream closes before any byte of the answer is `AnswerLost`, even a reused
 one: an idle connection closed by the server as the request left looks the same as a server that
 read the request, performed it and crashed, and only the second one matters for "at most once".
@@ -18,10 +20,10 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import aiohttp
 import yarl
@@ -59,9 +61,8 @@ class UpstreamResponse:
 
 
 class _Attempt:
-    """How far one request got: whether its head was handed to the connection to be written
-    (aiohttp's `on_request_headers_sent`, called just before it is), after which the upstream
-    may have seen it."""
+    """How far one request got: whether it was handed to a connection to be written (`_Request`),
+    after which the upstream may have seen it."""
 
     __slots__ = ("sent",)
 
@@ -69,12 +70,21 @@ class _Attempt:
         self.sent = False
 
 
-async def _on_headers_sent(
-    session: aiohttp.ClientSession,
-    context: SimpleNamespace,
-    params: aiohttp.TraceRequestHeadersSentParams,
-) -> None:
-    context.trace_request_ctx.sent = True
+# The attempt of the request being sent in this task: aiohttp sends it in the caller's task, so a
+# context variable reaches `_Request.send` without the cost of aiohttp's tracing signals.
+_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
+    "oncegate_attempt", default=None
+)
+
+
+class _Request(aiohttp.ClientRequest):
+    """Marks the attempt sent as the request is handed to its connection."""
+
+    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            attempt.sent = True
+        return await super().send(conn)
 
 
 class _Response(aiohttp.ClientResponse):
@@ -129,15 +139,9 @@ class Upstream:
             # Answers are relayed, not judged: accept what a real upstream may send.
             max_field_size=65536,
             max_headers=512,
-            trace_configs=[self._trace()],
+            request_class=_Request,
         )
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
-
-    @staticmethod
-    def _trace() -> aiohttp.TraceConfig:
-        trace = aiohttp.TraceConfig()
-        trace.on_request_headers_sent.append(_on_headers_sent)
-        return trace
 
     async def aclose(self) -> None:
         await self._session.close()
@@ -163,6 +167,7 @@ class Upstream:
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
         attempt = _Attempt()
+        current = _ATTEMPT.set(attempt)
         outgoing = headers.end_to_end(
             request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
         )
@@ -176,7 +181,6 @@ class Upstream:
                     data=body or None,
                     allow_redirects=False,
                     timeout=client_timeout,
-                    trace_request_ctx=attempt,
                 ) as response:
                     content = await response.read()
                     raw_headers = response.raw_headers
@@ -200,6 +204,8 @@ class Upstream:
                 if attempt.sent:
                     raise AnswerLost(reason, timed_out=False) from exc
                 raise NotSent(reason) from exc
+            finally:
+                _ATTEMPT.reset(current)
         if not 100 <= status <= 599:
             # Not an HTTP status (RFC 9110 §15): an answer that cannot be relayed or stored, to a
             # request that was performed.

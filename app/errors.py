@@ -23,15 +23,18 @@ class GatewayError(Exception):
     # `reason` of oncegate_duplicates_blocked_total.
     blocked: ClassVar[str | None] = None
 
-    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, detail: str, *, headers: dict[str, str] | None = None, status: int | None = None
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.headers = headers or {}
+        self._status = status
 
     @property
     def status_code(self) -> int:
-        """The status sent to the client; a few errors choose it per instance."""
-        return self.status
+        """The status sent to the client: the class's, unless this instance chose one."""
+        return self.status if self._status is None else self._status
 
     @property
     def blocked_reason(self) -> str | None:
@@ -69,15 +72,6 @@ class InvalidHeader(GatewayError):
     name = "invalid-header"
     title = "A header value cannot be forwarded unchanged"
     outcome = "invalid_header"
-
-
-class MalformedRequest(GatewayError):
-    """HTTP that a proxy must not pass on (RFC 9112 §3.2: no Host, or two)."""
-
-    status = 400
-    name = "invalid-request"
-    title = "The request is not valid"
-    outcome = "invalid_request"
 
 
 class RequestTimeout(GatewayError):
@@ -161,20 +155,10 @@ class OutcomeUnknown(GatewayError):
     title = "The outcome of the original request is unknown"
     outcome = "unknown"
 
-    def __init__(
-        self, detail: str, *, status: int = 409, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(detail, headers=headers)
-        self._status = status
-
-    @property
-    def status_code(self) -> int:
-        return self._status
-
     @property
     def blocked_reason(self) -> str | None:
         # The first caller's 504/502 did reach the upstream; only the 409 to a retry is a block.
-        return "unknown" if self._status == 409 else None
+        return "unknown" if self.status_code == 409 else None
 
 
 class UpstreamUnavailable(GatewayError):
@@ -241,19 +225,13 @@ class KeyNotUnknown(GatewayError):
 
 
 class InvalidRequest(GatewayError):
-    """Admin input that does not validate: 400 for the path and query, 422 for a body."""
+    """A request that does not validate: on the proxy port, HTTP a proxy must not pass on (RFC
+    9112 §3.2: no Host, or two); on the admin port, a path or query (400) or a body (422)."""
 
     status = 400
     name = "invalid-request"
     title = "The request is not valid"
-
-    def __init__(self, detail: str, *, status: int = 400) -> None:
-        super().__init__(detail)
-        self._status = status
-
-    @property
-    def status_code(self) -> int:
-        return self._status
+    outcome = "invalid_request"
 
 
 class ConfigError(Exception):

@@ -119,7 +119,7 @@ def check_request(http_version: str, headers: list[tuple[str, str]]) -> None:
                     "forwards header values unchanged or not at all; send it as UTF-8 (or ASCII)"
                 ) from None
     if hosts != 1 and (hosts or http_version == "1.1"):
-        raise errors.MalformedRequest(
+        raise errors.InvalidRequest(
             f"an HTTP/{http_version} request carries exactly one Host header, not {hosts}"
         )
 

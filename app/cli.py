@@ -314,7 +314,7 @@ def _serve(arguments: argparse.Namespace) -> int:
     with (
         _held_signals() as received,
         _metrics_across_workers(config.workers),
-        _database(config.database_url, config.data_dir, supervise=True) as database,
+        _database(config, supervise=True) as database,
     ):
         from .http import server  # after _metrics_across_workers: it imports prometheus_client
 
@@ -338,8 +338,7 @@ def _migrate(arguments: argparse.Namespace) -> int:
     from . import schema
 
     logs.configure("text", "info")
-    url, data_dir = _database_settings()
-    with _database(url, data_dir) as database:
+    with _database(settings.load_part(settings.DatabaseSettings)) as database:
         schema.upgrade(database.url)
     print(f"database is at schema revision {schema.head()}")
     return 0
@@ -350,7 +349,7 @@ def _purge(arguments: argparse.Namespace) -> int:
     from .store.postgres import PostgresStore
 
     logs.configure("text", "warning")
-    url, data_dir = _database_settings()
+    where = settings.load_part(settings.DatabaseSettings)
 
     async def purge(database_url: str) -> int:
         store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
@@ -359,7 +358,7 @@ def _purge(arguments: argparse.Namespace) -> int:
         finally:
             await store.close()
 
-    with _database(url, data_dir) as database:
+    with _database(where) as database:
         deleted = asyncio.run(purge(database.url))
     print(f"purged {deleted} expired keys")
     return 0
@@ -367,17 +366,15 @@ def _purge(arguments: argparse.Namespace) -> int:
 
 def _rekey(arguments: argparse.Namespace) -> int:
     from . import rekey
-    from .sealing import Keyring
 
     logs.configure("text", "warning")
-    text = os.environ.get("ONCEGATE_ENCRYPTION_KEYS")
-    if not text:
+    keyring = settings.load_part(settings.SealingSettings).keyring()
+    if keyring is None:
         raise errors.ConfigError(
             "rekey needs ONCEGATE_ENCRYPTION_KEYS (name:base64-key,...): the first key seals"
         )
-    keyring = Keyring.parse(text)
-    url, data_dir = _database_settings()
-    with _database(url, data_dir) as database:
+    where = settings.load_part(settings.DatabaseSettings)
+    with _database(where) as database:
         done, unopenable, left = rekey.run(database.url, keyring, sys.stdout, arguments.batch_size)
     print(f"re-sealed {done} stored answers under key {keyring.current!r}")
     if unopenable:
@@ -412,15 +409,6 @@ def _demo_upstream(arguments: argparse.Namespace) -> int:
     config = uvicorn.Config(DemoUpstream(), log_config=None, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
-
-
-def _database_settings() -> tuple[str | None, Path]:
-    """The database of `migrate` and `purge`: the variables alone, no routes needed."""
-    url = os.environ.get("ONCEGATE_DATABASE_URL") or None
-    if url is not None and not url.startswith(("postgresql://", "postgres://")):
-        raise errors.ConfigError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
-    given = os.environ.get("ONCEGATE_DATA_DIR")
-    return url, Path(given) if given else settings.default_data_dir(os.environ)
 
 
 @contextmanager
@@ -463,15 +451,15 @@ class _Database:
 
 
 @contextmanager
-def _database(url: str | None, data_dir: Path, *, supervise: bool = False) -> Iterator[_Database]:
+def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> Iterator[_Database]:
     """The given database, or the embedded one, migrated, for as long as the block runs.
     `supervise`: restart the embedded server if it dies meanwhile (a gateway, not a one-shot)."""
-    if url is not None:
-        yield _Database(url, without_password(url))
+    if where.database_url is not None:
+        yield _Database(where.database_url, without_password(where.database_url))
         return
     from . import embedded, schema
 
-    server = embedded.start(data_dir)
+    server = embedded.start(where.data_dir)
     try:
         schema.upgrade(server.url)
         log.info("embedded PostgreSQL migrated to revision %s", schema.head())

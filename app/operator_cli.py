@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from . import errors, settings
 
@@ -85,18 +85,25 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     release.set_defaults(action=_release)
 
 
+class AdminAccess(BaseModel):
+    """The part of the settings `oncegate keys` reads (`settings.load_part`): where the admin
+    port is and its token. `admin_url` is this command's own (`serve` has no use for it)."""
+
+    admin_token: str | None = None
+    admin_port: str = "8081"
+    admin_url: str | None = None
+
+
 class AdminClient:
     def __init__(self, arguments: argparse.Namespace) -> None:
-        token = os.environ.get("ONCEGATE_ADMIN_TOKEN")
+        access = settings.load_part(AdminAccess)
+        token = access.admin_token
         if not token:
             raise errors.ConfigError(
                 "set ONCEGATE_ADMIN_TOKEN to the gateway's admin token to use `oncegate keys`"
             )
-        port = os.environ.get("ONCEGATE_ADMIN_PORT") or "8081"
         self.url = (
-            arguments.admin_url
-            or os.environ.get("ONCEGATE_ADMIN_URL")
-            or f"http://127.0.0.1:{port}"
+            arguments.admin_url or access.admin_url or f"http://127.0.0.1:{access.admin_port}"
         ).rstrip("/")
         self._client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -220,28 +220,31 @@ class Route(BaseModel):
         return self.lease if self.lease is not None else 2 * self.timeout
 
 
-class Settings(BaseModel):
-    """Everything `serve` needs, validated."""
+class DatabaseSettings(BaseModel):
+    """Which PostgreSQL: `database_url`, or else the embedded one with its data in `data_dir`.
+    The part of the settings that `migrate`, `purge`, `rekey` and the agent's checkpoint store
+    need (`load_part`); `Settings` has it too."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     database_url: str | None = None
     data_dir: Path = Field(default_factory=lambda: default_data_dir(os.environ))
-    admin_token: str | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    admin_port: int = Field(8081, ge=0, le=65535)
-    workers: int = Field(1, ge=1, le=64)
-    ttl: Duration = DEFAULT_TTL
-    upstream: str | None = None
-    log_format: Literal["json", "text"] = "json"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    purge_interval: Duration = 60.0
-    # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
-    key_count_interval: Duration = 30.0
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("postgresql", "postgres"):
+            raise ValueError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
+        return value or None
+
+
+class SealingSettings(BaseModel):
+    """The keys stored answers are sealed with (`oncegate.sealing`): `serve` and `rekey`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     # `name:base64,...`: seal stored answers (oncegate.sealing). Checked at load, never echoed.
     encryption_keys: str | None = None
-    routes: tuple[Route, ...] = ()
 
     @field_validator("encryption_keys")
     @classmethod
@@ -256,12 +259,25 @@ class Settings(BaseModel):
     def keyring(self) -> Keyring | None:
         return Keyring.parse(self.encryption_keys) if self.encryption_keys else None
 
-    @field_validator("database_url")
-    @classmethod
-    def _database_url(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value).scheme not in ("postgresql", "postgres"):
-            raise ValueError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
-        return value or None
+
+class Settings(DatabaseSettings, SealingSettings):
+    """Everything `serve` needs, validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    admin_token: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    admin_port: int = Field(8081, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64)
+    ttl: Duration = DEFAULT_TTL
+    upstream: str | None = None
+    log_format: Literal["json", "text"] = "json"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    purge_interval: Duration = 60.0
+    # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
+    key_count_interval: Duration = 30.0
+    routes: tuple[Route, ...] = ()
 
     @field_validator("upstream")
     @classmethod
@@ -293,10 +309,7 @@ def load(
     path = config_file or flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
     merged: dict[str, Any] = _read_file(Path(path)) if path else {}
     fields = set(Settings.model_fields) - {"routes"}
-    for name in fields:
-        variable = ENV_PREFIX + name.upper()
-        if environ.get(variable):
-            merged[name] = environ[variable]
+    merged.update(_variables(fields, environ))
     merged.update({name: value for name, value in flags.items() if name in fields})
     merged.setdefault("data_dir", default_data_dir(environ))
     default_ttl = merged.get("ttl", DEFAULT_TTL)
@@ -324,6 +337,28 @@ def load(
             "no routes: give --upstream URL (one catch-all route) or --config FILE with routes"
         )
     return settings
+
+
+Part = TypeVar("Part", bound=BaseModel)
+
+
+def load_part(part: type[Part], environ: Mapping[str, str] | None = None) -> Part:
+    """One part of the settings (`DatabaseSettings`, `SealingSettings`) from its `ONCEGATE_*`
+    variables alone, for the commands that need no routes and read no file."""
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = _variables(set(part.model_fields), environ)
+    if "data_dir" in part.model_fields:
+        merged.setdefault("data_dir", default_data_dir(environ))
+    try:
+        return part.model_validate(merged)
+    except ValidationError as exc:
+        raise errors.ConfigError(_describe(exc, None)) from None
+
+
+def _variables(fields: set[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The `ONCEGATE_*` variable of each field that has one set (an empty one counts as unset)."""
+    found = {name: environ.get(ENV_PREFIX + name.upper()) for name in fields}
+    return {name: value for name, value in found.items() if value}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

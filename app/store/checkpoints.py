@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,10 @@ CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
 
 
-def _join_embedded() -> EmbeddedPostgres:
+def _join_embedded(data_dir: Path) -> EmbeddedPostgres:
     """The embedded server the gateway uses by default, migrated (idempotent)."""
     from .. import embedded, schema
 
-    given = os.environ.get("ONCEGATE_DATA_DIR")
-    data_dir = Path(given) if given else settings.default_data_dir(os.environ)
     server = embedded.start(data_dir)
     try:
         schema.upgrade(server.url)
@@ -67,10 +64,11 @@ class PostgresCheckpoints:
         database server's. Only for a throwaway database, like the lab's own."""
         server = None
         if url is None:
-            url = os.environ.get("ONCEGATE_DATABASE_URL") or None
-        if url is None:
-            server = await asyncio.to_thread(_join_embedded)
-            url = server.url
+            where = settings.load_part(settings.DatabaseSettings)
+            url = where.database_url
+            if url is None:
+                server = await asyncio.to_thread(_join_embedded, where.data_dir)
+                url = server.url
         session = {} if flush_each_save else {"synchronous_commit": "off"}
         try:
             connection = await asyncpg.connect(

@@ -277,6 +277,22 @@ def test_variables_for_database_and_admin_token() -> None:
     assert loaded.data_dir == Path("/var/lib/oncegate")
 
 
+def test_the_database_part_needs_no_routes_and_resolves_as_serve_does() -> None:
+    """`migrate`, `purge`, `rekey` and the agent's checkpoints read the same variables, checked
+    by the same validators, as `serve`."""
+    environ = {"ONCEGATE_DATABASE_URL": "postgresql://u@localhost/oncegate", "XDG_DATA_HOME": "/x"}
+    part = settings.load_part(settings.DatabaseSettings, environ)
+    served = settings.load({"upstream": UPSTREAM}, environ, None)
+    assert (part.database_url, part.data_dir) == (served.database_url, served.data_dir)
+    assert settings.load_part(settings.DatabaseSettings, {"XDG_DATA_HOME": "/x"}).data_dir == (
+        settings.default_data_dir({"XDG_DATA_HOME": "/x"})
+    )
+    with pytest.raises(errors.ConfigError, match="must be a postgresql:// URL"):
+        settings.load_part(settings.DatabaseSettings, {"ONCEGATE_DATABASE_URL": "mysql://x/y"})
+    with pytest.raises(errors.ConfigError, match="encryption_keys"):
+        settings.load_part(settings.SealingSettings, {"ONCEGATE_ENCRYPTION_KEYS": "nonsense"})
+
+
 def test_config_file_from_variable(tmp_path: Path) -> None:
     path = _file_with_everything(tmp_path)
     loaded = settings.load({}, {"ONCEGATE_CONFIG": str(path)}, None)

@@ -102,7 +102,7 @@ def _address(sock: socket.socket) -> str:
 def _work(
     settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
 ) -> None:
-    loop_factory = _config(None, settings).get_loop_factory()
+    loop_factory = _config(None).get_loop_factory()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_serve(settings, database_url, sockets, received))
 
@@ -171,8 +171,8 @@ async def _serve_traced(
 ) -> None:
     async with running(settings, database_url) as runtime:
         servers = [
-            _Server(_config(tracing.wrap(create_proxy_app(runtime)), settings)),
-            _Server(_config(create_admin_app(runtime), settings)),
+            _Server(_config(tracing.wrap(create_proxy_app(runtime)))),
+            _Server(_config(create_admin_app(runtime))),
         ]
         loop = asyncio.get_running_loop()
 
@@ -202,7 +202,7 @@ async def _serve_traced(
                 loop.remove_signal_handler(number)
 
 
-def _config(app: object, settings: Settings) -> uvicorn.Config:
+def _config(app: object) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         lifespan="off",  # `running` owns the resources of both applications

@@ -70,8 +70,6 @@ from .task import ACTION_STEPS, CHECKPOINT_SAVE_SECONDS, COSTS, STEPS, support_t
 # Contract section 8: 15% of the crashes that fall on a side-effect step fall between the action
 # and the checkpoint.
 GAP_SHARE = 0.15
-# Share of the C runs whose gateway is killed too, with `--kill-gateway` and no value.
-GATEWAY_KILL_SHARE = 0.05
 # How long after the agent says "about to send" the gateway is killed: a few milliseconds, so the
 # kill lands before, during or after the gateway's claim, forward and store.
 GATEWAY_KILL_WINDOW = 0.015
@@ -471,7 +469,7 @@ class Lab:
         started = time.monotonic()
         queue = collections.deque(self.plan)
         selector = selectors.DefaultSelector()
-        timers: list[tuple[float, Run]] = []  # gateway kills
+        timers: list[float] = []  # when the gateway is to be killed
         waiting: list[tuple[float, Run, Reconciliation | None]] = []  # late resumes
         active = 0  # runs with a worker alive
         finished = 0
@@ -487,7 +485,7 @@ class Lab:
                     run = queue.popleft()
                     self._start(selector, run, run.crash.point(run.strategy))
                     active += 1
-                deadlines = [when for when, _ in timers] + [item[0] for item in waiting]
+                deadlines = timers + [item[0] for item in waiting]
                 timeout = max(0.0, min(deadlines) - now) if deadlines else None
                 for selected, _ in selector.select(timeout):
                     worker: Worker = selected.data
@@ -510,9 +508,9 @@ class Lab:
                         active -= 1
                         waiting.append((after.at, worker.run, after.reconciliation))
                 now = time.monotonic()
-                for due_kill in [timer for timer in timers if timer[0] <= now]:
+                for due_kill in [when for when in timers if when <= now]:
                     timers.remove(due_kill)
-                    self._kill_gateway(due_kill[1])
+                    self._kill_gateway()
         finally:
             # Interrupted (Ctrl-C): no worker may outlive the lab, least of all one frozen at its
             # crash point waiting for a SIGKILL that would never come.
@@ -535,7 +533,7 @@ class Lab:
         worker = fork_worker(run, self.environment, point, reconciliation)
         selector.register(worker.fd, selectors.EVENT_READ, worker)
 
-    def _read(self, worker: Worker, data: bytes, timers: list[tuple[float, Run]]) -> None:
+    def _read(self, worker: Worker, data: bytes, timers: list[float]) -> None:
         worker.buffer += data
         *lines, worker.buffer = worker.buffer.split(b"\n")
         run = worker.run
@@ -559,7 +557,7 @@ class Lab:
                 and int(argument) == run.gateway_kill.step
             ):
                 run.gateway_killed = True
-                timers.append((time.monotonic() + run.gateway_kill.delay, run))
+                timers.append(time.monotonic() + run.gateway_kill.delay)
 
     def _ended(self, worker: Worker, status: int) -> Resume | None:
         """What follows a worker's end: another worker for its run, or None: the run is over
@@ -596,7 +594,7 @@ class Lab:
             return None
         return resume
 
-    def _kill_gateway(self, run: Run) -> None:
+    def _kill_gateway(self) -> None:
         self.gateway_kills += 1
         self.stack.restart_gateway()
 

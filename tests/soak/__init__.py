@@ -1,4 +1,4 @@
-"""The chaos soak and its history checker (issue 14): `python -m tests.soak`, `make soak`.
+"""The chaos soak and its history checker: `python -m tests.soak`, `make soak`.
 
 - `driver`: starts PostgreSQL, the recording upstream, three gateways and a fuzzing gateway;
   runs the clients while it kills gateways and PostgreSQL; heals; hands the histories over.

@@ -1,7 +1,7 @@
 """The history checker: reads what the clients saw, what the upstream performed and what the key
 table holds after the chaos, and lists every way they contradict the contract's promises.
 
-The rules (issue 14), each with the name a report counts it under:
+The rules, each with the name a report counts it under:
 
 1. `duplicate`: no (route, tenant, key) was performed twice by the upstream, except on routes with
    `on_unknown: forward`, whose re-forwards must still carry the key; and no single client

@@ -1,4 +1,4 @@
-"""Admin records of one key used by two credentials can be told apart (issue 12.10)."""
+"""Admin records of one key used by two credentials can be told apart."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The image's health check probes the admin port the gateway was given (issue 12.12)."""
+"""The image's health check probes the admin port the gateway was given."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from . import errors, logs, settings
+from . import errors, logs, metrics, settings
 
 log = logging.getLogger("oncegate")
 
@@ -313,10 +312,10 @@ def _serve(arguments: argparse.Namespace) -> int:
     logs.configure(config.log_format, config.log_level)
     with (
         _held_signals() as received,
-        _metrics_across_workers(config.workers),
+        _metrics(config.workers),
         _database(config, supervise=True) as database,
     ):
-        from .http import server  # after _metrics_across_workers: it imports prometheus_client
+        from .http import server
 
         keys = asyncio.run(_check_schema(database.url))
         for route in config.routes:
@@ -430,15 +429,16 @@ def _held_signals() -> Iterator[list[int]]:
 
 
 @contextmanager
-def _metrics_across_workers(workers: int) -> Iterator[None]:
-    """With several workers, every metric is kept in files that /metrics adds up.
-    prometheus_client chooses where values live when it is first imported: this runs first."""
+def _metrics(workers: int) -> Iterator[None]:
+    """Set the metrics up before anything observes one: with several workers, every value is
+    kept in files of a directory of this run's, which /metrics adds up (`metrics.setup`)."""
     if workers == 1:
+        metrics.setup()
         yield
         return
     directory = tempfile.mkdtemp(prefix="oncegate-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     try:
+        metrics.setup(multiprocess_dir=directory)
         yield
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -2,11 +2,25 @@
 
 Label values are bounded: route names and the contract's words, never keys, paths or tenants.
 Counters are per process and start at zero, the Prometheus convention.
+
+Where values live is chosen by one explicit call, `setup`, not by the order of imports:
+- `setup()`: in this process's memory; /metrics shows them.
+- `setup(multiprocess_dir=DIR)` (`serve --workers N`): in files under DIR, one set per process;
+  the forked workers inherit the choice, and /metrics adds up every worker's files.
+prometheus_client alone picks a value's home when the value is made, from
+`PROMETHEUS_MULTIPROC_DIR` as it stood at its own first import; and values are made at import
+time (the store's operation timers, the unlabelled counter). So every value here is made
+`_Deferred`: it takes its home at its first use, from `setup`, whatever was imported first.
+Rules: `setup` runs before the first observation (it refuses to run after one); the gateway's
+runtime refuses to start without it (`require_setup`). A process that never calls it (a script
+using the agent's checkpoint store) keeps prometheus_client's own choice, as before.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -15,7 +29,86 @@ from prometheus_client import (
     Histogram,
     generate_latest,
     multiprocess,
+    values,
 )
+
+# prometheus_client's own choice, kept for processes that never call `setup`.
+_UNCHOSEN: Any = values.ValueClass
+# The class chosen by `setup`, and the multiprocess directory ("" for one process).
+_chosen: Any = None
+_directory = ""
+_made = 0  # values that have taken their home: `setup` must come before the first
+
+
+class MetricsNotSetUp(RuntimeError):
+    """The gateway was started without `metrics.setup`."""
+
+
+class _Deferred:
+    """A metric's value that takes its home (memory or a worker's file) at its first use. Then
+    its methods are the real value's own, so an observation costs what it did before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._arguments = (args, kwargs)
+
+    def _home(self) -> Any:
+        global _made
+        args, kwargs = self._arguments
+        real = (_UNCHOSEN if _chosen is None else _chosen)(*args, **kwargs)
+        _made += 1
+        for name in ("inc", "set", "set_exemplar", "get", "get_exemplar"):
+            setattr(self, name, getattr(real, name))
+        return real
+
+    def inc(self, amount: float) -> None:
+        self._home().inc(amount)
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._home().set(value, timestamp)
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._home().set_exemplar(exemplar)
+
+    def get(self) -> float:
+        return float(self._home().get())
+
+    def get_exemplar(self) -> Any:
+        return self._home().get_exemplar()
+
+
+# Every value prometheus_client makes from here on is deferred: the metrics below, and their
+# labelled children made later.
+values.ValueClass = _Deferred
+
+
+def setup(multiprocess_dir: str | Path | None = None) -> None:
+    """Choose where every value lives: in memory, or with `multiprocess_dir` in files that
+    /metrics adds up across processes. Once per process, before the first observation."""
+    global _chosen, _directory
+    if _chosen is not None:
+        raise RuntimeError("metrics.setup was called twice")
+    if _made:
+        raise RuntimeError(
+            f"metrics.setup came after {_made} values were used: they would stay where "
+            "prometheus_client put them; call it before anything observes a metric"
+        )
+    if multiprocess_dir is None:
+        _chosen = values.MutexValue
+        return
+    _directory = str(multiprocess_dir)
+    # prometheus_client names each process's files from this variable; the workers inherit it.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _directory
+    _chosen = values.MultiProcessValue()  # type: ignore[no-untyped-call]  # untyped upstream
+
+
+def require_setup() -> None:
+    """For the gateway's runtime: refuse to serve with metrics nobody set up."""
+    if _chosen is None:
+        raise MetricsNotSetUp(
+            "oncegate.metrics.setup() was not called: the process that runs the gateway calls "
+            "it first (with --workers, with the directory the workers share)"
+        )
+
 
 # Why a request with a known key did not reach the upstream.
 BLOCK_REASONS = ("replayed", "in_progress", "unknown")
@@ -98,8 +191,14 @@ KEYS = Gauge(
 
 def exposition() -> bytes:
     """The text for `/metrics`: this process's metrics, or with --workers every worker's."""
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+    if _directory:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped upstream
+        multiprocess.MultiProcessCollector(registry, path=_directory)  # type: ignore[no-untyped-call]  # untyped upstream
         return generate_latest(registry)
     return generate_latest()
+
+
+def mark_process_dead(pid: int) -> None:
+    """A worker ended (--workers): its live gauges stop counting it."""
+    if _directory:
+        multiprocess.mark_process_dead(pid, path=_directory)  # type: ignore[no-untyped-call]  # untyped upstream

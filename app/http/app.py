@@ -39,6 +39,7 @@ class Runtime:
 
 @contextlib.asynccontextmanager
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
+    metrics.require_setup()  # where values live is the process's choice, made before this
     store = await PostgresStore.connect(database_url)
     upstream = Upstream()
     keyring = settings.keyring()

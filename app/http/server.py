@@ -9,7 +9,7 @@ With `--workers N` the sockets are bound once and N forked worker processes serv
 its own event loop, pool and upstream client: several processes are safe because PostgreSQL
 arbitrates every claim. The parent only supervises: it passes signals on, waits for the workers
 to drain, and starts a new worker if one dies. Metrics are then collected across the workers
-(prometheus_client's multiprocess mode, set up by the CLI before anything imports it).
+(`metrics.setup(multiprocess_dir=...)`, called by the CLI before the workers are forked).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from .. import errors, tracing
+from .. import errors, metrics, tracing
 from ..settings import Settings
 from . import protocol
 from .app import create_admin_app, create_proxy_app, running
@@ -108,8 +108,6 @@ def _work(
 
 
 def _supervise(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
-    from prometheus_client import multiprocess
-
     workers: set[int] = set()
     stopping = False
 
@@ -144,7 +142,7 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
         while workers:
             pid, status = os.wait()
             workers.discard(pid)
-            multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]  # untyped upstream
+            metrics.mark_process_dead(pid)
             if not stopping:
                 log.error("worker %d ended (wait status %d); starting another", pid, status)
                 start_worker()

@@ -14,10 +14,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-# Libraries that are chatty at INFO: httpx logs every request (a line per forward, and a cost on
-# the request path); alembic announces its plugins; pgserver narrates its housekeeping; uvicorn
-# says "Started server process" and "Shutting down" once per server, and the gateway runs two:
-# the gateway's own start-up summary and shutdown line say it once (oncegate.http.server).
+# Libraries that are chatty at INFO: httpx (the agent client's and the lab's; the gateway
+# forwards with aiohttp) logs every request, a line and a cost per call; alembic announces its
+# plugins; pgserver narrates its housekeeping; uvicorn says "Started server process" and
+# "Shutting down" once per server, and the gateway runs two: the gateway's own start-up summary
+# and shutdown line say it once (oncegate.http.server).
 _QUIET = ("alembic.runtime.plugins", "httpx", "httpcore", "uvicorn.error")
 # Libraries whose warnings and errors the gateway says better itself, once: pgserver prints whole
 # command lines and server logs when PostgreSQL fails to start (oncegate.embedded names the log

@@ -11,8 +11,9 @@ Rules:
   key, only a failed connect is retried: anything later may have been performed.
 - 502 and 503 (`upstream-unavailable`, `store-unavailable`, an upstream's 503 that released the
   key): retry with backoff. The gateway released the key or never claimed it.
-- Never retried: 422 `key-reused` (`KeyReused`), `outcome-unknown` in any status (the 504/502 to
-  the first caller, the 409 to a retry: `OutcomeUnknown`), any other answer (`ActionRejected`).
+- Never retried: 422 `key-reused` (`ActionKeyReused`), `outcome-unknown` in any status (the
+  504/502 to the first caller, the 409 to a retry: `ActionOutcomeUnknown`), any other answer
+  (`ActionRejected`).
   Retrying those cannot help, and `outcome-unknown` needs someone to find out what happened.
 
 Backoff is exponential with full jitter, bounded by `RetryPolicy.deadline` overall.
@@ -50,12 +51,12 @@ class ActionError(Exception):
         self.response = response
 
 
-class KeyReused(ActionError):
+class ActionKeyReused(ActionError):
     """422: this key was used for a different request. A bug: the parameters changed between
     attempts, or two actions share a key."""
 
 
-class OutcomeUnknown(ActionError):
+class ActionOutcomeUnknown(ActionError):
     """The action may or may not have been performed, and nobody can tell yet. Do not resend:
     an operator finds out (the upstream's records) and resolves the key on the admin API."""
 
@@ -188,7 +189,7 @@ class ActionClient:
                 wait = self._backoff(attempt)
             except httpx.TransportError as exc:
                 if key is None:
-                    raise OutcomeUnknown(
+                    raise ActionOutcomeUnknown(
                         f"the connection broke after the request was sent and it has no "
                         f"Idempotency-Key: it may or may not have been performed ({exc!r})"
                     ) from exc
@@ -200,14 +201,14 @@ class ActionClient:
                 name = problem_name(response)
                 status = response.status_code
                 if name == "outcome-unknown":
-                    raise OutcomeUnknown(
+                    raise ActionOutcomeUnknown(
                         f"{key}: the gateway cannot tell whether the upstream performed this "
                         f"action ({status}); find out and resolve the key, do not resend",
                         key=key,
                         response=response,
                     )
                 if status == 422 and name == "key-reused":
-                    raise KeyReused(
+                    raise ActionKeyReused(
                         f"{key} was already used for a different request: the parameters "
                         "changed between attempts, or two actions share a key",
                         key=key,

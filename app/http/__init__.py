@@ -1,2 +1,3 @@
-"""The HTTP edge: the proxy port (a plain ASGI application), the admin port (FastAPI), and the
-server that runs both."""
+"""The HTTP edge: the proxy port (a plain ASGI application, `proxy`), the admin port (FastAPI:
+`admin`, `ui`), the composition root that builds the runtime both share (`runtime`), and the
+server that runs both under uvicorn (`server`)."""

@@ -24,7 +24,7 @@ from .. import errors, headers, schema, service
 from .. import metrics as app_metrics
 from ..service import Operator
 from ..store import Cause, KeyRecord, QueuedKey, State
-from .app import Runtime
+from .runtime import Runtime
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")

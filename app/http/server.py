@@ -29,7 +29,7 @@ import uvicorn
 from .. import errors, metrics, tracing
 from ..settings import Settings
 from . import protocol
-from .app import create_admin_app, create_proxy_app, running
+from .runtime import create_admin_app, create_proxy_app, running
 
 log = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -31,7 +31,7 @@ was performed; then it resumes the run.
 
 `--kill-gateway`: a share of the C runs also have the gateway SIGKILLed a few milliseconds after
 the agent is about to send one of its actions, and restarted at once. A run whose key went
-`unknown` (the gateway died holding the claim) stops with `OutcomeUnknown`; the lab then does
+`unknown` (the gateway died holding the claim) stops with `ActionOutcomeUnknown`; the lab then does
 what an operator would: it looks the key up in the upstream's records and resolves it on the
 admin API (completed with the upstream's receipt, or released if nothing was performed), and
 resumes the run.
@@ -61,7 +61,7 @@ from typing import Any, TextIO
 import httpx
 
 from ..agent.checkpoints import JSON, Checkpoint
-from ..agent.client import ActionClient, KeyLifetime, OutcomeUnknown, RetryPolicy
+from ..agent.client import ActionClient, ActionOutcomeUnknown, KeyLifetime, RetryPolicy
 from ..agent.runner import Order, StaleAction, allow_resend, mark_done, run_agent
 from ..store.checkpoints import PostgresCheckpoints
 from .stack import LATE_TTL, Stack
@@ -383,7 +383,7 @@ def _worker(
                     order=strategy.order,
                     on_event=report,
                 )
-        except OutcomeUnknown as exc:
+        except ActionOutcomeUnknown as exc:
             os.write(pipe, f"unknown {exc.key}\n".encode())
             return EXIT_UNKNOWN
         except StaleAction as exc:

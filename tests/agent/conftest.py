@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from oncegate.store.checkpoints import PostgresCheckpoints
-from tests.e2e.conftest import DemoUpstream, Gateway, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, free_port
 from tests.e2e.conftest import module_dir as module_dir
 from tests.e2e.conftest import upstream as upstream
 
@@ -23,14 +23,14 @@ def late_port() -> int:
 @pytest.fixture(scope="module")
 def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream, late_port: int
-) -> Iterator[Gateway]:
+) -> Iterator[GatewayProcess]:
     routes = [
         {"name": "actions", "match": "/", "upstream": upstream.url, "timeout": "1s",
          "lease": "2s"},
         {"name": "late", "match": "/late", "strip_prefix": True,
          "upstream": f"http://127.0.0.1:{late_port}"},
     ]  # fmt: skip
-    process = Gateway(module_dir, database_url, routes)
+    process = GatewayProcess(module_dir, database_url, routes)
     try:
         yield process
     finally:

@@ -17,15 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate.agent.client import (
     ActionClient,
+    ActionKeyReused,
+    ActionOutcomeUnknown,
     GaveUp,
     KeyLifetime,
-    KeyReused,
-    OutcomeUnknown,
     RetryPolicy,
     problem_name,
     retry_after,
 )
-from tests.e2e.conftest import DemoUpstream, Gateway, Process, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, Process, free_port
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def new_key() -> str:
 
 
 async def test_a_sent_action_and_its_resend_are_performed_once(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
     first = await client.send("/emails", {"to": "ana@example.com"}, key)
@@ -55,7 +55,7 @@ async def test_a_sent_action_and_its_resend_are_performed_once(
 
 
 async def test_a_retry_waits_at_the_gateway_for_the_first_attempt_by_default(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
     slow = asyncio.create_task(
@@ -70,7 +70,7 @@ async def test_a_retry_waits_at_the_gateway_for_the_first_attempt_by_default(
 
 
 async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answer(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     # Without `Prefer: wait`, the client polls as the gateway's 409 and Retry-After say.
     client = ActionClient(http, gateway.url, policy=RetryPolicy(deadline=10.0, wait=0))
@@ -90,12 +90,12 @@ async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answe
 
 
 async def test_a_reused_key_raises_at_once_and_is_not_retried(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
     await client.send("/charges", {"amount_cents": 100}, key)
     started = time.monotonic()
-    with pytest.raises(KeyReused) as raised:
+    with pytest.raises(ActionKeyReused) as raised:
         await client.send("/charges", {"amount_cents": 999}, key)
     assert time.monotonic() - started < 0.5
     assert raised.value.key == key and raised.value.response is not None
@@ -104,15 +104,15 @@ async def test_a_reused_key_raises_at_once_and_is_not_retried(
 
 
 async def test_outcome_unknown_raises_for_the_first_caller_and_for_a_retry(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     client, key = client_for(http, gateway.url), new_key()
     # The route's timeout is 1 s: the upstream performs the action, answers too late.
-    with pytest.raises(OutcomeUnknown) as first:
+    with pytest.raises(ActionOutcomeUnknown) as first:
         await client.send("/tickets", {"queue": "q"}, key, headers={"X-Demo-Delay": "1.5"})
     assert first.value.response is not None and first.value.response.status_code == 504
     started = time.monotonic()
-    with pytest.raises(OutcomeUnknown) as retry:
+    with pytest.raises(ActionOutcomeUnknown) as retry:
         await client.send("/tickets", {"queue": "q"}, key)
     assert time.monotonic() - started < 0.5  # no waiting, no retrying
     assert retry.value.response is not None and retry.value.response.status_code == 409
@@ -120,7 +120,7 @@ async def test_outcome_unknown_raises_for_the_first_caller_and_for_a_retry(
 
 
 async def test_502_upstream_unavailable_is_retried_until_the_upstream_is_up(
-    gateway: Gateway, http: httpx.AsyncClient, tmp_path: Path, late_port: int
+    gateway: GatewayProcess, http: httpx.AsyncClient, tmp_path: Path, late_port: int
 ) -> None:
     client, key = client_for(http, gateway.url, deadline=30.0), new_key()
     sending = asyncio.create_task(client.send("/late/emails", {"to": "cy@example.com"}, key))
@@ -138,7 +138,7 @@ async def test_502_upstream_unavailable_is_retried_until_the_upstream_is_up(
 
 
 async def test_503_from_the_upstream_is_retried_with_backoff_then_given_up(
-    gateway: Gateway, upstream: DemoUpstream, http: httpx.AsyncClient
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
     def released() -> float:
         text = httpx.get(gateway.admin_url + "/metrics").text

@@ -23,7 +23,7 @@ from oncegate.agent.runner import Action, StaleAction, Step, allow_resend, mark_
 from oncegate.lab import crashlab
 from oncegate.lab.task import ACTION_STEPS, STEPS, support_task
 from oncegate.store.checkpoints import PostgresCheckpoints
-from tests.e2e.conftest import DemoUpstream, Gateway
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
 STRATEGY_C = crashlab.STRATEGIES["C"]
 
@@ -63,7 +63,7 @@ POINTS = [
 
 @pytest.mark.parametrize(("event", "step"), POINTS, ids=[f"{e}-{s}" for e, s in POINTS])
 def test_a_run_killed_at_any_point_resumes_and_performs_each_action_once(
-    event: str, step: int, database_url: str, gateway: Gateway, upstream: DemoUpstream
+    event: str, step: int, database_url: str, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
     run_id = f"resume-{uuid.uuid4().hex[:8]}"
     environment = crashlab.Environment(

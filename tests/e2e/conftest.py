@@ -101,7 +101,7 @@ class DemoUpstream:
         return actions
 
 
-class Gateway:
+class GatewayProcess:
     def __init__(
         self,
         directory: Path,
@@ -130,7 +130,7 @@ class Gateway:
     def stop(self) -> None:
         self.process.stop()
 
-    def __enter__(self) -> Gateway:
+    def __enter__(self) -> GatewayProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -152,7 +152,7 @@ def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
 
 
 @pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+async def client(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
     """A client of the `gateway` fixture of the module that asks for it."""
     limits = httpx.Limits(max_connections=100)
     async with httpx.AsyncClient(base_url=gateway.url, limits=limits, timeout=30) as client:

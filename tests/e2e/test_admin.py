@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate import schema
-from tests.e2e.conftest import DemoUpstream, Gateway, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 
 TOKEN = "s3cret-admin-token"
 
@@ -29,8 +29,12 @@ def route_config(upstream: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
-    process = Gateway(module_dir, database_url, route_config(upstream.url), admin_token=TOKEN)
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(
+        module_dir, database_url, route_config(upstream.url), admin_token=TOKEN
+    )
     try:
         yield process
     finally:
@@ -38,7 +42,7 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
 
 
 @pytest.fixture
-async def admin(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+async def admin(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:
         yield client
@@ -60,7 +64,7 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-async def test_health_and_readiness(gateway: Gateway) -> None:
+async def test_health_and_readiness(gateway: GatewayProcess) -> None:
     async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
         assert (await plain.get("/healthz")).status_code == 200
         ready = await plain.get("/readyz")
@@ -71,7 +75,7 @@ async def test_health_and_readiness(gateway: Gateway) -> None:
         assert metrics.headers["content-type"].startswith("text/plain")
 
 
-async def test_the_openapi_document_describes_the_admin_api(gateway: Gateway) -> None:
+async def test_the_openapi_document_describes_the_admin_api(gateway: GatewayProcess) -> None:
     async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
         document = (await plain.get("/openapi.json")).json()
     assert document["openapi"].startswith("3.")
@@ -90,7 +94,7 @@ async def test_the_openapi_document_describes_the_admin_api(gateway: Gateway) ->
     assert {"id", "route", "key", "state", "status", "created_at", "expires_at"} <= set(record)
 
 
-async def test_the_admin_api_needs_the_token(gateway: Gateway) -> None:
+async def test_the_admin_api_needs_the_token(gateway: GatewayProcess) -> None:
     async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
         missing = await plain.get("/admin/keys", params={"key": "k"})
         assert missing.status_code == 401
@@ -105,7 +109,9 @@ async def test_the_admin_api_needs_the_token(gateway: Gateway) -> None:
 async def test_without_a_token_the_admin_api_does_not_exist(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> None:
-    tokenless = Gateway(module_dir, database_url, route_config(upstream.url), name="tokenless")
+    tokenless = GatewayProcess(
+        module_dir, database_url, route_config(upstream.url), name="tokenless"
+    )
     try:
         async with httpx.AsyncClient(base_url=tokenless.admin_url) as plain:
             for headers in ({}, {"Authorization": "Bearer anything"}):
@@ -265,7 +271,7 @@ async def test_a_lone_surrogate_in_a_resolution_is_refused_not_a_500(
 )
 async def test_bad_admin_input_is_a_named_problem_never_a_store_error(
     admin: httpx.AsyncClient,
-    gateway: Gateway,
+    gateway: GatewayProcess,
     method: str,
     path: str,
     params: dict[str, str],
@@ -279,7 +285,7 @@ async def test_bad_admin_input_is_a_named_problem_never_a_store_error(
     assert " failed: " not in gateway.process.output()  # no store warning: nothing reached it
 
 
-async def test_admin_errors_are_problems_like_the_proxy_s(gateway: Gateway) -> None:
+async def test_admin_errors_are_problems_like_the_proxy_s(gateway: GatewayProcess) -> None:
     async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
         missing = await plain.get("/admin/keys", params={"key": "k"})
     assert missing.status_code == 401 and problem_name(missing) == "unauthorized"
@@ -303,7 +309,7 @@ async def test_every_counter_counts_exactly(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> None:
     # A gateway of its own: counters are per process and start at zero.
-    counted = Gateway(module_dir, database_url, route_config(upstream.url), name="counted")
+    counted = GatewayProcess(module_dir, database_url, route_config(upstream.url), name="counted")
     try:
         async with httpx.AsyncClient(base_url=counted.url, timeout=30) as client:
             first, second = new_key(), new_key()
@@ -372,7 +378,7 @@ async def test_every_counter_counts_exactly(
 
 
 async def test_one_json_log_line_per_request_without_bodies_or_credentials(
-    gateway: Gateway, client: httpx.AsyncClient, upstream: DemoUpstream
+    gateway: GatewayProcess, client: httpx.AsyncClient, upstream: DemoUpstream
 ) -> None:
     key, secret, marker = new_key(), "Bearer tenant-secret-" + new_key(), "body-" + new_key()
     response = await client.post(

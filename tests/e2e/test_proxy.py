@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.conftest import (
     PROBLEM,
     DemoUpstream,
-    Gateway,
+    GatewayProcess,
     free_port,
     keyed,
     new_key,
@@ -81,8 +81,8 @@ def blackhole() -> Iterator[int]:
 @pytest.fixture(scope="module")
 def gateway(
     module_dir: Path, database_url: str, route_config: list[dict[str, Any]]
-) -> Iterator[Gateway]:
-    process = Gateway(module_dir, database_url, route_config)
+) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(module_dir, database_url, route_config)
     try:
         yield process
     finally:
@@ -155,7 +155,7 @@ async def test_missing_key_on_a_required_route_is_refused(
     ids=lambda lines: repr(lines)[:40],
 )
 async def test_malformed_keys_are_refused_and_nothing_stored(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection, header_lines: list[str]
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection, header_lines: list[str]
 ) -> None:
     before_actions, before_rows = len(upstream.actions()), await row_count(db)
     status, headers, body = await asyncio.to_thread(
@@ -172,7 +172,7 @@ async def test_malformed_keys_are_refused_and_nothing_stored(
     "value", ["abc\rX-Injected: 1", "del\x7fete", "nul\x00l"], ids=["CR", "DEL", "NUL"]
 )
 async def test_a_key_with_a_control_character_never_reaches_the_upstream(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection, value: str
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection, value: str
 ) -> None:
     before_actions, before_rows = len(upstream.actions()), await row_count(db)
     status, headers, body = await asyncio.to_thread(
@@ -377,7 +377,7 @@ async def test_a_dead_gateways_lease_runs_out_and_the_key_turns_unknown(
     upstream: DemoUpstream,
     db: asyncpg.Connection,
 ) -> None:
-    doomed = Gateway(module_dir, database_url, route_config, name="doomed")
+    doomed = GatewayProcess(module_dir, database_url, route_config, name="doomed")
     try:
         key = new_key()
         async with httpx.AsyncClient(base_url=doomed.url, timeout=30) as doomed_client:
@@ -445,7 +445,7 @@ async def test_a_json_content_type_with_a_body_that_is_not_json(
 
 
 async def test_hop_by_hop_headers_are_neither_forwarded_nor_stored(
-    gateway: Gateway, db: asyncpg.Connection
+    gateway: GatewayProcess, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     request = post(
@@ -514,7 +514,10 @@ async def test_fifty_concurrent_copies_reach_the_upstream_once(
 
 
 async def test_a_client_that_hangs_up_does_not_cancel_the_forward(
-    gateway: Gateway, client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection
+    gateway: GatewayProcess,
+    client: httpx.AsyncClient,
+    upstream: DemoUpstream,
+    db: asyncpg.Connection,
 ) -> None:
     key = new_key()
     with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
@@ -536,7 +539,7 @@ async def test_sigterm_finishes_and_stores_requests_in_flight(
     upstream: DemoUpstream,
     db: asyncpg.Connection,
 ) -> None:
-    leaving = Gateway(module_dir, database_url, route_config, name="leaving")
+    leaving = GatewayProcess(module_dir, database_url, route_config, name="leaving")
     key = new_key()
     try:
         async with httpx.AsyncClient(base_url=leaving.url, timeout=30) as leaving_client:
@@ -568,7 +571,7 @@ async def test_a_path_no_route_matches_is_404(client: httpx.AsyncClient) -> None
     assert prefix_only.status_code == 404
 
 
-async def test_the_upstream_gets_the_clients_headers_and_no_others(gateway: Gateway) -> None:
+async def test_the_upstream_gets_the_clients_headers_and_no_others(gateway: GatewayProcess) -> None:
     request = (
         "POST /strict/echo/raw%2Fpath?b=2&a=1 HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n"
         f"Idempotency-Key: {new_key()}\r\nX-Request-Id: trace-7\r\nContent-Length: 3\r\n\r\nabc"

@@ -24,16 +24,18 @@ import httpx
 import pytest
 
 from tests.e2e import browser
-from tests.e2e.conftest import DemoUpstream, Gateway, prefix_route, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, prefix_route, problem_name
 
 TOKEN = "queue-admin-token"
 QUEUE_ROUTES = ("lost", "gauge", "cli", "page", "browser")
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
     routes = [prefix_route(name, upstream.url, timeout="1s") for name in QUEUE_ROUTES]
-    process = Gateway(
+    process = GatewayProcess(
         module_dir,
         database_url,
         routes,
@@ -47,7 +49,7 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
 
 
 @pytest.fixture
-async def admin(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+async def admin(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:
         yield client
@@ -129,7 +131,11 @@ async def test_the_queue_lists_unknown_keys_oldest_first_page_by_page(
     ],
 )
 async def test_bad_queue_input_is_a_named_problem(
-    admin: httpx.AsyncClient, gateway: Gateway, path: str, params: dict[str, str], status: int
+    admin: httpx.AsyncClient,
+    gateway: GatewayProcess,
+    path: str,
+    params: dict[str, str],
+    status: int,
 ) -> None:
     response = await admin.get(path, params=params)
     assert response.status_code == status, response.text
@@ -137,7 +143,7 @@ async def test_bad_queue_input_is_a_named_problem(
     assert " failed: " not in gateway.process.output()  # nothing reached the store as an error
 
 
-async def test_the_queue_needs_the_token(gateway: Gateway) -> None:
+async def test_the_queue_needs_the_token(gateway: GatewayProcess) -> None:
     async with httpx.AsyncClient(base_url=gateway.admin_url) as plain:
         refused = await plain.get("/admin/keys", params={"state": "unknown"})
         assert refused.status_code == 401 and problem_name(refused) == "unauthorized"
@@ -148,7 +154,7 @@ async def test_the_queue_needs_the_token(gateway: Gateway) -> None:
 
 
 async def test_the_gauge_counts_the_keys_of_every_state(
-    client: httpx.AsyncClient, gateway: Gateway, db: asyncpg.Connection
+    client: httpx.AsyncClient, gateway: GatewayProcess, db: asyncpg.Connection
 ) -> None:
     await make_unknown(client, "gauge", 1)
     completed = await client.post(
@@ -186,7 +192,7 @@ async def test_the_gauge_counts_the_keys_of_every_state(
 
 
 async def oncegate_keys(
-    gateway: Gateway, *args: str, token: str | None = TOKEN
+    gateway: GatewayProcess, *args: str, token: str | None = TOKEN
 ) -> tuple[int, str, str]:
     environment = {
         name: value for name, value in os.environ.items() if name != "ONCEGATE_ADMIN_TOKEN"
@@ -203,7 +209,7 @@ async def oncegate_keys(
 
 
 async def test_oncegate_keys_lists_shows_resolves_and_releases(
-    gateway: Gateway, client: httpx.AsyncClient, upstream: DemoUpstream
+    gateway: GatewayProcess, client: httpx.AsyncClient, upstream: DemoUpstream
 ) -> None:
     performed, not_performed = await make_unknown(client, "cli", 2)
 
@@ -251,7 +257,7 @@ async def test_oncegate_keys_lists_shows_resolves_and_releases(
     assert (status, table) == (0, "no unknown keys\n")
 
 
-async def test_oncegate_keys_needs_the_right_token(gateway: Gateway) -> None:
+async def test_oncegate_keys_needs_the_right_token(gateway: GatewayProcess) -> None:
     status, _, error = await oncegate_keys(gateway, "list", token=None)
     assert status == 2 and "ONCEGATE_ADMIN_TOKEN" in error
     status, _, error = await oncegate_keys(gateway, "list", token="wrong")
@@ -268,7 +274,7 @@ def csrf_of(page: str) -> str:
 
 
 async def test_the_page_needs_a_login_and_its_forms_a_csrf_token(
-    gateway: Gateway, client: httpx.AsyncClient, admin: httpx.AsyncClient
+    gateway: GatewayProcess, client: httpx.AsyncClient, admin: httpx.AsyncClient
 ) -> None:
     (key,) = await make_unknown(client, "page", 1)
     (record,) = (
@@ -333,7 +339,7 @@ async def test_the_page_needs_a_login_and_its_forms_a_csrf_token(
 
 @pytest.mark.timeout(240)
 async def test_an_operator_releases_a_key_in_a_real_browser(
-    gateway: Gateway, client: httpx.AsyncClient, admin: httpx.AsyncClient, module_dir: Path
+    gateway: GatewayProcess, client: httpx.AsyncClient, admin: httpx.AsyncClient, module_dir: Path
 ) -> None:
     if browser.binary() is None:
         pytest.skip(

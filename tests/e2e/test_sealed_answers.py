@@ -17,7 +17,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Gateway, new_key, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, new_key, problem_name
 
 OLD = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 NEW = f"k2:{base64.b64encode(os.urandom(32)).decode()}"
@@ -35,8 +35,8 @@ def routes(upstream: str) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def sealed_gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
-) -> Iterator[Gateway]:
-    with Gateway(module_dir, database_url, routes(upstream.url), name="sealed",
+) -> Iterator[GatewayProcess]:
+    with GatewayProcess(module_dir, database_url, routes(upstream.url), name="sealed",
                  env={"ONCEGATE_ENCRYPTION_KEYS": OLD}) as gateway:  # fmt: skip
         yield gateway
 
@@ -59,7 +59,7 @@ async def stored(db: asyncpg.Connection, key: str) -> asyncpg.Record:
 
 
 async def test_the_database_holds_no_plaintext_answer(
-    sealed_gateway: Gateway, db: asyncpg.Connection, upstream: DemoUpstream
+    sealed_gateway: GatewayProcess, db: asyncpg.Connection, upstream: DemoUpstream
 ) -> None:
     key = new_key()
     first = await charge(sealed_gateway.url, key)
@@ -78,7 +78,7 @@ async def test_the_database_holds_no_plaintext_answer(
 
 
 async def test_a_changed_byte_is_refused_never_replayed_as_garbage_nor_forwarded(
-    sealed_gateway: Gateway, db: asyncpg.Connection, upstream: DemoUpstream
+    sealed_gateway: GatewayProcess, db: asyncpg.Connection, upstream: DemoUpstream
 ) -> None:
     key = new_key()
     assert (await charge(sealed_gateway.url, key)).status_code == 201
@@ -94,7 +94,7 @@ async def test_a_changed_byte_is_refused_never_replayed_as_garbage_nor_forwarded
 
 
 async def test_status_only_keeps_status_and_headers_but_no_body(
-    sealed_gateway: Gateway, db: asyncpg.Connection, upstream: DemoUpstream
+    sealed_gateway: GatewayProcess, db: asyncpg.Connection, upstream: DemoUpstream
 ) -> None:
     key = new_key()
     first = await charge(sealed_gateway.url, key, "/quiet/charges")
@@ -106,7 +106,7 @@ async def test_status_only_keeps_status_and_headers_but_no_body(
 
 
 async def test_rotation_and_rekey_retire_the_old_key(
-    sealed_gateway: Gateway,
+    sealed_gateway: GatewayProcess,
     module_dir: Path,
     database_url: str,
     upstream: DemoUpstream,
@@ -115,14 +115,14 @@ async def test_rotation_and_rekey_retire_the_old_key(
     old_key = new_key()
     first = await charge(sealed_gateway.url, old_key)
     # Rotated: the new key first, the old one still there to open old rows.
-    with Gateway(module_dir, database_url, routes(upstream.url), name="rotated",
+    with GatewayProcess(module_dir, database_url, routes(upstream.url), name="rotated",
                  env={"ONCEGATE_ENCRYPTION_KEYS": f"{NEW},{OLD}"}) as rotated:  # fmt: skip
         assert (await charge(rotated.url, old_key)).content == first.content
         new_key_sent = new_key()
         assert (await charge(rotated.url, new_key_sent)).status_code == 201
         assert (await stored(db, new_key_sent))["sealed_with"] == "k2"
     # Without the old key, an old row cannot be opened: 503, and not performed again.
-    with Gateway(module_dir, database_url, routes(upstream.url), name="new-only",
+    with GatewayProcess(module_dir, database_url, routes(upstream.url), name="new-only",
                  env={"ONCEGATE_ENCRYPTION_KEYS": NEW}) as new_only:  # fmt: skip
         refused = await charge(new_only.url, old_key)
         assert refused.status_code == 503 and problem_name(refused) == "answer-sealed"
@@ -151,7 +151,7 @@ async def test_rotation_and_rekey_retire_the_old_key(
     assert (await stored(db, broken))["id"] in {row["id"] for row in left}
     assert rekeyed.stderr.count("key id ") == len(left)  # every row left behind is named
     assert (await stored(db, old_key))["sealed_with"] == "k2"
-    with Gateway(module_dir, database_url, routes(upstream.url), name="retired",
+    with GatewayProcess(module_dir, database_url, routes(upstream.url), name="retired",
                  env={"ONCEGATE_ENCRYPTION_KEYS": NEW}) as retired:  # fmt: skip
         replay = await charge(retired.url, old_key)
         assert replay.status_code == 201 and replay.content == first.content

@@ -21,7 +21,7 @@ import pytest
 
 from oncegate import schema
 from tests.conftest import start_embedded
-from tests.e2e.conftest import DemoUpstream, Gateway
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
     server: Any, module_dir: Path, upstream: DemoUpstream
 ) -> None:
     route = {"name": "mail", "match": "/", "upstream": upstream.url}
-    gateway = Gateway(module_dir, server.get_uri(), [route])
+    gateway = GatewayProcess(module_dir, server.get_uri(), [route])
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             done = str(uuid.uuid4())
@@ -114,7 +114,7 @@ async def test_a_postgres_crash_right_after_an_answer_never_forwards_twice(
     claim before them is flushed. A crash may lose a stored answer, never the claim: the retry
     is then replayed, or told to wait, or told the outcome is unknown, and never forwarded."""
     route = {"name": "mail", "match": "/", "upstream": upstream.url, "timeout": "2s"}
-    gateway = Gateway(module_dir, server.get_uri(), [route], name="crash")
+    gateway = GatewayProcess(module_dir, server.get_uri(), [route], name="crash")
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             for _ in range(3):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.e2e.conftest import DemoUpstream, Gateway, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, free_port
 
 DEADLINE = 30.0  # for the batch to arrive; never a measured time
 
@@ -93,7 +93,7 @@ def test_a_request_is_one_span_under_the_clients_trace_with_claim_and_settle_chi
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     key = f"secret-key-{uuid.uuid4()}"
     credential = "Bearer credential-that-must-not-leak"
-    with Gateway(
+    with GatewayProcess(
         tmp_path,
         database_url,
         [route],

@@ -15,7 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Gateway, new_key, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, new_key, problem_name
 
 LISTENER = "oncegate-listener"
 
@@ -31,12 +31,14 @@ def routes(upstream: str) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def gateways(
     module_dir: Path, database_url: str, upstream: DemoUpstream
-) -> Iterator[list[Gateway]]:
-    started: list[Gateway] = []
+) -> Iterator[list[GatewayProcess]]:
+    started: list[GatewayProcess] = []
     try:
         for index in range(3):
             started.append(
-                Gateway(module_dir, database_url, routes(upstream.url), name=f"gateway-{index}")
+                GatewayProcess(
+                    module_dir, database_url, routes(upstream.url), name=f"gateway-{index}"
+                )
             )
         yield started
     finally:
@@ -45,7 +47,7 @@ def gateways(
 
 
 @pytest.fixture
-async def clients(gateways: list[Gateway]) -> AsyncIterator[list[httpx.AsyncClient]]:
+async def clients(gateways: list[GatewayProcess]) -> AsyncIterator[list[httpx.AsyncClient]]:
     limits = httpx.Limits(max_connections=100)
     async with contextlib.AsyncExitStack() as stack:
         yield [
@@ -170,9 +172,9 @@ async def test_the_wait_is_capped_by_the_route_and_ends_in_409(
 
 
 async def test_waiters_on_a_gateway_killed_mid_flight_get_409(
-    module_dir: Path, database_url: str, upstream: DemoUpstream, gateways: list[Gateway]
+    module_dir: Path, database_url: str, upstream: DemoUpstream, gateways: list[GatewayProcess]
 ) -> None:
-    doomed = Gateway(module_dir, database_url, routes(upstream.url), name="doomed")
+    doomed = GatewayProcess(module_dir, database_url, routes(upstream.url), name="doomed")
     key = new_key()
     try:
         async with httpx.AsyncClient(base_url=doomed.url, timeout=30) as doomed_client:

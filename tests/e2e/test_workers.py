@@ -16,24 +16,28 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import DemoUpstream, Gateway
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
     route = {"name": "mail", "match": "/", "upstream": upstream.url}
-    process = Gateway(module_dir, database_url, [route], args=["--workers", "2"])
+    process = GatewayProcess(module_dir, database_url, [route], args=["--workers", "2"])
     try:
         yield process
     finally:
         process.stop()
 
 
-def workers(gateway: Gateway) -> list[psutil.Process]:
+def workers(gateway: GatewayProcess) -> list[psutil.Process]:
     return psutil.Process(gateway.process.pid).children()
 
 
-def wait_for_workers(gateway: Gateway, count: int, gone: int | None = None) -> list[psutil.Process]:
+def wait_for_workers(
+    gateway: GatewayProcess, count: int, gone: int | None = None
+) -> list[psutil.Process]:
     """Wait until `count` live workers serve, none of them the process `gone`."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -58,7 +62,7 @@ def requests_counted(text: str) -> float:
 
 
 async def test_several_workers_forward_each_key_once_and_count_together(
-    gateway: Gateway, upstream: DemoUpstream
+    gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
     assert len(wait_for_workers(gateway, 2)) == 2
     shared = str(uuid.uuid4())
@@ -78,7 +82,9 @@ async def test_several_workers_forward_each_key_once_and_count_together(
         assert requests_counted((await admin.get("/metrics")).text) == 60
 
 
-async def test_a_worker_that_dies_is_replaced(gateway: Gateway, upstream: DemoUpstream) -> None:
+async def test_a_worker_that_dies_is_replaced(
+    gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
     victim = wait_for_workers(gateway, 2)[0]
     victim.send_signal(signal.SIGKILL)
     replaced = wait_for_workers(gateway, 2, gone=victim.pid)
@@ -90,7 +96,7 @@ async def test_a_worker_that_dies_is_replaced(gateway: Gateway, upstream: DemoUp
             assert response.status_code == 201
 
 
-def test_sigterm_stops_every_worker(gateway: Gateway) -> None:
+def test_sigterm_stops_every_worker(gateway: GatewayProcess) -> None:
     children = wait_for_workers(gateway, 2)
     gateway.process.signal(signal.SIGTERM)
     assert gateway.process.wait() == 0

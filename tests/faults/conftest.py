@@ -23,7 +23,7 @@ import pytest
 from tests.e2e.conftest import (
     PROBLEM,
     DemoUpstream,
-    Gateway,
+    GatewayProcess,
     client,
     module_dir,
     new_key,
@@ -37,7 +37,7 @@ from tests.e2e.conftest import (
 __all__ = [
     "PROBLEM",
     "DemoUpstream",
-    "Gateway",
+    "GatewayProcess",
     "RawUpstream",
     "client",
     "module_dir",
@@ -51,7 +51,7 @@ __all__ = [
 ADMIN_TOKEN = "faults-admin-token"
 
 
-def admin_client(gateway: Gateway) -> httpx.AsyncClient:
+def admin_client(gateway: GatewayProcess) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=gateway.admin_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
     )

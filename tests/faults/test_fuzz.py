@@ -30,18 +30,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import parse_head, prefix_route
-from tests.faults.conftest import PROBLEM, DemoUpstream, Gateway, new_key
+from tests.faults.conftest import PROBLEM, DemoUpstream, GatewayProcess, new_key
 
 REJECTIONS = {"missing-key", "invalid-key", "body-too-large", "route-not-found"}
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
     def route(name: str, **options: Any) -> dict[str, Any]:
         return prefix_route(name, **{"upstream": upstream.url, **options})
 
     routes = [route("strict"), route("optional", key="optional"), route("small", max_body="1KiB")]
-    process = Gateway(module_dir, database_url, routes)
+    process = GatewayProcess(module_dir, database_url, routes)
     try:
         yield process
     finally:
@@ -176,7 +178,7 @@ requests = st.fixed_dictionaries(
 )
 @given(request=requests)
 def test_fuzz_no_5xx_and_no_row_for_a_rejected_request(
-    gateway: Gateway, rows: Rows, request: dict[str, Any]
+    gateway: GatewayProcess, rows: Rows, request: dict[str, Any]
 ) -> None:
     query = "&".join(f"{name}={value}" for name, value in request["query"])
     path = f"/{request['route']}/{request['tail']}" + (f"?{query}" if query else "")
@@ -211,7 +213,7 @@ def test_fuzz_no_5xx_and_no_row_for_a_rejected_request(
     ids=["bare-LF", "bare-CR", "obs-fold", "CRLF-in-quotes", "NUL", "folded-value"],
 )
 def test_cr_lf_in_a_key_never_reaches_the_upstream_as_part_of_a_key(
-    gateway: Gateway, upstream: DemoUpstream, rows: Rows, key_line: str
+    gateway: GatewayProcess, upstream: DemoUpstream, rows: Rows, key_line: str
 ) -> None:
     before = rows.count()
     status, headers, body = exchange(
@@ -245,7 +247,7 @@ def test_cr_lf_in_a_key_never_reaches_the_upstream_as_part_of_a_key(
     ids=["500-headers", "64KiB-header", "64KiB-key"],
 )
 def test_absurd_headers_are_answered_without_5xx_and_stored_at_most_once(
-    gateway: Gateway, upstream: DemoUpstream, rows: Rows, lines: list[str]
+    gateway: GatewayProcess, upstream: DemoUpstream, rows: Rows, lines: list[str]
 ) -> None:
     key = new_key()
     header_lines = [] if lines[0].startswith("Idempotency-Key") else [f"Idempotency-Key: {key}"]
@@ -276,7 +278,7 @@ def test_absurd_headers_are_answered_without_5xx_and_stored_at_most_once(
 
 
 def test_a_dribbled_body_holds_no_claim_until_it_is_complete(
-    gateway: Gateway, upstream: DemoUpstream, rows: Rows
+    gateway: GatewayProcess, upstream: DemoUpstream, rows: Rows
 ) -> None:
     key = new_key()
     body = json.dumps({"slow": "x" * 20}).encode()
@@ -305,7 +307,7 @@ def test_a_dribbled_body_holds_no_claim_until_it_is_complete(
 
 
 def test_a_client_that_gives_up_half_way_through_its_body_leaves_nothing(
-    gateway: Gateway, upstream: DemoUpstream, rows: Rows
+    gateway: GatewayProcess, upstream: DemoUpstream, rows: Rows
 ) -> None:
     key = new_key()
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
@@ -331,7 +333,7 @@ def test_a_client_that_gives_up_half_way_through_its_body_leaves_nothing(
 
 
 def test_content_length_with_transfer_encoding_is_not_smuggled(
-    gateway: Gateway, upstream: DemoUpstream, rows: Rows
+    gateway: GatewayProcess, upstream: DemoUpstream, rows: Rows
 ) -> None:
     key, smuggled = new_key(), new_key()
     inner = request_bytes("POST", "/strict/emails", [f"Idempotency-Key: {smuggled}"], b"{}")

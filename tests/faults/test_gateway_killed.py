@@ -42,7 +42,7 @@ import pytest
 from tests.faults.conftest import (
     ADMIN_TOKEN,
     DemoUpstream,
-    Gateway,
+    GatewayProcess,
     RawUpstream,
     admin_client,
     new_key,
@@ -87,9 +87,11 @@ def routes(upstream: DemoUpstream, raw_upstream: RawUpstream) -> list[dict[str, 
 @pytest.fixture(scope="module")
 def survivor(
     module_dir: Path, database_url: str, routes: list[dict[str, Any]]
-) -> Iterator[Gateway]:
+) -> Iterator[GatewayProcess]:
     """The gateway that stays up and answers the retries."""
-    gateway = Gateway(module_dir, database_url, routes, name="survivor", admin_token=ADMIN_TOKEN)
+    gateway = GatewayProcess(
+        module_dir, database_url, routes, name="survivor", admin_token=ADMIN_TOKEN
+    )
     try:
         yield gateway
     finally:
@@ -97,7 +99,7 @@ def survivor(
 
 
 @pytest.fixture
-async def client(survivor: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+async def client(survivor: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=survivor.url, timeout=30) as client:
         yield client
 
@@ -105,12 +107,14 @@ async def client(survivor: Gateway) -> AsyncIterator[httpx.AsyncClient]:
 _doomed = iter(range(1000))
 
 
-def doomed_gateway(module_dir: Path, database_url: str, routes: list[dict[str, Any]]) -> Gateway:
-    return Gateway(module_dir, database_url, routes, name=f"doomed-{next(_doomed)}")
+def doomed_gateway(
+    module_dir: Path, database_url: str, routes: list[dict[str, Any]]
+) -> GatewayProcess:
+    return GatewayProcess(module_dir, database_url, routes, name=f"doomed-{next(_doomed)}")
 
 
 async def killed_before_the_answer(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection, path: str, key: str
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection, path: str, key: str
 ) -> None:
     """Send through `gateway`, SIGKILL it once the demo upstream has performed the action and
     while it still holds the answer back."""
@@ -184,7 +188,7 @@ async def test_killed_before_the_answer_reject_then_settled_by_an_operator(
     module_dir: Path,
     database_url: str,
     routes: list[dict[str, Any]],
-    survivor: Gateway,
+    survivor: GatewayProcess,
     client: httpx.AsyncClient,
     upstream: DemoUpstream,
     db: asyncpg.Connection,
@@ -243,7 +247,7 @@ async def test_killed_after_the_answer_reject_then_released_by_an_operator(
     module_dir: Path,
     database_url: str,
     routes: list[dict[str, Any]],
-    survivor: Gateway,
+    survivor: GatewayProcess,
     client: httpx.AsyncClient,
     raw_upstream: RawUpstream,
     db: asyncpg.Connection,

@@ -24,7 +24,7 @@ from oncegate.service import ProxyRequest
 from oncegate.store.postgres import PostgresStore
 from oncegate.upstream import NotSent, Upstream
 from tests.e2e.conftest import PROBLEM, free_port, parse_head
-from tests.faults.conftest import DemoUpstream, Gateway, new_key, problem_name, row
+from tests.faults.conftest import DemoUpstream, GatewayProcess, new_key, problem_name, row
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def dead_port() -> int:
 @pytest.fixture(scope="module")
 def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream, dead_port: int
-) -> Iterator[Gateway]:
+) -> Iterator[GatewayProcess]:
     routes = [
         {"name": "dead", "match": "/dead", "upstream": f"http://127.0.0.1:{dead_port}"},
         {"name": "emails", "match": "/emails", "upstream": upstream.url},
@@ -44,7 +44,7 @@ def gateway(
          "strip_prefix": True},
         {"name": "default", "match": "/", "upstream": upstream.url, "key": "optional"},
     ]  # fmt: skip
-    process = Gateway(module_dir, database_url, routes)
+    process = GatewayProcess(module_dir, database_url, routes)
     try:
         yield process
     finally:
@@ -85,7 +85,7 @@ H2C_OFFER = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c",
 
 
 async def test_an_h2c_upgrade_offer_is_ignored_and_the_body_kept(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     body = b'{"to": "ana@example.com", "n": 1}'
@@ -105,7 +105,7 @@ async def test_an_h2c_upgrade_offer_is_ignored_and_the_body_kept(
     assert len(upstream.actions(key)) == 1
 
 
-async def test_an_upgrade_offer_reaches_the_upstream_as_plain_http(gateway: Gateway) -> None:
+async def test_an_upgrade_offer_reaches_the_upstream_as_plain_http(gateway: GatewayProcess) -> None:
     body = b'{"n": 2}'
     [echoed] = exchange(gateway.port, post("/echo/x", body, f"Idempotency-Key: {new_key()}",
                                            *H2C_OFFER), 1)  # fmt: skip
@@ -116,7 +116,7 @@ async def test_an_upgrade_offer_reaches_the_upstream_as_plain_http(gateway: Gate
     assert not names & {"upgrade", "http2-settings", "connection"}  # hop-by-hop, named or not
 
 
-async def test_a_websocket_upgrade_is_served_as_a_plain_get(gateway: Gateway) -> None:
+async def test_a_websocket_upgrade_is_served_as_a_plain_get(gateway: GatewayProcess) -> None:
     request = (
         b"GET /echo/socket HTTP/1.1\r\nHost: gateway\r\nConnection: Upgrade\r\n"
         b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
@@ -130,7 +130,7 @@ async def test_a_websocket_upgrade_is_served_as_a_plain_get(gateway: Gateway) ->
 
 
 async def test_an_upgrade_offer_pipelined_behind_a_request_in_flight_is_answered_after_it(
-    gateway: Gateway, upstream: DemoUpstream
+    gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
     key, slow_key = new_key(), new_key()
     # Answered a second late by the upstream: in flight when the offer behind it is read.
@@ -151,7 +151,7 @@ async def test_http_clients_still_work_after_upgrade_offers(client: httpx.AsyncC
 
 @pytest.mark.parametrize("spelling", ["/%65mails", "/./emails", "/x/../emails", "//emails"])
 async def test_every_spelling_of_a_path_gets_its_route_s_policy(
-    gateway: Gateway, upstream: DemoUpstream, spelling: str
+    gateway: GatewayProcess, upstream: DemoUpstream, spelling: str
 ) -> None:
     # /emails requires a key; the catch-all would forward without one.
     before = len(upstream.actions())
@@ -161,7 +161,7 @@ async def test_every_spelling_of_a_path_gets_its_route_s_policy(
 
 
 async def test_one_key_sent_under_three_spellings_of_a_path_is_performed_once(
-    gateway: Gateway, upstream: DemoUpstream
+    gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
     key = new_key()
     answers = [
@@ -177,7 +177,7 @@ async def test_one_key_sent_under_three_spellings_of_a_path_is_performed_once(
 
 
 async def test_a_path_that_climbs_above_the_root_is_refused(
-    gateway: Gateway, db: asyncpg.Connection
+    gateway: GatewayProcess, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     [answer] = exchange(gateway.port, post("/based/../../admin/secret", b"{}",
@@ -188,7 +188,7 @@ async def test_a_path_that_climbs_above_the_root_is_refused(
 
 
 async def test_the_upstream_gets_the_normalized_path_under_the_route_s_base(
-    gateway: Gateway,
+    gateway: GatewayProcess,
 ) -> None:
     request = b"GET /based/x/../%79/./z//w HTTP/1.1\r\nHost: gateway\r\n\r\n"
     [answer] = exchange(gateway.port, request, 1)
@@ -203,7 +203,7 @@ def raw_post(path: str, body: bytes, *headers: bytes) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-async def test_utf8_header_values_reach_the_upstream_byte_for_byte(gateway: Gateway) -> None:
+async def test_utf8_header_values_reach_the_upstream_byte_for_byte(gateway: GatewayProcess) -> None:
     key = b"Idempotency-Key: " + new_key().encode()
     request = raw_post("/echo/h", b"{}", b"X-Name: Jos\xc3\xa9 \xe2\x82\xac", key)
     [echoed] = exchange(gateway.port, request, 1)
@@ -213,7 +213,7 @@ async def test_utf8_header_values_reach_the_upstream_byte_for_byte(gateway: Gate
 
 
 async def test_a_header_value_that_is_not_utf8_is_refused_not_changed(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     request = raw_post(
@@ -225,7 +225,9 @@ async def test_a_header_value_that_is_not_utf8_is_refused_not_changed(
     assert upstream.actions(key) == [] and await row(db, key) is None
 
 
-async def test_answer_header_bytes_are_relayed_and_replayed_unchanged(gateway: Gateway) -> None:
+async def test_answer_header_bytes_are_relayed_and_replayed_unchanged(
+    gateway: GatewayProcess,
+) -> None:
     key = new_key().encode()
     # The demo sends the header's value as Latin-1 bytes: caf\xe9, not UTF-8.
     request = raw_post("/emails?header=X-Shop:caf%C3%A9", b'{"n": 7}', b"Idempotency-Key: " + key)
@@ -236,7 +238,7 @@ async def test_answer_header_bytes_are_relayed_and_replayed_unchanged(gateway: G
 
 
 async def test_gateway_answers_name_the_route_not_the_upstream_s_address(
-    gateway: Gateway, dead_port: int
+    gateway: GatewayProcess, dead_port: int
 ) -> None:
     answers = [
         exchange(gateway.port, post("/dead/x", b"{}", f"Idempotency-Key: {new_key()}"), 1)[0],
@@ -309,7 +311,7 @@ async def test_a_large_json_body_is_the_same_request_only_as_the_same_bytes(
 
 
 async def test_a_transfer_coding_other_than_chunked_is_refused(
-    gateway: Gateway, upstream: DemoUpstream, db: asyncpg.Connection
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     request = (
@@ -336,7 +338,7 @@ async def test_a_transfer_coding_other_than_chunked_is_refused(
     ids=["none", "two", "http/1.0"],
 )
 async def test_an_http11_request_needs_exactly_one_host(
-    gateway: Gateway, head: bytes, status: int
+    gateway: GatewayProcess, head: bytes, status: int
 ) -> None:
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
         sock.sendall(head)
@@ -349,7 +351,7 @@ async def test_an_http11_request_needs_exactly_one_host(
 
 
 async def test_naming_the_key_in_connection_does_not_keep_it_from_the_upstream(
-    gateway: Gateway,
+    gateway: GatewayProcess,
 ) -> None:
     key = new_key()
     request = post("/echo/k", b"{}", f"Idempotency-Key: {key}", "Connection: Idempotency-Key")
@@ -358,7 +360,7 @@ async def test_naming_the_key_in_connection_does_not_keep_it_from_the_upstream(
     assert received["idempotency-key"] == key
 
 
-async def test_a_head_answer_keeps_the_upstream_s_content_length(gateway: Gateway) -> None:
+async def test_a_head_answer_keeps_the_upstream_s_content_length(gateway: GatewayProcess) -> None:
     request = (
         b"GET /emails HTTP/1.1\r\nHost: gateway\r\n\r\nHEAD /emails HTTP/1.1\r\nHost: g\r\n\r\n"
     )
@@ -385,14 +387,14 @@ def _closed_with_408(sock: socket.socket) -> None:
     assert b"urn:oncegate:problem:request-timeout" in received
 
 
-async def test_a_connection_that_sends_no_head_is_closed(gateway: Gateway) -> None:
+async def test_a_connection_that_sends_no_head_is_closed(gateway: GatewayProcess) -> None:
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
         sock.sendall(b"POST /emails HTTP/1.1\r\nHost: ga")  # and nothing more
         _closed_with_408(sock)
 
 
 async def test_a_connection_handed_over_by_an_upgrade_offer_keeps_the_head_timeout(
-    gateway: Gateway,
+    gateway: GatewayProcess,
 ) -> None:
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
         sock.sendall(post("/echo/up", b"{}", f"Idempotency-Key: {new_key()}", *H2C_OFFER))
@@ -410,7 +412,7 @@ async def test_a_connection_handed_over_by_an_upgrade_offer_keeps_the_head_timeo
 
 @pytest.mark.parametrize("spelling", ["/x%2F..%2Femails", "/x%2f..%2femails", "/x%5C..%5Cemails"])
 async def test_encoded_slashes_cannot_smuggle_a_path_past_its_route(
-    gateway: Gateway, upstream: DemoUpstream, spelling: str
+    gateway: GatewayProcess, upstream: DemoUpstream, spelling: str
 ) -> None:
     # To an upstream that decodes %2F, this is /emails, which needs a key; the catch-all would
     # forward it without one.
@@ -420,6 +422,8 @@ async def test_encoded_slashes_cannot_smuggle_a_path_past_its_route(
     assert len(upstream.actions()) == before
 
 
-async def test_an_encoded_slash_that_stays_inside_its_route_is_passed_on(gateway: Gateway) -> None:
+async def test_an_encoded_slash_that_stays_inside_its_route_is_passed_on(
+    gateway: GatewayProcess,
+) -> None:
     [echoed] = exchange(gateway.port, b"GET /echo/files/a%2Fb HTTP/1.1\r\nHost: g\r\n\r\n", 1)
     assert echoed[0] == 200

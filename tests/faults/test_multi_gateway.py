@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.conftest import DemoUpstream, Gateway
+from tests.faults.conftest import DemoUpstream, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,14 @@ DEADLINE = 60.0  # seconds for the whole run; about 10-15 s on 2 cores
 @pytest.fixture(scope="module")
 def gateways(
     module_dir: Path, database_url: str, upstream: DemoUpstream
-) -> Iterator[list[Gateway]]:
+) -> Iterator[list[GatewayProcess]]:
     route = {"name": "mail", "match": "/", "upstream": upstream.url}
-    started: list[Gateway] = []
+    started: list[GatewayProcess] = []
     try:
         for number in range(GATEWAYS):
-            started.append(Gateway(module_dir, database_url, [route], name=f"gateway-{number}"))
+            started.append(
+                GatewayProcess(module_dir, database_url, [route], name=f"gateway-{number}")
+            )
         yield started
     finally:
         for gateway in started:
@@ -47,7 +49,7 @@ def gateways(
 
 
 async def test_many_keys_with_concurrent_duplicates_over_three_gateways(
-    gateways: list[Gateway], upstream: DemoUpstream
+    gateways: list[GatewayProcess], upstream: DemoUpstream
 ) -> None:
     keys = [str(uuid.uuid4()) for _ in range(KEYS)]
     outcomes: collections.Counter[str] = collections.Counter()

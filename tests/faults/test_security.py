@@ -34,13 +34,15 @@ from fastapi.security import HTTPAuthorizationCredentials
 from oncegate import errors
 from oncegate.http import admin as admin_api
 from tests.e2e.conftest import free_port, prefix_route
-from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, Gateway, admin_client, new_key
+from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_client, new_key
 
 CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iterator[Gateway]:
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
     def route(name: str, **options: Any) -> dict[str, Any]:
         return prefix_route(name, **{"upstream": upstream.url, **options})
 
@@ -50,7 +52,7 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
         route("slow", timeout="0.5s"),
         route("dead", upstream=f"http://127.0.0.1:{free_port()}"),
     ]
-    process = Gateway(module_dir, database_url, routes, admin_token=ADMIN_TOKEN)
+    process = GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN)
     try:
         yield process
     finally:
@@ -58,7 +60,7 @@ def gateway(module_dir: Path, database_url: str, upstream: DemoUpstream) -> Iter
 
 
 async def test_one_key_from_two_credentials_and_none_is_three_keys(
-    gateway: Gateway, client: httpx.AsyncClient, upstream: DemoUpstream
+    gateway: GatewayProcess, client: httpx.AsyncClient, upstream: DemoUpstream
 ) -> None:
     key = new_key()
     clients = {
@@ -100,7 +102,7 @@ async def test_one_key_from_two_credentials_and_none_is_three_keys(
 
 
 async def test_stored_headers_never_hold_credentials(
-    gateway: Gateway, client: httpx.AsyncClient, db: asyncpg.Connection
+    gateway: GatewayProcess, client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     key = new_key()
     sent_back = [
@@ -132,7 +134,7 @@ async def test_stored_headers_never_hold_credentials(
 
 
 async def test_logs_never_hold_bodies_credentials_queries_or_the_admin_token(
-    gateway: Gateway, client: httpx.AsyncClient
+    gateway: GatewayProcess, client: httpx.AsyncClient
 ) -> None:
     secret, cookie, marker = "Bearer log-secret-" + new_key(), "c=" + new_key(), new_key()
     query = "api_key=" + new_key()
@@ -242,7 +244,9 @@ async def test_the_admin_token_is_compared_in_constant_time(
     ],
     ids=["latin-1", "0xff", "lower-case-scheme-wrong", "basic", "no-token", "10k"],
 )
-def test_odd_admin_credentials_get_401_never_500(gateway: Gateway, authorization: bytes) -> None:
+def test_odd_admin_credentials_get_401_never_500(
+    gateway: GatewayProcess, authorization: bytes
+) -> None:
     request = (
         b"GET /admin/keys?key=k HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
         b"Authorization: " + authorization + b"\r\n\r\n"
@@ -256,7 +260,7 @@ def test_odd_admin_credentials_get_401_never_500(gateway: Gateway, authorization
 
 
 async def test_the_proxy_port_does_not_serve_the_admin_api(
-    gateway: Gateway, client: httpx.AsyncClient
+    gateway: GatewayProcess, client: httpx.AsyncClient
 ) -> None:
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     for path in ("/admin/keys", "/pay/admin/keys"):

@@ -34,7 +34,7 @@ from oncegate.sealing import plaintext
 from oncegate.store import Claim
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
-from tests.faults.conftest import DemoUpstream, Gateway, problem_name
+from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
 
 __all__ = ["server"]  # the fixture: PostgreSQL of this module's own
 
@@ -55,7 +55,7 @@ async def test_postgres_stopped_and_restarted_under_load(
     server: Any, module_dir: Path, upstream: DemoUpstream
 ) -> None:
     route = {"name": "mail", "match": "/", "upstream": upstream.url}
-    gateway = Gateway(module_dir, server.get_uri(), [route])
+    gateway = GatewayProcess(module_dir, server.get_uri(), [route])
     answers: list[tuple[str, int, str, float]] = []  # key, status, problem, time
     phase = {"name": "before"}
     stop_sending = asyncio.Event()

@@ -24,13 +24,15 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.faults.conftest import Gateway, RawUpstream, new_key, problem_name, row
+from tests.faults.conftest import GatewayProcess, RawUpstream, new_key, problem_name, row
 
 
 @pytest.fixture(scope="module")
-def gateway(module_dir: Path, database_url: str, raw_upstream: RawUpstream) -> Iterator[Gateway]:
+def gateway(
+    module_dir: Path, database_url: str, raw_upstream: RawUpstream
+) -> Iterator[GatewayProcess]:
     routes = [{"name": "raw", "match": "/", "upstream": raw_upstream.url, "timeout": "2s"}]
-    process = Gateway(module_dir, database_url, routes)
+    process = GatewayProcess(module_dir, database_url, routes)
     try:
         yield process
     finally:

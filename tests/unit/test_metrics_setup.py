@@ -30,7 +30,7 @@ def test_workers_metrics_add_up_when_everything_was_imported_before_setup(
         import os
         import prometheus_client
         from oncegate import cli, metrics, service
-        from oncegate.http import app, server
+        from oncegate.http import runtime, server
         from oncegate.store import checkpoints, postgres
 
         metrics.setup(multiprocess_dir={str(tmp_path)!r})
@@ -57,12 +57,12 @@ def test_the_gateway_runtime_refuses_to_start_without_setup() -> None:
     result = run("""
         import asyncio
         from oncegate import settings
-        from oncegate.http import app
+        from oncegate.http import runtime
 
         config = settings.load({"upstream": "http://127.0.0.1:9"}, {}, None)
 
         async def main():
-            async with app.running(config, "postgresql://nobody@127.0.0.1:9/none"):
+            async with runtime.running(config, "postgresql://nobody@127.0.0.1:9/none"):
                 pass
 
         asyncio.run(main())

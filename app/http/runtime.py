@@ -1,9 +1,12 @@
-"""The application factories and the runtime they share.
+"""The composition root: the runtime (store, upstream client, service) and the two applications
+built on it. The one module of `oncegate.http` that names the PostgreSQL store and the upstream
+client (import-linter holds the rest of the layer to the service).
 
-`running` owns the database pool, the upstream client and the background purger for as long as
-the gateway runs; the proxy and admin applications reach them through `app.state.runtime`
-dependencies. On the way out it waits for every forward still in flight before letting go of
-anything, so a request whose client hung up is still finished and stored.
+`running` owns the database pool, the upstream client, the background purger and the key counter
+for as long as the gateway runs; the proxy application is given the service and the route table,
+the admin application reaches the runtime through `app.state.runtime` (an `Annotated`
+dependency in `admin.py`). On the way out it waits for every forward still in flight before
+letting go of anything, so a request whose client hung up is still finished and stored.
 """
 
 from __future__ import annotations

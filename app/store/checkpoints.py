@@ -1,5 +1,6 @@
 """The agent library's checkpoint store on PostgreSQL
-(`oncegate.agent.checkpoints.CheckpointStore`).
+(it implements `oncegate.agent.checkpoints.CheckpointStore`, without importing the agent: the
+record it stores is `oncegate.checkpoint`'s).
 
 Design rules:
 - One statement per operation, autocommitted (queries in `checkpoints.sql`).
@@ -19,7 +20,7 @@ from typing import Any
 import asyncpg
 
 from .. import settings
-from ..agent.checkpoints import Checkpoint, CheckpointError, Pending
+from ..checkpoint import Checkpoint, CheckpointError, Pending
 from ..embedded import EmbeddedPostgres
 from .errors import translated
 from .queries import load

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from oncegate.store.checkpoints import PostgresCheckpoints
-from tests.e2e.conftest import DemoUpstream, GatewayProcess, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
 from tests.e2e.conftest import module_dir as module_dir
 from tests.e2e.conftest import upstream as upstream
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")

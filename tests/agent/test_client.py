@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate.agent.client import (
     ActionClient,
@@ -25,7 +23,8 @@ from oncegate.agent.client import (
     problem_name,
     retry_after,
 )
-from tests.e2e.conftest import DemoUpstream, GatewayProcess, Process, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, Process
+from tests.helpers import free_port, new_key, total
 
 
 @pytest.fixture
@@ -38,14 +37,14 @@ def client_for(http: httpx.AsyncClient, url: str, deadline: float = 10.0) -> Act
     return ActionClient(http, url, policy=RetryPolicy(deadline=deadline))
 
 
-def new_key() -> str:
-    return f"test-{uuid.uuid4()}:step-4:email"
+def new_action_key() -> str:
+    return f"test-{new_key()}:step-4:email"
 
 
 async def test_a_sent_action_and_its_resend_are_performed_once(
     gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
-    client, key = client_for(http, gateway.url), new_key()
+    client, key = client_for(http, gateway.url), new_action_key()
     first = await client.send("/emails", {"to": "ana@example.com"}, key)
     again = await client.send("/emails", {"to": "ana@example.com"}, key)
     assert first.status_code == again.status_code == 201
@@ -57,7 +56,7 @@ async def test_a_sent_action_and_its_resend_are_performed_once(
 async def test_a_retry_waits_at_the_gateway_for_the_first_attempt_by_default(
     gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
-    client, key = client_for(http, gateway.url), new_key()
+    client, key = client_for(http, gateway.url), new_action_key()
     slow = asyncio.create_task(
         client.send("/emails", {"to": "cy@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
     )
@@ -74,7 +73,7 @@ async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answe
 ) -> None:
     # Without `Prefer: wait`, the client polls as the gateway's 409 and Retry-After say.
     client = ActionClient(http, gateway.url, policy=RetryPolicy(deadline=10.0, wait=0))
-    key = new_key()
+    key = new_action_key()
     slow = asyncio.create_task(
         client.send("/emails", {"to": "bo@example.com"}, key, headers={"X-Demo-Delay": "0.8"})
     )
@@ -92,7 +91,7 @@ async def test_in_progress_is_retried_after_retry_after_and_gets_the_first_answe
 async def test_a_reused_key_raises_at_once_and_is_not_retried(
     gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
-    client, key = client_for(http, gateway.url), new_key()
+    client, key = client_for(http, gateway.url), new_action_key()
     await client.send("/charges", {"amount_cents": 100}, key)
     started = time.monotonic()
     with pytest.raises(ActionKeyReused) as raised:
@@ -106,7 +105,7 @@ async def test_a_reused_key_raises_at_once_and_is_not_retried(
 async def test_outcome_unknown_raises_for_the_first_caller_and_for_a_retry(
     gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
 ) -> None:
-    client, key = client_for(http, gateway.url), new_key()
+    client, key = client_for(http, gateway.url), new_action_key()
     # The route's timeout is 1 s: the upstream performs the action, answers too late.
     with pytest.raises(ActionOutcomeUnknown) as first:
         await client.send("/tickets", {"queue": "q"}, key, headers={"X-Demo-Delay": "1.5"})
@@ -122,7 +121,7 @@ async def test_outcome_unknown_raises_for_the_first_caller_and_for_a_retry(
 async def test_502_upstream_unavailable_is_retried_until_the_upstream_is_up(
     gateway: GatewayProcess, http: httpx.AsyncClient, tmp_path: Path, late_port: int
 ) -> None:
-    client, key = client_for(http, gateway.url, deadline=30.0), new_key()
+    client, key = client_for(http, gateway.url, deadline=30.0), new_action_key()
     sending = asyncio.create_task(client.send("/late/emails", {"to": "cy@example.com"}, key))
     await asyncio.sleep(0.5)
     assert not sending.done()  # still retrying the 502s
@@ -142,15 +141,10 @@ async def test_503_from_the_upstream_is_retried_with_backoff_then_given_up(
 ) -> None:
     def released() -> float:
         text = httpx.get(gateway.admin_url + "/metrics").text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "oncegate_requests_total" and sample.labels["outcome"] == "released"
-        )
+        return total(text, "oncegate_requests_total", outcome="released")
 
     before = released()
-    client, key = client_for(http, gateway.url, deadline=1.5), new_key()
+    client, key = client_for(http, gateway.url, deadline=1.5), new_action_key()
     with pytest.raises(GaveUp, match="503"):
         await client.send(
             "/emails", {"to": "di@example.com"}, key, headers={"X-Demo-Status": "503"}
@@ -163,7 +157,7 @@ async def test_connection_refused_is_retried_until_the_deadline(http: httpx.Asyn
     client = client_for(http, f"http://127.0.0.1:{free_port()}", deadline=1.0)
     started = time.monotonic()
     with pytest.raises(GaveUp, match="cannot connect"):
-        await client.send("/emails", {}, new_key())
+        await client.send("/emails", {}, new_action_key())
     assert 1.0 <= time.monotonic() - started <= 2.0
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Process, free_port
+from tests.e2e.conftest import DemoUpstream, Process
+from tests.helpers import free_port
 
 
 def parse(line: str) -> tuple[str, object]:

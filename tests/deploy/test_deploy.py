@@ -48,7 +48,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from oncegate import metrics, settings
-from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process, free_port
+from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process
+from tests.helpers import free_port, total
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -848,12 +849,7 @@ def send_traffic(client: httpx.Client) -> None:
 
 def scraped_requests(gateway: AdminGateway) -> float:
     """oncegate_requests_total summed, as the gateway's own /metrics says now."""
-    text = httpx.get(gateway.admin_url + "/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("oncegate_requests_total{")
-    )
+    return total(httpx.get(gateway.admin_url + "/metrics").text, "oncegate_requests_total")
 
 
 def test_healthcheck_and_readiness_of_a_real_gateway(

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,10 @@ import httpx
 import pytest
 import yaml
 
+from tests.helpers import free_port
+
 STARTUP_TIMEOUT = 30.0
 PROBLEM = "application/problem+json"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Process:
@@ -163,10 +157,6 @@ def prefix_route(name: str, upstream: str, **options: Any) -> dict[str, Any]:
     """A route of the config file: `/name/...` forwarded to `upstream` as `/...`."""
     return {"name": name, "match": f"/{name}", "upstream": upstream, "strip_prefix": True,
             **options}  # fmt: skip
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
 
 
 def keyed(key: str, **headers: str) -> dict[str, str]:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate import schema
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
+from tests.helpers import new_key, scrape, value
 
 TOKEN = "s3cret-admin-token"
 
@@ -46,22 +45,6 @@ async def admin(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:
         yield client
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
-
-
-def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 async def test_health_and_readiness(gateway: GatewayProcess) -> None:

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from oncegate import schema
-from tests.e2e.conftest import free_port
+from tests.helpers import free_port, insert_completed_keys
 
 
 def oncegate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -106,13 +106,8 @@ async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -
     connection = await asyncpg.connect(database_url)
     try:
         await connection.execute("DELETE FROM oncegate_keys")
-        await connection.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
-            " response_status, created_at, expires_at)"
-            " SELECT 'r', sha256(n::text::bytea), 'k' || n, sha256(''::bytea), 'completed', n,"
-            " 201, now() - interval '2 days',"
-            " now() - interval '1 day 30 minutes' + n * interval '1 hour'"
-            " FROM generate_series(1, 30) AS n"
+        await insert_completed_keys(
+            connection, 30, "now() - interval '1 day 30 minutes' + n * interval '1 hour'"
         )  # rows 1-24 are expired, 25-30 are not
         result = oncegate("purge", env={"ONCEGATE_DATABASE_URL": database_url})
         assert result.returncode == 0, result.stderr

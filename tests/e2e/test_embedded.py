@@ -21,7 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process, free_port
+from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process
+from tests.helpers import free_port
 
 RECOVERY_TIMEOUT = 60.0  # a deadline for a restart to be seen, never a measured time
 

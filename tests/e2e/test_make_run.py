@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import STARTUP_TIMEOUT, free_port
+from tests.e2e.conftest import STARTUP_TIMEOUT
+from tests.helpers import free_port
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "run.sh"
 

@@ -21,9 +21,7 @@ from tests.e2e.conftest import (
     PROBLEM,
     DemoUpstream,
     GatewayProcess,
-    free_port,
     keyed,
-    new_key,
     prefix_route,
     problem_name,
     raw_request,
@@ -31,6 +29,7 @@ from tests.e2e.conftest import (
     row_count,
     wait_for_state,
 )
+from tests.helpers import free_port, new_key
 
 
 def routes(upstream: str, blackhole: int) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, GatewayProcess, new_key, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
+from tests.helpers import new_key
 
 OLD = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 NEW = f"k2:{base64.b64encode(os.urandom(32)).decode()}"

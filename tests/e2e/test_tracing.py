@@ -17,7 +17,8 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.e2e.conftest import DemoUpstream, GatewayProcess, free_port
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
+from tests.helpers import free_port
 
 DEADLINE = 30.0  # for the batch to arrive; never a measured time
 

@@ -15,7 +15,8 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, GatewayProcess, new_key, problem_name
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
+from tests.helpers import new_key
 
 LISTENER = "oncegate-listener"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
+from tests.helpers import total
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +52,6 @@ def wait_for_workers(
     raise AssertionError(f"expected {count} workers, found {workers(gateway)}")
 
 
-def requests_counted(text: str) -> float:
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "oncegate_requests_total"
-    )
-
-
 async def test_several_workers_forward_each_key_once_and_count_together(
     gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
@@ -79,7 +70,7 @@ async def test_several_workers_forward_each_key_once_and_count_together(
     assert len(upstream.actions(shared)) == 1
     assert all(len(upstream.actions(key)) == 1 for key in own)
     async with httpx.AsyncClient(base_url=gateway.admin_url) as admin:
-        assert requests_counted((await admin.get("/metrics")).text) == 60
+        assert total((await admin.get("/metrics")).text, "oncegate_requests_total") == 60
 
 
 async def test_a_worker_that_dies_is_replaced(

@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import parse_head, prefix_route
-from tests.faults.conftest import PROBLEM, DemoUpstream, GatewayProcess, new_key
+from tests.faults.conftest import PROBLEM, DemoUpstream, GatewayProcess
+from tests.helpers import new_key
 
 REJECTIONS = {"missing-key", "invalid-key", "body-too-large", "route-not-found"}
 

@@ -45,11 +45,11 @@ from tests.faults.conftest import (
     GatewayProcess,
     RawUpstream,
     admin_client,
-    new_key,
     problem_name,
     row,
     wait_for_state,
 )
+from tests.helpers import new_key
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,9 @@ from oncegate.service import Gateway as InProcessGateway
 from oncegate.service import ProxyRequest
 from oncegate.store.postgres import PostgresStore
 from oncegate.upstream import NotSent, Upstream
-from tests.e2e.conftest import PROBLEM, free_port, parse_head
-from tests.faults.conftest import DemoUpstream, GatewayProcess, new_key, problem_name, row
+from tests.e2e.conftest import PROBLEM, parse_head
+from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name, row
+from tests.helpers import free_port, new_key
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,9 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from oncegate import errors
 from oncegate.http import admin as admin_api
-from tests.e2e.conftest import free_port, prefix_route
-from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_client, new_key
+from tests.e2e.conftest import prefix_route
+from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_client
+from tests.helpers import free_port, new_key
 
 CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
 

@@ -24,7 +24,8 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.faults.conftest import GatewayProcess, RawUpstream, new_key, problem_name, row
+from tests.faults.conftest import GatewayProcess, RawUpstream, problem_name, row
+from tests.helpers import new_key
 
 
 @pytest.fixture(scope="module")

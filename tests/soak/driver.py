@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import asyncpg
 import yaml
 
 from oncegate import keys, schema
+from tests.helpers import free_port
 from tests.soak import checker, history
 from tests.soak.history import ATTEMPT_HEADER, Attempt, Event, Performed, Row
 from tests.soak.postgres import Postgres
@@ -86,13 +86,6 @@ class Summary:
     @property
     def ok(self) -> bool:
         return self.result.ok and not self.fuzz_violations
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def route_config(upstream: str) -> list[dict[str, Any]]:

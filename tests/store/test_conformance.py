@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -24,6 +23,7 @@ from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
 from oncegate.store.postgres import PostgresStore
+from tests.helpers import new_key
 
 ROUTE = "conformance"
 SCOPE = hashlib.sha256(b"conformance scope").digest()
@@ -66,10 +66,6 @@ async def record(store: Store, key: str) -> Record:
     found = await store.get(SCOPE, key)
     assert found is not None
     return found
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
 
 
 async def test_the_first_claim_wins_and_the_next_reads_the_row(store: Store) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import uuid
 
 import asyncpg
 import pytest
@@ -13,6 +12,7 @@ from oncegate import errors, service
 from oncegate.sealing import plaintext
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
+from tests.helpers import insert_completed_keys, new_key
 
 ROUTE = "payments"
 LEASE = 60.0
@@ -21,10 +21,6 @@ TTL = 3600.0
 
 def digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
-
-
-def new_key() -> str:
-    return str(uuid.uuid4())
 
 
 SCOPE = digest("tenant-a")
@@ -242,16 +238,7 @@ async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(
     store: PostgresStore, db: asyncpg.Connection
 ) -> None:
     await db.execute("DELETE FROM oncegate_keys")
-    await db.execute(
-        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
-        " response_status, created_at, expires_at)"
-        " SELECT $1, $2, 'expired-' || n, $3, 'completed', n, 201,"
-        " now() - interval '2 days', now() - interval '1 day'"
-        " FROM generate_series(1, 2500) AS n",
-        ROUTE,
-        SCOPE,
-        FINGERPRINT,
-    )
+    await insert_completed_keys(db, 2500, "now() - interval '1 day'", prefix="expired-")
     await claim(store, new_key())
     assert await service.purge_expired(store, batch_size=1000, pause=0) == 2500
     assert await db.fetchval("SELECT count(*) FROM oncegate_keys") == 1

@@ -1,0 +1,70 @@
+"""Helpers every test directory shares, written once: `from tests.helpers import ...`.
+
+(The processes the suites start, the demo upstream and a gateway, are `tests/e2e/conftest.py`'s
+`Process`, `DemoUpstream` and `GatewayProcess`; the chaos soak keeps its own, restarted many
+times.)
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import asyncpg
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def new_key() -> str:
+    """An Idempotency-Key no other test uses."""
+    return str(uuid.uuid4())
+
+
+def scrape(text: str) -> Samples:
+    """Every sample of a /metrics text, by name and labels."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample with exactly these labels (0 when absent)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(
+        sample_value
+        for (sample_name, sample_labels), sample_value in scrape(text).items()
+        if sample_name == name and wanted <= sample_labels
+    )
+
+
+async def insert_completed_keys(
+    connection: asyncpg.Connection, count: int, expires_at: str, *, prefix: str = "k"
+) -> None:
+    """`count` completed keys (201) written straight into the key table, claimed two days ago,
+    on route `r`, keys `{prefix}1`..`{prefix}{count}`. `expires_at` is an SQL expression of the
+    row number `n`, such as `now() - interval '1 day'`."""
+    await connection.execute(
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+        " response_status, created_at, expires_at)"
+        " SELECT 'r', sha256(n::text::bytea), $1 || n, sha256(''::bytea), 'completed', n,"
+        f" 201, now() - interval '2 days', {expires_at}"
+        " FROM generate_series(1, $2::int) AS n",
+        prefix,
+        count,
+    )

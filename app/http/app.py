@@ -39,7 +39,7 @@ class Runtime:
 
 @contextlib.asynccontextmanager
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
-    store = await PostgresStore.connect(database_url)
+    store = await PostgresStore.connect(database_url, settings.store_options())
     upstream = Upstream()
     keyring = settings.keyring()
     gateway = service.Gateway(store, upstream, keyring)

@@ -44,6 +44,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -346,7 +347,7 @@ def shape_name(max_rows: int) -> str:
 def table(samples: dict[int, list[Sample]]) -> str:
     lines = [
         "| how the statements are sent | claim+complete pairs/s | PostgreSQL CPU per pair "
-        "| client CPU per pair | rows per statement, claim / complete | failed pairs |",
+        "| client CPU per pair | rows per statement, claim / complete (median) | failed pairs |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for max_rows, measured in samples.items():
@@ -355,8 +356,8 @@ def table(samples: dict[int, list[Sample]]) -> str:
             f"| {run.spread([s.pairs_per_second for s in measured], 0, thousands=True)} "
             f"| {run.spread([s.postgres_ms_per_pair for s in measured], 3)} ms "
             f"| {run.spread([s.client_ms_per_pair for s in measured], 3)} ms "
-            f"| {run.spread([s.claim_rows_per_statement for s in measured], 1)} / "
-            f"{run.spread([s.complete_rows_per_statement for s in measured], 1)} "
+            f"| {statistics.median(s.claim_rows_per_statement for s in measured):.1f} / "
+            f"{statistics.median(s.complete_rows_per_statement for s in measured):.1f} "
             f"| {sum(s.failures for s in measured)} |"
         )
     return "\n".join(lines)

@@ -1129,6 +1129,93 @@ def describe(arguments: argparse.Namespace) -> str:
     )
 
 
+# --- the JSON report -----------------------------------------------------------------------
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _figure(values: Sequence[float]) -> dict[str, float | None] | None:
+    """median, min and max over a row's runs, as the tables show them; None: not measured."""
+    values = [value for value in values if not math.isnan(value)]
+    if not values:
+        return None
+    return {
+        "median": _number(statistics.median(values)),
+        "min": _number(min(values)),
+        "max": _number(max(values)),
+    }
+
+
+def _bound_json(bound: float) -> float | str:
+    return "+Inf" if math.isinf(bound) else bound
+
+
+def _histogram_json(histogram: Histogram) -> dict[str, Any]:
+    counted = histogram.count > 0
+    return {
+        "statements": round(histogram.count),
+        "rows": round(histogram.total),
+        "mean": _number(histogram.total / histogram.count) if counted else None,
+        "p50_at_most": _bound_json(histogram.at_most(0.5)) if counted else None,
+        "max_at_most": _bound_json(histogram.at_most(1.0)) if counted else None,
+        "buckets": {
+            "+Inf" if math.isinf(bound) else f"{bound:g}": value
+            for bound, value in sorted(histogram.buckets.items())
+        },
+    }
+
+
+def _batch_json(sizes: dict[str, Histogram] | None) -> dict[str, Any] | None:
+    if sizes is None:
+        return None
+    return {operation: _histogram_json(sizes[operation]) for operation in _operations(sizes)}
+
+
+def json_report(measured: Sequence[Results], bare_from: Results, **context: Any) -> dict[str, Any]:
+    """One object: `context` (command, machine, ...) and a row per (configuration, connections)
+    measured, with the figures of the tables; `ratio_to_bare` divides by the bare proxy of
+    `bare_from` at the same connections."""
+    rows = []
+    for results in measured:
+        for (configuration, connections), samples in results.samples.items():
+            bare = bare_from.median(BARE, connections, _per_second)
+            own = results.median(configuration, connections, _per_second)
+            row: dict[str, Any] = {
+                "configuration": configuration.label,
+                "target": configuration.target,
+                "retry_percent": configuration.retry_percent,
+                "connections": connections,
+                "runs": len(samples),
+                "req_per_s": _figure([sample.per_second for sample in samples]),
+                "p50_ms": _figure([sample.p50_ms for sample in samples]),
+                "p99_ms": _figure([sample.p99_ms for sample in samples]),
+                "cpu_ms_per_request": _figure([s.cpu_ms_per_request for s in samples]),
+                "proxy_cpu_ms_per_request": _figure([s.proxy_ms_per_request for s in samples]),
+                "postgres_cpu_ms_per_request": _figure(
+                    [s.postgres_ms_per_request for s in samples]
+                ),
+                "ratio_to_bare": _number(own / bare) if bare else None,
+                "errors": _errors(samples),
+            }
+            if configuration.target in ONCEGATE_TARGETS:
+                row["claim_ms"] = _figure([sample.claim_ms for sample in samples])
+                row["complete_ms"] = _figure([sample.complete_ms for sample in samples])
+                row["batch_sizes"] = _batch_json(row_batch_sizes(samples))
+            rows.append(row)
+    return {**context, "rows": rows}
+
+
+def write_json(report: dict[str, Any], destination: str) -> None:
+    text = json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False)
+    if destination == "-":
+        print(f"\n{text}")
+    else:
+        Path(destination).write_text(text + "\n")
+        progress(f"JSON report written to {destination}")
+
+
 # --- the command ---------------------------------------------------------------------------
 
 
@@ -1197,6 +1284,12 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--fill-budget", type=float, default=900, metavar="SECONDS", help="for all key fills"
     )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write every row's figures and batch sizes as one JSON object to PATH "
+        "(-: to stdout, after the tables)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     arguments = parser.parse_args()
     for name in ("duration", "repeats", "connections", "threads", "pool", "workers"):
@@ -1231,8 +1324,10 @@ def main() -> int:
     try:
         with servers(work, arguments) as running:
             results, key_results = Results(), Results()
-            print(machine_line(running))
+            machine = machine_line(running)
+            print(machine)
             print(describe(arguments))
+            target_lines: list[str] = []
             if arguments.main:
                 plan = [(configuration, arguments.connections) for configuration in MAIN]
                 plan += [(configuration, 1) for configuration in LATENCY]
@@ -1245,7 +1340,8 @@ def main() -> int:
                 print(latency_table(results))
                 print_batch_lines(results, LATENCY, [1])
                 print("\nissue 6 targets (printed, not asserted):")
-                for text in targets(results, arguments.connections):
+                target_lines = targets(results, arguments.connections)
+                for text in target_lines:
                     print(text)
             if "concurrency" in arguments.sweep:
                 plan = [
@@ -1282,6 +1378,17 @@ def main() -> int:
                 for warning in warnings:
                     print(f"- {warning}")
             print(f"\ntotal time {time.monotonic() - started:.0f} s")
+            if arguments.json:
+                report = json_report(
+                    [results, key_results],
+                    results,
+                    command=command,
+                    machine=machine,
+                    description=describe(arguments),
+                    targets=target_lines,
+                    warnings=warnings,
+                )
+                write_json(report, arguments.json)
         signal.alarm(0)
         keep = arguments.keep
         return 1 if warnings else 0

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import os
 import platform
@@ -364,15 +363,9 @@ def table(samples: dict[int, list[Sample]]) -> str:
 
 
 def machine_line(url: str) -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                model = text.split(":", 1)[1].strip()
-                break
     postgres = asyncio.run(run._fetch(url, "SHOW server_version")).split()[0]
     return (
-        f"machine: nproc {os.cpu_count()}, {model}, Python {platform.python_version()}, "
+        f"machine: nproc {os.cpu_count()}, {run.cpu_model()}, Python {platform.python_version()}, "
         f"asyncpg {asyncpg.__version__}, PostgreSQL {postgres} embedded (pgserver); client and "
         "PostgreSQL share the machine"
     )

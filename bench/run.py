@@ -7,12 +7,15 @@ the embedded PostgreSQL in a fresh ONCEGATE_DATA_DIR, or uses ONCEGATE_DATABASE_
 PostgreSQL). Then it drives each configuration with wrk and `bench/load.lua` (POST /emails with a
 small JSON body; a new Idempotency-Key per request, a retry of a stored key, or a mix), and
 prints Markdown tables: req/s, p50, p99, server-side CPU per request, ratios to the bare proxy,
-and the issue 6 targets as PASS/FAIL lines (printed, never asserted).
+and the issue 6 targets as PASS/FAIL lines (printed, never asserted). Under each table, a line
+per oncegate row gives the rows per statement its store sent (`oncegate_store_batch_size`, when
+the store exports it); `--json PATH` writes every row's figures as one JSON object as well.
 
     .venv/bin/python bench/run.py                       # the main table + 1-connection latency
     .venv/bin/python bench/run.py --sweep concurrency   # 1, 16, 64, 256 connections
     .venv/bin/python bench/run.py --sweep keys          # 10^4, 10^6, 10^7 stored keys
     .venv/bin/python bench/run.py --all                 # all of the above in one run
+    .venv/bin/python bench/run.py --json bench.json     # and the figures as JSON
 
 Design rules:
 - One load generator for every configuration: wrk, its threads capped at the connections.
@@ -1098,13 +1101,16 @@ def foreign_line(results: Results) -> str:
     return line
 
 
-def machine_line(servers: Servers) -> str:
-    model = "unknown CPU"
+def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for text in Path("/proc/cpuinfo").read_text().splitlines():
             if text.startswith("model name"):
-                model = text.split(":", 1)[1].strip()
-                break
+                return text.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_line(servers: Servers) -> str:
+    model = cpu_model()
     wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True, timeout=10)
     wrk_version = (wrk.stdout or wrk.stderr).split(" [", 1)[0].strip()
     postgres = asyncio.run(_fetch(servers.database_url, "SHOW server_version"))

@@ -59,11 +59,14 @@ $(BENCH_TOOLS): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	touch $(BENCH_TOOLS)
 
+# Options for bench/run.py go in BENCH, e.g. make bench BENCH="--json bench.json --duration 3"
+# (--json PATH writes every row's figures and batch sizes as one JSON object; --json - prints it
+# after the tables).
 bench: $(BENCH_TOOLS)
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py $(BENCH)
 
 bench-all: $(BENCH_TOOLS)
-	$(BIN)/python bench/run.py --all
+	$(BIN)/python bench/run.py --all $(BENCH)
 
 bench-quick: $(STAMP)
 	$(BIN)/python bench/quick.py

@@ -351,7 +351,7 @@ def _purge(arguments: argparse.Namespace) -> int:
     where = settings.load_part(settings.DatabaseSettings)
 
     async def purge(database_url: str) -> int:
-        store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
+        store = await PostgresStore.connect(database_url, settings.StoreOptions(pool_size=1))
         try:
             return await service.purge_expired(store)
         finally:
@@ -489,7 +489,7 @@ async def _check_schema(url: str) -> int:
     from . import schema
     from .store.postgres import PostgresStore
 
-    store = await PostgresStore.connect(url, min_size=1, max_size=1)
+    store = await PostgresStore.connect(url, settings.StoreOptions(pool_size=1))
     try:
         revision = await store.schema_revision()
         if revision != schema.head():

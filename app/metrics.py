@@ -162,6 +162,13 @@ STORE_OPERATION_DURATION = Histogram(
     ["operation"],
     buckets=_STORE_BUCKETS,
 )
+STORE_BATCH_SIZE = Histogram(
+    "oncegate_store_batch_size",
+    "Operations carried by one store statement (concurrent operations of a kind share one), "
+    "by operation.",
+    ["operation"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 INFLIGHT = Gauge(
     "oncegate_inflight_requests",
     "Requests being forwarded upstream right now.",

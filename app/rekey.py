@@ -12,6 +12,7 @@ import asyncio
 from typing import TextIO
 
 from .sealing import Keyring
+from .settings import StoreOptions
 from .store.postgres import PostgresStore
 
 BATCH_SIZE = 500
@@ -31,7 +32,7 @@ def run(
 async def _run(
     database_url: str, keyring: Keyring, out: TextIO, batch_size: int
 ) -> tuple[int, list[tuple[int, str]], int]:
-    store = await PostgresStore.connect(database_url, min_size=1, max_size=1)
+    store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1))
     done, unopenable, after = 0, [], 0
     try:
         total = await store.rekey_remaining(keyring)

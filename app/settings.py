@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -220,6 +221,17 @@ class Route(BaseModel):
         return self.lease if self.lease is not None else 2 * self.timeout
 
 
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    """How the PostgreSQL store is run (the `store_*` settings)."""
+
+    pool_size: int = 20  # connections for claims and settles; answers get half as many more
+    batch_size: int = 64  # the most operations one statement carries
+    connect_timeout: float = 5.0
+    command_timeout: float = 10.0
+    acquire_timeout: float = 10.0
+
+
 class DatabaseSettings(BaseModel):
     """Which PostgreSQL: `database_url`, or else the embedded one with its data in `data_dir`.
     The part of the settings that `migrate`, `purge`, `rekey` and the agent's checkpoint store
@@ -277,7 +289,24 @@ class Settings(DatabaseSettings, SealingSettings):
     purge_interval: Duration = 60.0
     # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
     key_count_interval: Duration = 30.0
+    # The store: connections per gateway process, the most operations one statement carries,
+    # and how long a request waits for PostgreSQL before it is answered 503: long enough for a
+    # busy database, short enough that a dead one does not hold clients for a minute.
+    store_pool_size: int = Field(20, ge=2, le=1000)
+    store_batch_size: int = Field(64, ge=1, le=10000)
+    store_connect_timeout: Duration = 5.0
+    store_command_timeout: Duration = 10.0
+    store_acquire_timeout: Duration = 10.0
     routes: tuple[Route, ...] = ()
+
+    def store_options(self) -> StoreOptions:
+        return StoreOptions(
+            pool_size=self.store_pool_size,
+            batch_size=self.store_batch_size,
+            connect_timeout=self.store_connect_timeout,
+            command_timeout=self.store_command_timeout,
+            acquire_timeout=self.store_acquire_timeout,
+        )
 
     @field_validator("upstream")
     @classmethod

@@ -7,12 +7,15 @@ the embedded PostgreSQL in a fresh ONCEGATE_DATA_DIR, or uses ONCEGATE_DATABASE_
 PostgreSQL). Then it drives each configuration with wrk and `bench/load.lua` (POST /emails with a
 small JSON body; a new Idempotency-Key per request, a retry of a stored key, or a mix), and
 prints Markdown tables: req/s, p50, p99, server-side CPU per request, ratios to the bare proxy,
-and the issue 6 targets as PASS/FAIL lines (printed, never asserted).
+and the issue 6 targets as PASS/FAIL lines (printed, never asserted). Under each table, a line
+per oncegate row gives the rows per statement its store sent (`oncegate_store_batch_size`, when
+the store exports it); `--json PATH` writes every row's figures as one JSON object as well.
 
     .venv/bin/python bench/run.py                       # the main table + 1-connection latency
     .venv/bin/python bench/run.py --sweep concurrency   # 1, 16, 64, 256 connections
     .venv/bin/python bench/run.py --sweep keys          # 10^4, 10^6, 10^7 stored keys
     .venv/bin/python bench/run.py --all                 # all of the above in one run
+    .venv/bin/python bench/run.py --json bench.json     # and the figures as JSON
 
 Design rules:
 - One load generator for every configuration: wrk, its threads capped at the connections.
@@ -156,8 +159,11 @@ class Sample:
     # than once, or a stored (pool) key performed again, is a duplicate that got through.
     duplicates: int = 0
     pool_performed: int = 0
-    claim_ms: float = math.nan  # mean `claim` store-operation time (gateway only)
+    claim_ms: float = math.nan  # mean `claim` store-operation time (oncegate only)
     complete_ms: float = math.nan
+    # What the store's statements held during the run, per operation (oncegate only); None when
+    # the store exports no `oncegate_store_batch_size`.
+    batch_sizes: dict[str, Histogram] | None = None
     # CPU (in cores) that processes outside the benchmark used during the run: another job on
     # the machine makes every figure of that run pessimistic.
     foreign_cores: float = 0.0
@@ -259,7 +265,7 @@ class Servers:
     work: Path
     ports: dict[str, int]
     pids: dict[str, int]
-    admin_port: int
+    admin_ports: dict[str, int]  # target -> its admin port, for the oncegate gateways
     database_url: str
     embedded: bool
     postmaster: int | None  # None: PostgreSQL runs elsewhere, its CPU is not counted
@@ -313,7 +319,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
     ports = {
         name: quick.free_port() for name in ("upstream", "gateway", "sealed", "bare", "idemkit")
     }
-    admin_port = quick.free_port()
+    admin_ports = {"gateway": quick.free_port(), "sealed": quick.free_port()}
     workers = ["--workers", str(arguments.workers)] if arguments.workers > 1 else []
     started: list[subprocess.Popen[bytes]] = []
     embedded_handle = None
@@ -344,7 +350,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
                 "--port",
                 str(ports["gateway"]),
                 "--admin-port",
-                str(admin_port),
+                str(admin_ports["gateway"]),
                 *workers,
             ),
             work / "gateway.log",
@@ -374,7 +380,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
                 "--port",
                 str(ports["sealed"]),
                 "--admin-port",
-                str(quick.free_port()),
+                str(admin_ports["sealed"]),
                 *workers,
             ),
             work / "sealed.log",
@@ -431,7 +437,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
                 "bare": bare.pid,
                 "idemkit": idemkit.pid,
             },
-            admin_port=admin_port,
+            admin_ports=admin_ports,
             database_url=database_url,
             embedded=not external_url,
             postmaster=_postmaster_pid(data_directory),
@@ -513,11 +519,16 @@ def store_pool(servers: Servers, target: str, size: int, run: str) -> None:
     servers.pools[target] = prefix
 
 
-def store_metrics(admin_port: int) -> dict[str, tuple[float, float]]:
-    """operation -> (sum of seconds, count) of oncegate_store_operation_duration_seconds."""
+def scrape(admin_port: int) -> str:
+    """The gateway's /metrics page, as text."""
     url = f"http://{HOST}:{admin_port}/metrics"
     with urllib.request.urlopen(url, timeout=quick.REQUEST_TIMEOUT) as answer:
-        text = answer.read().decode()
+        text: str = answer.read().decode()
+    return text
+
+
+def store_metrics(text: str) -> dict[str, tuple[float, float]]:
+    """operation -> (sum of seconds, count) of oncegate_store_operation_duration_seconds."""
     found: dict[str, list[float]] = {}
     pattern = re.compile(
         r'^oncegate_store_operation_duration_seconds_(sum|count)\{operation="(\w+)"\} (\S+)$'
@@ -528,6 +539,83 @@ def store_metrics(admin_port: int) -> dict[str, tuple[float, float]]:
             kind, operation, value = match.groups()
             found.setdefault(operation, [0.0, 0.0])[kind == "count"] = float(value)
     return {operation: (pair[0], pair[1]) for operation, pair in found.items()}
+
+
+@dataclass
+class Histogram:
+    """One operation's series of a Prometheus histogram: cumulative counts per upper bound."""
+
+    buckets: dict[float, float] = field(default_factory=dict)  # le -> observations <= le
+    total: float = 0.0  # the _sum series
+    count: float = 0.0
+
+    def minus(self, earlier: Histogram | None) -> Histogram:
+        if earlier is None:
+            return Histogram(dict(self.buckets), self.total, self.count)
+        return Histogram(
+            {
+                bound: value - earlier.buckets.get(bound, 0.0)
+                for bound, value in self.buckets.items()
+            },
+            self.total - earlier.total,
+            self.count - earlier.count,
+        )
+
+    def plus(self, other: Histogram) -> Histogram:
+        bounds = self.buckets.keys() | other.buckets.keys()
+        return Histogram(
+            {
+                bound: self.buckets.get(bound, 0.0) + other.buckets.get(bound, 0.0)
+                for bound in bounds
+            },
+            self.total + other.total,
+            self.count + other.count,
+        )
+
+    def at_most(self, fraction: float) -> float:
+        """The smallest bucket bound holding `fraction` of the observations (inf: above all)."""
+        for bound in sorted(self.buckets):
+            if self.buckets[bound] >= fraction * self.count:
+                return bound
+        return math.inf
+
+
+BATCH_SIZE_METRIC = "oncegate_store_batch_size"
+# The batched store's operations, in the order the batch-size line names them.
+BATCH_OPERATIONS = ("claim", "complete", "release", "mark_unknown", "take_over", "reclaim_expired")
+
+
+def batch_sizes(text: str) -> dict[str, Histogram] | None:
+    """operation -> the rows-per-statement histogram the store exports, or None when the page
+    has no `oncegate_store_batch_size` (a store that does not batch)."""
+    pattern = re.compile(rf"^{BATCH_SIZE_METRIC}_(bucket|sum|count)\{{([^}}]*)\}} (\S+)$")
+    found: dict[str, Histogram] = {}
+    declared = False
+    for line in text.splitlines():
+        if line.startswith(f"# TYPE {BATCH_SIZE_METRIC} "):
+            declared = True
+        match = pattern.match(line)
+        if not match:
+            continue
+        kind, label_text, value = match.groups()
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+        histogram = found.setdefault(labels.get("operation", ""), Histogram())
+        if kind == "bucket":
+            histogram.buckets[float(labels["le"])] = float(value)
+        elif kind == "sum":
+            histogram.total = float(value)
+        else:
+            histogram.count = float(value)
+    return found if declared or found else None
+
+
+def _batch_delta(
+    before: dict[str, Histogram] | None, after: dict[str, Histogram] | None
+) -> dict[str, Histogram] | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {operation: seen.minus(before.get(operation)) for operation, seen in after.items()}
 
 
 def _mean_ms(
@@ -567,8 +655,8 @@ def measure(
             pool_size,
         )
     quick.clear_actions(servers.ports["upstream"])  # the demo upstream keeps every action
-    gateway = target == "gateway"
-    metrics_before = store_metrics(servers.admin_port) if gateway else {}
+    admin_port = servers.admin_ports.get(target)  # an oncegate gateway: its store's metrics
+    page_before = scrape(admin_port) if admin_port else ""
     groups = servers.process_groups(target)
     cpu_before = cpu_seconds(groups)
     machine_before, own_before = machine_busy_seconds(), own_seconds()
@@ -589,7 +677,8 @@ def measure(
     foreign = (
         machine_busy_seconds() - machine_before - (own_seconds() - own_before) - cpu_used
     ) / (time.monotonic() - wall_before)
-    metrics_after = store_metrics(servers.admin_port) if gateway else {}
+    page_after = scrape(admin_port) if admin_port else ""
+    metrics_before, metrics_after = store_metrics(page_before), store_metrics(page_after)
     duplicates = pool_performed = 0
     if target != "upstream":
         time.sleep(0.3)  # forwards still in flight when wrk stopped reach the upstream now
@@ -622,6 +711,7 @@ def measure(
         pool_performed=pool_performed,
         claim_ms=_mean_ms(metrics_before, metrics_after, "claim"),
         complete_ms=_mean_ms(metrics_before, metrics_after, "complete"),
+        batch_sizes=_batch_delta(batch_sizes(page_before), batch_sizes(page_after)),
         foreign_cores=foreign if servers.postmaster is not None else math.nan,
     )
 
@@ -894,6 +984,66 @@ def key_table(
     return "\n".join(rows)
 
 
+# The configurations served by an oncegate gateway, whose store's metrics are scraped.
+ONCEGATE_TARGETS = ("gateway", "sealed")
+
+
+def row_batch_sizes(samples: Sequence[Sample]) -> dict[str, Histogram] | None:
+    """The batch sizes of a row's runs added up, or None when the store exported none."""
+    seen = [sample.batch_sizes for sample in samples if sample.batch_sizes is not None]
+    if not seen:
+        return None
+    total: dict[str, Histogram] = {}
+    for sizes in seen:
+        for operation, histogram in sizes.items():
+            total[operation] = total[operation].plus(histogram) if operation in total else histogram
+    return total
+
+
+def _operations(sizes: dict[str, Histogram]) -> list[str]:
+    known = [operation for operation in BATCH_OPERATIONS if operation in sizes]
+    return known + sorted(set(sizes) - set(BATCH_OPERATIONS))
+
+
+def _bound(histogram: Histogram, bound: float) -> str:
+    if math.isinf(bound):
+        finite = [value for value in histogram.buckets if not math.isinf(value)]
+        return f">{max(finite):g}" if finite else ">?"
+    return f"≤{bound:g}"
+
+
+def batch_line(configuration: Configuration, connections: int, samples: Sequence[Sample]) -> str:
+    """`batch sizes, forward 64c: claim mean 11.2, p50 ≤16, max ≤32; complete ...`: the rows per
+    statement the store sent during the row's measured runs (all of them added up)."""
+    head = f"batch sizes, {configuration.label.removeprefix('oncegate ')} {connections}c: "
+    sizes = row_batch_sizes(samples)
+    if sizes is None:
+        return head + f"the store exported no batch sizes ({BATCH_SIZE_METRIC} not on /metrics)"
+    parts = [
+        f"{operation} mean {histogram.total / histogram.count:.1f}, "
+        f"p50 {_bound(histogram, histogram.at_most(0.5))}, "
+        f"max {_bound(histogram, histogram.at_most(1.0))}"
+        for operation in _operations(sizes)
+        if (histogram := sizes[operation]).count > 0
+    ]
+    return head + ("; ".join(parts) if parts else "no statement counted")
+
+
+def print_batch_lines(
+    results: Results, configurations: Sequence[Configuration], levels: Sequence[int]
+) -> None:
+    """One batch-size line per oncegate row of a table, under it."""
+    lines = [
+        batch_line(configuration, connections, results.get(configuration, connections))
+        for configuration in configurations
+        if configuration.target in ONCEGATE_TARGETS
+        for connections in levels
+        if results.get(configuration, connections)
+    ]
+    if lines:
+        print("\n" + "\n".join(lines))
+
+
 def targets(results: Results, connections: int) -> list[str]:
     """The issue 6 targets, each one PASS/FAIL line; printed, never asserted."""
     lines = []
@@ -951,13 +1101,16 @@ def foreign_line(results: Results) -> str:
     return line
 
 
-def machine_line(servers: Servers) -> str:
-    model = "unknown CPU"
+def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for text in Path("/proc/cpuinfo").read_text().splitlines():
             if text.startswith("model name"):
-                model = text.split(":", 1)[1].strip()
-                break
+                return text.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_line(servers: Servers) -> str:
+    model = cpu_model()
     wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True, timeout=10)
     wrk_version = (wrk.stdout or wrk.stderr).split(" [", 1)[0].strip()
     postgres = asyncio.run(_fetch(servers.database_url, "SHOW server_version"))
@@ -980,6 +1133,93 @@ def describe(arguments: argparse.Namespace) -> str:
         f"{arguments.bare_stack} stack; replay pool {arguments.pool} stored keys per proxy; "
         "CPU = proxy + demo upstream + PostgreSQL processes per answered request"
     )
+
+
+# --- the JSON report -----------------------------------------------------------------------
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _figure(values: Sequence[float]) -> dict[str, float | None] | None:
+    """median, min and max over a row's runs, as the tables show them; None: not measured."""
+    values = [value for value in values if not math.isnan(value)]
+    if not values:
+        return None
+    return {
+        "median": _number(statistics.median(values)),
+        "min": _number(min(values)),
+        "max": _number(max(values)),
+    }
+
+
+def _bound_json(bound: float) -> float | str:
+    return "+Inf" if math.isinf(bound) else bound
+
+
+def _histogram_json(histogram: Histogram) -> dict[str, Any]:
+    counted = histogram.count > 0
+    return {
+        "statements": round(histogram.count),
+        "rows": round(histogram.total),
+        "mean": _number(histogram.total / histogram.count) if counted else None,
+        "p50_at_most": _bound_json(histogram.at_most(0.5)) if counted else None,
+        "max_at_most": _bound_json(histogram.at_most(1.0)) if counted else None,
+        "buckets": {
+            "+Inf" if math.isinf(bound) else f"{bound:g}": value
+            for bound, value in sorted(histogram.buckets.items())
+        },
+    }
+
+
+def _batch_json(sizes: dict[str, Histogram] | None) -> dict[str, Any] | None:
+    if sizes is None:
+        return None
+    return {operation: _histogram_json(sizes[operation]) for operation in _operations(sizes)}
+
+
+def json_report(measured: Sequence[Results], bare_from: Results, **context: Any) -> dict[str, Any]:
+    """One object: `context` (command, machine, ...) and a row per (configuration, connections)
+    measured, with the figures of the tables; `ratio_to_bare` divides by the bare proxy of
+    `bare_from` at the same connections."""
+    rows = []
+    for results in measured:
+        for (configuration, connections), samples in results.samples.items():
+            bare = bare_from.median(BARE, connections, _per_second)
+            own = results.median(configuration, connections, _per_second)
+            row: dict[str, Any] = {
+                "configuration": configuration.label,
+                "target": configuration.target,
+                "retry_percent": configuration.retry_percent,
+                "connections": connections,
+                "runs": len(samples),
+                "req_per_s": _figure([sample.per_second for sample in samples]),
+                "p50_ms": _figure([sample.p50_ms for sample in samples]),
+                "p99_ms": _figure([sample.p99_ms for sample in samples]),
+                "cpu_ms_per_request": _figure([s.cpu_ms_per_request for s in samples]),
+                "proxy_cpu_ms_per_request": _figure([s.proxy_ms_per_request for s in samples]),
+                "postgres_cpu_ms_per_request": _figure(
+                    [s.postgres_ms_per_request for s in samples]
+                ),
+                "ratio_to_bare": _number(own / bare) if bare else None,
+                "errors": _errors(samples),
+            }
+            if configuration.target in ONCEGATE_TARGETS:
+                row["claim_ms"] = _figure([sample.claim_ms for sample in samples])
+                row["complete_ms"] = _figure([sample.complete_ms for sample in samples])
+                row["batch_sizes"] = _batch_json(row_batch_sizes(samples))
+            rows.append(row)
+    return {**context, "rows": rows}
+
+
+def write_json(report: dict[str, Any], destination: str) -> None:
+    text = json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False)
+    if destination == "-":
+        print(f"\n{text}")
+    else:
+        Path(destination).write_text(text + "\n")
+        progress(f"JSON report written to {destination}")
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -1050,6 +1290,12 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--fill-budget", type=float, default=900, metavar="SECONDS", help="for all key fills"
     )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write every row's figures and batch sizes as one JSON object to PATH "
+        "(-: to stdout, after the tables)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     arguments = parser.parse_args()
     for name in ("duration", "repeats", "connections", "threads", "pool", "workers"):
@@ -1084,8 +1330,10 @@ def main() -> int:
     try:
         with servers(work, arguments) as running:
             results, key_results = Results(), Results()
-            print(machine_line(running))
+            machine = machine_line(running)
+            print(machine)
             print(describe(arguments))
+            target_lines: list[str] = []
             if arguments.main:
                 plan = [(configuration, arguments.connections) for configuration in MAIN]
                 plan += [(configuration, 1) for configuration in LATENCY]
@@ -1093,10 +1341,13 @@ def main() -> int:
                 print(f"\n$ {command}\n")
                 print(f"{arguments.connections} connections:\n")
                 print(main_table(results, arguments.connections, MAIN))
+                print_batch_lines(results, MAIN, [arguments.connections])
                 print("\n1 connection (the latency target):\n")
                 print(latency_table(results))
+                print_batch_lines(results, LATENCY, [1])
                 print("\nissue 6 targets (printed, not asserted):")
-                for text in targets(results, arguments.connections):
+                target_lines = targets(results, arguments.connections)
+                for text in target_lines:
                     print(text)
             if "concurrency" in arguments.sweep:
                 plan = [
@@ -1106,6 +1357,7 @@ def main() -> int:
                 print(f"\n$ {command}\n")
                 print("concurrency sweep:\n")
                 print(concurrency_table(results, CONCURRENCY_SWEEP))
+                print_batch_lines(results, SWEPT, CONCURRENCY_SWEEP)
             if "keys" in arguments.sweep:
                 print(f"\n$ {command}\n")
                 if running.embedded:
@@ -1116,6 +1368,8 @@ def main() -> int:
                         "same scope:\n"
                     )
                     print(key_table(key_results, steps, arguments.connections))
+                    swept = [configuration for configuration, _ in key_results.samples]
+                    print_batch_lines(key_results, swept, [arguments.connections])
                 else:
                     print(
                         "key-count sweep skipped: it empties oncegate_keys, so it runs only on "
@@ -1130,6 +1384,17 @@ def main() -> int:
                 for warning in warnings:
                     print(f"- {warning}")
             print(f"\ntotal time {time.monotonic() - started:.0f} s")
+            if arguments.json:
+                report = json_report(
+                    [results, key_results],
+                    results,
+                    command=command,
+                    machine=machine,
+                    description=describe(arguments),
+                    targets=target_lines,
+                    warnings=warnings,
+                )
+                write_json(report, arguments.json)
         signal.alarm(0)
         keep = arguments.keep
         return 1 if warnings else 0

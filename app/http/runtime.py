@@ -43,7 +43,7 @@ class Runtime:
 @contextlib.asynccontextmanager
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
     metrics.require_setup()  # where values live is the process's choice, made before this
-    store = await PostgresStore.connect(database_url)
+    store = await PostgresStore.connect(database_url, settings.store_options())
     upstream = Upstream()
     keyring = settings.keyring()
     gateway = service.Gateway(store, upstream, keyring)

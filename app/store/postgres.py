@@ -1,7 +1,10 @@
 """The PostgreSQL store, on an asyncpg pool.
 
 Design rules:
-- One statement per operation, autocommitted: one round trip, no transaction held open.
+- Every statement is autocommitted: one round trip, no transaction held open.
+- The request path's operations are batched (`batching.Batcher`): concurrent claims share one
+  statement and one commit, as do concurrent completes, releases, take-overs. A lone operation
+  goes at once, alone. Each keeps its own result; the SQL is in queries.sql.
 - The pool does not reset connections on release. Nothing here changes session state (no SET,
   no LISTEN, no advisory locks, no open transaction) on a pooled connection, so asyncpg's reset
   query would only add a round trip to every request. The one LISTEN is on a connection of its
@@ -22,29 +25,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
 from .. import sealing, tracing
 from ..sealing import Keyring, SealedAnswer
+from ..settings import StoreOptions
 from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
+from .batching import Batcher
 from .errors import DRIVER_ERRORS, Outage, translated
 from .notify import Watch, Watchers
 from .queries import QUERIES
 
 log = logging.getLogger(__name__)
 
-# Bounds on how long a request may wait for the store before it is answered 503: long enough
-# for a busy database, short enough that a dead one does not hold clients for a minute.
-CONNECT_TIMEOUT = 5.0
-COMMAND_TIMEOUT = 10.0
-ACQUIRE_TIMEOUT = 10.0
+Result = TypeVar("Result")
 
 
 async def _no_reset(connection: asyncpg.Connection) -> None:
@@ -61,39 +64,72 @@ LISTEN_RETRY = 1.0
 
 class PostgresStore:
     def __init__(
-        self, pool: asyncpg.Pool, answer_pool: asyncpg.Pool, url: str, where: str = ""
+        self,
+        pool: asyncpg.Pool,
+        answer_pool: asyncpg.Pool,
+        url: str,
+        where: str = "",
+        options: StoreOptions | None = None,
     ) -> None:
         self._pool = pool
         self._answer_pool = answer_pool
         self._url = url
+        self._options = options = options or StoreOptions()
         self._watchers = Watchers()
         self._listening: asyncio.Task[None] | None = None
         self.outage = Outage(where or "(unnamed)")
+        size = options.batch_size
+        self._claims = Batcher("claim", self._claim_batch, size, self._claimed_for_nobody)
+        self._reclaims = Batcher(
+            "reclaim_expired", self._reclaim_batch, size, self._claimed_for_nobody
+        )
+        self._take_overs = Batcher(
+            "take_over", self._take_over_batch, size, self._claimed_for_nobody
+        )
+        self._completes = Batcher("complete", self._complete_batch, size)
+        self._releases = Batcher("release", functools.partial(self._settle_batch, "release"), size)
+        self._unknowns = Batcher(
+            "mark_unknown", functools.partial(self._settle_batch, "mark_unknown"), size
+        )
+        self._batchers: tuple[Batcher[Any, Any], ...] = (
+            self._claims, self._reclaims, self._take_overs, self._completes, self._releases,
+            self._unknowns,
+        )  # fmt: skip
+        self._cleanups: set[asyncio.Task[bool]] = set()
 
     @classmethod
     @translated("connect", "cannot connect to PostgreSQL")
-    async def connect(cls, url: str, *, min_size: int = 1, max_size: int = 20) -> PostgresStore:
+    async def connect(
+        cls, url: str, options: StoreOptions | None = None, *, min_size: int = 1
+    ) -> PostgresStore:
         """A store on a new pool. Fails with `StoreUnavailable` if PostgreSQL cannot be reached."""
-        options: dict[str, Any] = {
+        options = options or StoreOptions()
+        common: dict[str, Any] = {
             "reset": _no_reset,
-            "timeout": CONNECT_TIMEOUT,
-            "command_timeout": COMMAND_TIMEOUT,
+            "timeout": options.connect_timeout,
+            "command_timeout": options.command_timeout,
         }
-        pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, **options)
+        pool = await asyncpg.create_pool(
+            url, min_size=min(min_size, options.pool_size), max_size=options.pool_size, **common
+        )
         try:
             answer_pool = await asyncpg.create_pool(
                 url,
                 min_size=min(min_size, 1),
-                max_size=max(1, max_size // 2),
+                max_size=max(1, options.pool_size // 2),
                 server_settings={"synchronous_commit": "off"},
-                **options,
+                **common,
             )
         except BaseException:
             await pool.close()
             raise
-        return cls(pool, answer_pool, url, describe(url))
+        return cls(pool, answer_pool, url, describe(url), options)
 
     async def close(self) -> None:
+        for batcher in self._batchers:
+            await batcher.close()
+        while self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._listening is not None:
             self._listening.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -119,7 +155,9 @@ class PostgresStore:
 
     async def _listen_once(self) -> None:
         connection = await asyncpg.connect(
-            self._url, timeout=CONNECT_TIMEOUT, server_settings={"application_name": LISTENER_NAME}
+            self._url,
+            timeout=self._options.connect_timeout,
+            server_settings={"application_name": LISTENER_NAME},
         )
         closed = asyncio.Event()
         connection.add_termination_listener(lambda _: closed.set())
@@ -130,7 +168,7 @@ class PostgresStore:
             log.warning("the connection listening for settled keys was lost; reconnecting")
         finally:
             with contextlib.suppress(*DRIVER_ERRORS):
-                await connection.close(timeout=CONNECT_TIMEOUT)
+                await connection.close(timeout=self._options.connect_timeout)
 
     def _notified(self, connection: object, pid: int, channel: str, payload: str) -> None:
         self._watchers.settled(int(payload))
@@ -140,28 +178,83 @@ class PostgresStore:
         row = await self._fetchrow("mark_waited", id=record.id, token=record.token)
         return row is not None
 
-    async def _fetchrow(
-        self, operation: str, pool: asyncpg.Pool | None = None, **parameters: object
-    ) -> Any:
+    async def _fetchrow(self, operation: str, **parameters: object) -> Any:
         query = QUERIES[operation]
         if tracing.active():  # a `claim` or `settle` span around the round trip
             with tracing.store_operation(operation):
-                return await (pool or self._pool).fetchrow(query.sql, *query.arguments(parameters))
-        return await (pool or self._pool).fetchrow(query.sql, *query.arguments(parameters))
+                return await self._pool.fetchrow(query.sql, *query.arguments(parameters))
+        return await self._pool.fetchrow(query.sql, *query.arguments(parameters))
+
+    async def _fetch_batch(
+        self, operation: str, pool: asyncpg.Pool, **arrays: Sequence[object]
+    ) -> list[asyncpg.Record]:
+        """One batched statement: its parameters are arrays, one element per operation."""
+        query = QUERIES[operation]
+        async with pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
+        return rows
+
+    @staticmethod
+    async def _traced(operation: str, pending: Awaitable[Result]) -> Result:
+        if tracing.active():  # a `claim` or `settle` span around the wait for the batch
+            with tracing.store_operation(operation):
+                return await pending
+        return await pending
 
     @translated("claim")
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | Record | None:
-        row = await self._fetchrow(
-            "claim", route=route, scope=scope, key=key, fingerprint=fingerprint, lease=lease,
-            ttl=ttl,
-        )  # fmt: skip
-        if row is None:
-            return None
-        if row["claimed"]:
-            return Claim(row["id"], row["fencing_token"])
-        return _record(row)
+        wanted = _Wanted(route, scope, key, fingerprint, lease, ttl)
+        return await self._traced("claim", self._claims.run(wanted))
+
+    async def _claim_batch(self, batch: Sequence[_Wanted]) -> list[Claim | Record | None]:
+        # One row per key: of two copies of a key in one batch, the first is sent, and the
+        # copy sees the row the first one found or made, as it would a statement later.
+        first: dict[tuple[bytes, str], int] = {}
+        for index, wanted in enumerate(batch):
+            first.setdefault((wanted.scope, wanted.key), index)
+        sent = [batch[index] for index in first.values()]
+        rows = await self._fetch_batch(
+            "claim",
+            self._pool,
+            routes=[wanted.route for wanted in sent],
+            scopes=[wanted.scope for wanted in sent],
+            keys=[wanted.key for wanted in sent],
+            fingerprints=[wanted.fingerprint for wanted in sent],
+            leases=[wanted.lease for wanted in sent],
+            ttls=[wanted.ttl for wanted in sent],
+        )
+        found: dict[tuple[bytes, str], Claim | Record | None] = {}
+        for row in rows:
+            wanted = sent[row["n"] - 1]
+            if row["id"] is None:
+                found[wanted.scope, wanted.key] = None
+            elif row["claimed"]:
+                found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"])
+            else:
+                found[wanted.scope, wanted.key] = _record(row)
+        outcomes: list[Claim | Record | None] = []
+        for index, wanted in enumerate(batch):
+            outcome = found[wanted.scope, wanted.key]
+            if index != first[wanted.scope, wanted.key] and isinstance(outcome, Claim):
+                outcome = _claimed_row(outcome, batch[first[wanted.scope, wanted.key]])
+            outcomes.append(outcome)
+        return outcomes
+
+    def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
+        """A request stopped waiting for its claim after the statement was sent, and the claim
+        was won: release it, or the key would read `unknown` once its lease runs out although
+        nothing was forwarded."""
+        if isinstance(outcome, Claim):
+            cleanup = asyncio.create_task(self.release(outcome))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleaned_up)
+
+    def _cleaned_up(self, cleanup: asyncio.Task[bool]) -> None:
+        self._cleanups.discard(cleanup)
+        if not cleanup.cancelled() and cleanup.exception() is not None:
+            log.warning("could not release a claim nobody waited for: %s", cleanup.exception())
 
     @translated("get")
     async def get(self, scope: bytes, key: str) -> Record | None:
@@ -172,44 +265,86 @@ class PostgresStore:
     async def reclaim_expired(
         self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | None:
-        row = await self._fetchrow(
-            "reclaim_expired", id=record.id, token=record.token, route=route,
-            fingerprint=fingerprint, lease=lease, ttl=ttl,
-        )  # fmt: skip
-        return Claim(row["id"], row["fencing_token"]) if row else None
+        taking = _Reclaim(record.id, record.token, route, fingerprint, lease, ttl)
+        return await self._traced("reclaim_expired", self._reclaims.run(taking))
+
+    async def _reclaim_batch(self, batch: Sequence[_Reclaim]) -> list[Claim | None]:
+        sent = _once(batch)
+        rows = await self._fetch_batch(
+            "reclaim_expired",
+            self._pool,
+            ids=[taking.id for taking in sent],
+            tokens=[taking.token for taking in sent],
+            routes=[taking.route for taking in sent],
+            fingerprints=[taking.fingerprint for taking in sent],
+            leases=[taking.lease for taking in sent],
+            ttls=[taking.ttl for taking in sent],
+        )
+        return _taken(batch, sent, rows)
 
     @translated("take_over")
     async def take_over(self, record: Record, lease: float) -> Claim | None:
-        row = await self._fetchrow("take_over", id=record.id, token=record.token, lease=lease)
-        return Claim(row["id"], row["fencing_token"]) if row else None
+        taking = _TakeOver(record.id, record.token, lease)
+        return await self._traced("take_over", self._take_overs.run(taking))
+
+    async def _take_over_batch(self, batch: Sequence[_TakeOver]) -> list[Claim | None]:
+        sent = _once(batch)
+        rows = await self._fetch_batch(
+            "take_over",
+            self._pool,
+            ids=[taking.id for taking in sent],
+            tokens=[taking.token for taking in sent],
+            leases=[taking.lease for taking in sent],
+        )
+        return _taken(batch, sent, rows)
 
     @translated("complete")
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        row = await self._fetchrow(
+        completing = _Complete(claim.record_id, claim.token, status, answer)
+        return await self._traced("complete", self._completes.run(completing))
+
+    async def _complete_batch(self, batch: Sequence[_Complete]) -> list[bool]:
+        sent = _once(batch)
+        columns = [_answer_columns(completing.answer) for completing in sent]
+        rows = await self._fetch_batch(
             "complete",
-            pool=self._answer_pool,
-            id=claim.record_id,
-            token=claim.token,
-            status=status,
-            stored=answer is not None,
-            **_answer_columns(answer),
+            self._answer_pool,
+            ids=[completing.id for completing in sent],
+            tokens=[completing.token for completing in sent],
+            statuses=[completing.status for completing in sent],
+            stored=[completing.answer is not None for completing in sent],
+            headers=[column["headers"] for column in columns],
+            bodies=[column["body"] for column in columns],
+            sealed_with=[column["sealed_with"] for column in columns],
+            sealed_headers=[column["sealed_headers"] for column in columns],
         )
-        return row is not None
+        return _settled(batch, sent, rows)
 
     @translated("release")
     async def release(self, claim: Claim) -> bool:
-        row = await self._fetchrow("release", id=claim.record_id, token=claim.token)
-        return row is not None
+        return await self._traced(
+            "release", self._releases.run(_Settle(claim.record_id, claim.token))
+        )
 
     @translated("mark_unknown")
     async def mark_unknown(self, claim: Claim) -> bool:
-        row = await self._fetchrow("mark_unknown", id=claim.record_id, token=claim.token)
-        return row is not None
+        settling = _Settle(claim.record_id, claim.token)
+        return await self._traced("mark_unknown", self._unknowns.run(settling))
+
+    async def _settle_batch(self, operation: str, batch: Sequence[_Settle]) -> list[bool]:
+        sent = _once(batch)
+        rows = await self._fetch_batch(
+            operation,
+            self._pool,
+            ids=[settling.id for settling in sent],
+            tokens=[settling.token for settling in sent],
+        )
+        return _settled(batch, sent, rows)
 
     @translated("purge")
     async def purge(self, batch_size: int) -> int:
         query = QUERIES["purge"]
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             status: str = await connection.execute(
                 query.sql, *query.arguments({"batch_size": batch_size})
             )
@@ -218,7 +353,7 @@ class PostgresStore:
     @translated("admin_find")
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         query = QUERIES["admin_find"]
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows = await connection.fetch(query.sql, *query.arguments({"key": key, "route": route}))
         return [
             KeyRecord(
@@ -267,7 +402,7 @@ class PostgresStore:
         resealed: list[tuple[int, int, bytes | None, bytes]] = []
         unopenable: list[tuple[int, str]] = []
         async with (
-            self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection,
+            self._pool.acquire(timeout=self._options.acquire_timeout) as connection,
             connection.transaction(),
         ):
             rows = await connection.fetch(
@@ -343,7 +478,7 @@ class PostgresStore:
         query = QUERIES["admin_queue"]
         after_time, after_id = after if after is not None else (None, None)
         arguments = query.arguments({**parameters, "after_time": after_time, "after_id": after_id})
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows = await connection.fetch(query.sql, *arguments)
         return [
             QueuedKey(
@@ -377,7 +512,7 @@ class PostgresStore:
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""
-        async with self._pool.acquire(timeout=ACQUIRE_TIMEOUT) as connection:
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             exists = await connection.fetchval("SELECT to_regclass('alembic_version')")
             if exists is None:
                 return None
@@ -443,3 +578,107 @@ def _stored(row: asyncpg.Record) -> SealedAnswer:
     if row["sealed_with"] is not None:
         return SealedAnswer(row["sealed_with"], row["sealed_headers"], row["response_body"])
     return sealing.plaintext(_headers(row["response_headers"]) or [], row["response_body"])
+
+
+# One operation of a batch, as the batcher queues it.
+
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    route: str
+    scope: bytes
+    key: str
+    fingerprint: bytes
+    lease: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Reclaim:
+    id: int
+    token: int
+    route: str
+    fingerprint: bytes
+    lease: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class _TakeOver:
+    id: int
+    token: int
+    lease: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Complete:
+    id: int
+    token: int
+    status: int
+    answer: SealedAnswer | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Settle:
+    id: int
+    token: int
+
+
+class _OnRow(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def token(self) -> int: ...
+
+
+Operation = TypeVar("Operation", bound=_OnRow)
+
+
+def _once(batch: Sequence[Operation]) -> list[Operation]:
+    """The operations to send: one per (row, token), the first, in id order (every batch writes
+    its rows in one order, so two batches never deadlock). A copy gets what a second statement
+    would: nothing, the first one did it."""
+    first: dict[tuple[int, int], Operation] = {}
+    for operation in batch:
+        first.setdefault((operation.id, operation.token), operation)
+    return sorted(first.values(), key=lambda operation: operation.id)
+
+
+def _settled(
+    batch: Sequence[Operation], sent: Sequence[Operation], rows: Sequence[asyncpg.Record]
+) -> list[bool]:
+    """Which operations settled their row: those whose (id, token) came back. A superseded
+    token settles nothing, whatever the rest of the batch does."""
+    done = {(row["id"], row["fencing_token"]) for row in rows}
+    firsts = {id(operation) for operation in sent}
+    return [id(operation) in firsts and (operation.id, operation.token) in done
+            for operation in batch]  # fmt: skip
+
+
+def _taken(
+    batch: Sequence[Operation], sent: Sequence[Operation], rows: Sequence[asyncpg.Record]
+) -> list[Claim | None]:
+    """The claims won by a take-over or reclaim: the row came back with the token after the one
+    it was read with."""
+    taken = {(row["id"], row["fencing_token"] - 1): row["fencing_token"] for row in rows}
+    firsts = {id(operation) for operation in sent}
+    outcomes: list[Claim | None] = []
+    for operation in batch:
+        token = taken.get((operation.id, operation.token))
+        won = token is not None and id(operation) in firsts
+        outcomes.append(Claim(operation.id, token) if won and token is not None else None)
+    return outcomes
+
+
+def _claimed_row(claim: Claim, wanted: _Wanted) -> Record:
+    """The row a claim just made, as a copy of its key in the same batch sees it."""
+    return Record(
+        id=claim.record_id,
+        token=claim.token,
+        fingerprint=wanted.fingerprint,
+        state="in_progress",
+        status=None,
+        headers=None,
+        body=None,
+        stored=False,
+    )

@@ -15,34 +15,48 @@
 -- an insert evaluates its values even when it conflicts, and a sequence takes a transaction id
 -- and a WAL flush every 32 values, so replays would wait for fsyncs (migration 0004).
 
+-- The request path's writes are batched (store/batching.py): each statement carries the
+-- operations of many requests as parallel arrays (`unnest`), and every row keeps its own result,
+-- returned with its position (`n`) or its (id, token). One statement and one commit for all.
+-- Rows are written in one order (by (scope, key) for claims, by id for the rest), so two batches
+-- that touch the same rows wait for each other instead of deadlocking. The caller (postgres.py)
+-- sends each key, or each (id, token), once per batch and answers its copies itself.
+
 -- name: claim
--- Take a new key, or read the row that already holds it: one round trip either way.
+-- Take new keys, or read the rows that already hold them: one round trip either way.
 -- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
 -- the statement's snapshot, so a row committed by a concurrent claim after this statement began
--- is not seen; then neither branch returns a row and the caller reads it with `get`. Every
--- decision that writes is a compare-and-set on the fencing token, so a read a moment old is safe.
-WITH claimed AS (
+-- is not seen; then neither branch returns a row (id is NULL) and the caller reads it with `get`.
+-- Every decision that writes is a compare-and-set on the fencing token, so a read a moment old
+-- is safe.
+WITH wanted AS (
+    SELECT *
+    FROM unnest(:routes::text[], :scopes::bytea[], :keys::text[], :fingerprints::bytea[],
+                :leases::float8[], :ttls::float8[])
+         WITH ORDINALITY AS wanted(route, scope, key, fingerprint, lease, ttl, n)
+),
+claimed AS (
     INSERT INTO oncegate_keys
         (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
-    VALUES
-        (:route, :scope, :key, :fingerprint, 'in_progress', 1,
-         now() + make_interval(secs => :lease), now() + make_interval(secs => :ttl))
+    SELECT route, scope, key, fingerprint, 'in_progress', 1,
+           now() + make_interval(secs => lease), now() + make_interval(secs => ttl)
+    FROM wanted
+    ORDER BY scope, key
     ON CONFLICT (scope, key) DO NOTHING
-    RETURNING id, fencing_token
+    RETURNING id, fencing_token, scope, key
 )
-SELECT true AS claimed, id, fencing_token,
-       NULL::bytea AS fingerprint, NULL::text AS state,
-       NULL::smallint AS response_status, NULL::jsonb AS response_headers,
-       NULL::bytea AS response_body, NULL::boolean AS response_stored,
-       NULL::text AS sealed_with, NULL::bytea AS sealed_headers
-FROM claimed
-UNION ALL
-SELECT false, id, fencing_token, fingerprint,
-       oncegate_key_state(state, lease_expires_at, expires_at),
-       response_status, response_headers, response_body, response_stored,
-       sealed_with, sealed_headers
-FROM oncegate_keys
-WHERE scope = :scope AND key = :key AND NOT EXISTS (SELECT FROM claimed);
+SELECT wanted.n,
+       claimed.id IS NOT NULL AS claimed,
+       coalesce(claimed.id, held.id) AS id,
+       coalesce(claimed.fencing_token, held.fencing_token) AS fencing_token,
+       held.fingerprint,
+       oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
+       held.response_status, held.response_headers, held.response_body, held.response_stored,
+       held.sealed_with, held.sealed_headers
+FROM wanted
+LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
+LEFT JOIN oncegate_keys AS held
+       ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key;
 
 -- name: get
 SELECT id,
@@ -59,17 +73,17 @@ FROM oncegate_keys
 WHERE scope = :scope AND key = :key;
 
 -- name: reclaim_expired
--- Take over an expired row as a brand-new claim, only if nobody changed it since it was read
--- (same fencing token).
-UPDATE oncegate_keys
-SET route = :route,
-    fingerprint = :fingerprint,
+-- Take over expired rows as brand-new claims, each only if nobody changed it since it was read
+-- (same fencing token). Returns the rows taken, with their new token.
+UPDATE oncegate_keys AS k
+SET route = given.route,
+    fingerprint = given.fingerprint,
     state = 'in_progress',
-    fencing_token = fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => :lease),
+    fencing_token = k.fencing_token + 1,
+    lease_expires_at = now() + make_interval(secs => given.lease),
     created_at = now(),
     completed_at = NULL,
-    expires_at = now() + make_interval(secs => :ttl),
+    expires_at = now() + make_interval(secs => given.ttl),
     response_status = NULL,
     response_headers = NULL,
     response_body = NULL,
@@ -77,53 +91,66 @@ SET route = :route,
     sealed_with = NULL,
     sealed_headers = NULL,
     waited = false
-WHERE id = :id
-  AND fencing_token = :token
-  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
-RETURNING id, fencing_token;
+FROM unnest(:ids::bigint[], :tokens::bigint[], :routes::text[], :fingerprints::bytea[],
+            :leases::float8[], :ttls::float8[])
+     AS given(id, token, route, fingerprint, lease, ttl)
+WHERE k.id = given.id
+  AND k.fencing_token = given.token
+  AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'expired'
+RETURNING k.id, k.fencing_token;
 
 -- name: take_over
--- `on_unknown: forward`: claim an `unknown` row again with a new fencing token, so the gateway
--- that lost it can no longer complete or release it.
-UPDATE oncegate_keys
+-- `on_unknown: forward`: claim `unknown` rows again with a new fencing token, so the gateway
+-- that lost one can no longer complete or release it.
+UPDATE oncegate_keys AS k
 SET state = 'in_progress',
-    fencing_token = fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => :lease),
+    fencing_token = k.fencing_token + 1,
+    lease_expires_at = now() + make_interval(secs => given.lease),
     -- the key must not expire while the request it now guards is in flight
-    expires_at = greatest(expires_at, now() + make_interval(secs => :lease) + interval '1 second')
-WHERE id = :id
-  AND fencing_token = :token
-  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
-RETURNING id, fencing_token;
+    expires_at = greatest(k.expires_at,
+                          now() + make_interval(secs => given.lease) + interval '1 second')
+FROM unnest(:ids::bigint[], :tokens::bigint[], :leases::float8[]) AS given(id, token, lease)
+WHERE k.id = given.id
+  AND k.fencing_token = given.token
+  AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'unknown'
+RETURNING k.id, k.fencing_token;
 
 -- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
 -- better than `unknown`); a take-over changed the token and refuses it. A settle wakes the
 -- requests waiting on the key (`mark_waited`), delivered when it commits.
-UPDATE oncegate_keys
+UPDATE oncegate_keys AS k
 SET state = 'completed',
-    response_status = :status,
-    response_headers = :headers::jsonb,
-    response_body = :body,
-    response_stored = :stored,
-    sealed_with = :sealed_with,
-    sealed_headers = :sealed_headers,
+    response_status = given.status,
+    response_headers = given.headers::jsonb,
+    response_body = given.body,
+    response_stored = given.stored,
+    sealed_with = given.sealed_with,
+    sealed_headers = given.sealed_headers,
     completed_at = now(),
     lease_expires_at = NULL
-WHERE id = :id AND fencing_token = :token AND state IN ('in_progress', 'unknown')
-RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
+FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::smallint[], :headers::text[],
+            :bodies::bytea[], :stored::boolean[], :sealed_with::text[], :sealed_headers::bytea[])
+     AS given(id, token, status, headers, body, stored, sealed_with, sealed_headers)
+WHERE k.id = given.id AND k.fencing_token = given.token AND k.state IN ('in_progress', 'unknown')
+RETURNING k.id, k.fencing_token,
+          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
 -- name: release
-DELETE FROM oncegate_keys
-WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
-RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
+DELETE FROM oncegate_keys AS k
+USING unnest(:ids::bigint[], :tokens::bigint[]) AS given(id, token)
+WHERE k.id = given.id AND k.fencing_token = given.token AND k.state = 'in_progress'
+RETURNING k.id, k.fencing_token,
+          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
 -- name: mark_unknown
-UPDATE oncegate_keys
+UPDATE oncegate_keys AS k
 SET state = 'unknown',
     lease_expires_at = NULL
-WHERE id = :id AND fencing_token = :token AND state = 'in_progress'
-RETURNING id, CASE WHEN waited THEN pg_notify('oncegate_settled', id::text) END;
+FROM unnest(:ids::bigint[], :tokens::bigint[]) AS given(id, token)
+WHERE k.id = given.id AND k.fencing_token = given.token AND k.state = 'in_progress'
+RETURNING k.id, k.fencing_token,
+          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
 -- name: mark_waited
 -- `Prefer: wait`: ask for a notification when this in-flight key settles (complete, release

@@ -171,7 +171,7 @@ async def test_a_driver_state_error_is_a_store_error_not_a_500(
     to state 11; another operation (2) is in progress`. The store must translate it like every
     other driver error (503 `store-unavailable` at claim; at complete, the client gets the
     upstream's answer and the key turns unknown when its lease runs out), not let it through
-    as a 500. Reproduced here deterministically by making `fetchrow` raise it."""
+    as a 500. Reproduced here deterministically by making every statement raise it."""
 
     async def broken(*args: object, **kwargs: object) -> None:
         raise asyncpg.InternalClientError(
@@ -180,7 +180,8 @@ async def test_a_driver_state_error_is_a_store_error_not_a_500(
 
     store = await PostgresStore.connect(database_url)
     try:
-        monkeypatch.setattr(asyncpg.connection.Connection, "fetchrow", broken)
+        for method in ("fetch", "fetchrow"):  # batched operations, single ones
+            monkeypatch.setattr(asyncpg.connection.Connection, method, broken)
         with pytest.raises(errors.StoreUnavailable):
             if operation == "claim":
                 await store.claim("r", b"s" * 32, "key", b"f" * 32, 60, 3600)

@@ -10,6 +10,7 @@ import pytest
 
 from oncegate import errors, service
 from oncegate.sealing import plaintext
+from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import insert_completed_keys, new_key
@@ -56,7 +57,9 @@ async def test_same_key_in_another_scope_is_another_key(store: PostgresStore) ->
 
 async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url: str) -> None:
     racers = 40
-    store = await PostgresStore.connect(database_url, min_size=racers, max_size=racers)
+    store = await PostgresStore.connect(
+        database_url, StoreOptions(pool_size=racers), min_size=racers
+    )
     try:
         for _ in range(5):
             key = new_key()

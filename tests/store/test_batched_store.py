@@ -1,0 +1,309 @@
+"""What batching could break, on a real PostgreSQL (store/batching.py, the `unnest` statements
+in store/queries.sql): copies of one key in one batch, a superseded token among rows that
+settle, PostgreSQL stopped while a batch is in flight, a batch of the maximum size, and one
+waiter that gives up.
+
+To put operations in one batch for sure, a test sends a first operation (it goes at once, alone)
+and, before that statement can return, the ones it wants batched: they queue behind it and go
+together. The histogram `oncegate_store_batch_size` shows that they did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from oncegate import errors
+from oncegate.sealing import plaintext
+from oncegate.settings import StoreOptions
+from oncegate.store import Claim, Record
+from oncegate.store.postgres import PostgresStore
+from tests.e2e.test_store_down import server, start, stop
+from tests.helpers import new_key
+
+__all__ = ["server"]  # the fixture: a PostgreSQL of this module's own, to stop
+
+ROUTE = "batched"
+SCOPE = hashlib.sha256(b"batched scope").digest()
+LONG = 600.0  # a lease or TTL that cannot run out during a test
+HANG = 60.0  # a waiter that has no answer by then hangs: the test fails instead of hanging
+
+T = TypeVar("T")
+
+
+def digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def batches(operation: str) -> tuple[float, float]:
+    """(statements sent, operations carried) so far for `operation`."""
+    labels = {"operation": operation}
+    count = REGISTRY.get_sample_value("oncegate_store_batch_size_count", labels) or 0.0
+    total = REGISTRY.get_sample_value("oncegate_store_batch_size_sum", labels) or 0.0
+    return count, total
+
+
+async def answered(pending: Awaitable[T]) -> T:
+    return await asyncio.wait_for(pending, HANG)
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[PostgresStore]:
+    store = await PostgresStore.connect(database_url, StoreOptions(batch_size=8))
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def claim(store: PostgresStore, key: str, fingerprint: bytes = digest("a")) -> Awaitable[Any]:
+    return store.claim(ROUTE, SCOPE, key, fingerprint, LONG, LONG)
+
+
+async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_row(
+    store: PostgresStore,
+) -> None:
+    key = new_key()
+    before = batches("claim")
+    first, *copies = await answered(
+        asyncio.gather(
+            claim(store, new_key()),  # alone; the copies queue behind it
+            claim(store, key, digest("one")),
+            claim(store, key, digest("one")),
+            claim(store, key, digest("two")),
+            claim(store, key, digest("one")),
+        )
+    )
+    assert batches("claim") == (before[0] + 2, before[1] + 5)  # [first], [the four copies]
+    assert isinstance(first, Claim)
+    winners = [copy for copy in copies if isinstance(copy, Claim)]
+    assert len(winners) == 1 and isinstance(copies[0], Claim)  # the first copy sent wins
+    winner = winners[0]
+    for seen in copies[1:]:
+        assert isinstance(seen, Record)
+        assert (seen.id, seen.token, seen.state) == (winner.record_id, winner.token, "in_progress")
+        assert seen.fingerprint == digest("one")  # the winner's request, not its own
+    stored = await store.get(SCOPE, key)
+    assert stored is not None and stored.state == "in_progress"
+    assert (stored.id, stored.token, stored.fingerprint) == (
+        winner.record_id,
+        winner.token,
+        digest("one"),
+    )
+
+
+async def test_copies_of_a_held_key_in_one_batch_all_read_the_row(store: PostgresStore) -> None:
+    key = new_key()
+    held = await claim(store, key)
+    assert isinstance(held, Claim)
+    await store.complete(held, 201, plaintext([("content-type", "text/plain")], b"done"))
+    _, *seen = await answered(
+        asyncio.gather(claim(store, new_key()), *(claim(store, key) for _ in range(3)))
+    )
+    for record in seen:
+        assert isinstance(record, Record)
+        assert (record.id, record.state, record.status, record.body) == (
+            held.record_id,
+            "completed",
+            201,
+            b"done",
+        )
+
+
+async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_settle(
+    store: PostgresStore,
+) -> None:
+    keys = [new_key() for _ in range(5)]
+    claims = [await claim(store, key) for key in keys]
+    assert all(isinstance(claimed, Claim) for claimed in claims)
+    # The third key's request lost its answer, and another gateway took the key over.
+    assert await store.mark_unknown(claims[2])
+    unknown = await store.get(SCOPE, keys[2])
+    assert unknown is not None and unknown.state == "unknown"
+    taken = await store.take_over(unknown, LONG)
+    assert taken is not None and taken.token == claims[2].token + 1
+
+    answer = plaintext([], b"{}")
+    before = batches("complete")
+    settled = await answered(
+        asyncio.gather(
+            store.complete(claims[0], 201, answer),  # alone; the rest go in one batch
+            *(store.complete(claimed, 201, answer) for claimed in claims[1:]),
+        )
+    )
+    assert batches("complete") == (before[0] + 2, before[1] + 5)
+    assert settled == [True, True, False, True, True]
+    for index, key in enumerate(keys):
+        record = await store.get(SCOPE, key)
+        assert record is not None
+        if index == 2:  # still the new holder's, in flight, with nothing stored
+            assert (record.state, record.token, record.status) == ("in_progress", taken.token, None)
+        else:
+            assert (record.state, record.status) == ("completed", 201)
+
+
+async def unknown_record(store: PostgresStore) -> Record:
+    key = new_key()
+    claimed = await claim(store, key)
+    assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
+    record = await store.get(SCOPE, key)
+    assert record is not None and record.state == "unknown"
+    return record
+
+
+async def test_copies_of_one_take_over_in_a_batch_one_wins(store: PostgresStore) -> None:
+    other, unknown = await unknown_record(store), await unknown_record(store)
+    before = batches("take_over")
+    results = await answered(
+        asyncio.gather(
+            store.take_over(other, LONG),  # alone; the copies go together after it
+            store.take_over(unknown, LONG),
+            store.take_over(unknown, LONG),
+            store.take_over(unknown, LONG),
+        )
+    )
+    assert batches("take_over") == (before[0] + 2, before[1] + 4)
+    assert results[0] == Claim(other.id, other.token + 1)
+    assert results[1:] == [Claim(unknown.id, unknown.token + 1), None, None]
+
+
+async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
+    store = await PostgresStore.connect(database_url, StoreOptions(batch_size=8))
+    try:
+        keys = [new_key() for _ in range(1 + 8 + 8 + 4)]
+        before = batches("claim")
+        claims = await answered(asyncio.gather(*(claim(store, key) for key in keys)))
+        sent, carried = batches("claim")
+        # [1], then a full [8] starts beside it, and another, and the last 4 when one returns.
+        assert (sent - before[0], carried - before[1]) == (4, 21)
+        bucket = REGISTRY.get_sample_value(
+            "oncegate_store_batch_size_bucket", {"operation": "claim", "le": "4.0"}
+        )
+        assert bucket is not None
+        assert all(isinstance(claimed, Claim) for claimed in claims)
+        assert len({claimed.record_id for claimed in claims}) == len(keys)
+        for key, claimed in zip(keys, claims, strict=True):
+            record = await store.get(SCOPE, key)
+            assert record is not None and record.id == claimed.record_id
+    finally:
+        await store.close()
+
+
+async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_nothing(
+    store: PostgresStore, database_url: str
+) -> None:
+    """One request of a batch is cancelled (its client hung up) while the statement is in
+    flight: the others get their claims, and the key it won for nobody is released, so a retry
+    is forwarded instead of reading `unknown` once the lease runs out."""
+    blocked, quitter, stayer = new_key(), new_key(), new_key()
+    # Hold the first statement inside PostgreSQL: an uncommitted row for its key makes its
+    # insert wait. The next batch queues behind it.
+    holder = await asyncpg.connect(database_url)
+    try:
+        transaction = holder.transaction()
+        await transaction.start()
+        await holder.execute(
+            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
+            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
+            "now() + interval '1 minute', now() + interval '1 hour')",
+            ROUTE,
+            SCOPE,
+            blocked,
+            digest("held"),
+        )
+        first = asyncio.create_task(claim(store, blocked))
+        await asyncio.sleep(0.2)  # the first statement is sent, and waits on the lock
+        queued = asyncio.create_task(claim(store, quitter))
+        staying = asyncio.create_task(claim(store, stayer))
+        await asyncio.sleep(0)
+        queued.cancel()  # gives up before its batch is sent: never sent at all
+        await transaction.rollback()
+        assert isinstance(await answered(first), Claim)
+        assert isinstance(await answered(staying), Claim)
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert await store.get(SCOPE, quitter) is None
+
+        # Now give up while the statement is in PostgreSQL.
+        again, gone, kept = new_key(), new_key(), new_key()
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
+            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
+            "now() + interval '1 minute', now() + interval '1 hour')",
+            ROUTE,
+            SCOPE,
+            again,
+            digest("held"),
+        )
+        alone = asyncio.create_task(claim(store, new_key()))
+        together = [asyncio.create_task(claim(store, key)) for key in (again, gone, kept)]
+        await asyncio.sleep(0.2)  # [alone] returned, [again, gone, kept] waits on the lock
+        assert isinstance(await answered(alone), Claim)
+        together[1].cancel()
+        await asyncio.sleep(0.1)
+        await lock.rollback()
+        assert isinstance(await answered(together[0]), Claim)
+        assert isinstance(await answered(together[2]), Claim)
+        with pytest.raises(asyncio.CancelledError):
+            await together[1]
+        for _ in range(100):  # the release of the claim nobody received follows the batch
+            if await store.get(SCOPE, gone) is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await store.get(SCOPE, gone) is None
+        # ... and a retry of that key is a new claim.
+        assert isinstance(await claim(store, gone), Claim)
+    finally:
+        await holder.close()
+
+
+async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
+    """Every waiter of the batch gets `StoreUnavailable` (503, never forwarded), none hangs, no
+    claim of it survives, and once PostgreSQL is back the next batch works, with no restart."""
+    url = server.get_uri()
+    store = await PostgresStore.connect(url, StoreOptions(batch_size=8))
+    holder = await asyncpg.connect(url)
+    keys = [new_key() for _ in range(5)]
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
+            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
+            "now() + interval '1 minute', now() + interval '1 hour')",
+            ROUTE,
+            SCOPE,
+            keys[0],
+            digest("held"),
+        )
+        alone = asyncio.create_task(claim(store, new_key()))
+        waiting = [asyncio.create_task(claim(store, key)) for key in keys]
+        await answered(alone)
+        await asyncio.sleep(0.2)  # [keys] is in PostgreSQL, waiting on the lock
+        await asyncio.to_thread(stop, server, "immediate")
+        results = await answered(asyncio.gather(*waiting, return_exceptions=True))
+        assert all(isinstance(result, errors.StoreUnavailable) for result in results), results
+    finally:
+        await asyncio.to_thread(start, server)
+        await holder.close()
+    try:
+        for _ in range(50):  # the pool replaces its dead connections as they are used
+            try:
+                claims = await answered(asyncio.gather(*(claim(store, key) for key in keys)))
+                break
+            except errors.StoreUnavailable:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the store did not come back after PostgreSQL did")
+        # Nothing of the failed batch was kept: every key is claimed anew, token 1.
+        assert all(isinstance(claimed, Claim) and claimed.token == 1 for claimed in claims)
+    finally:
+        await store.close()

@@ -1,0 +1,133 @@
+"""Natural batching (`store.batching.Batcher`) on its own: when a statement is sent, what it
+carries, and what each waiter gets. The store's batches on a real PostgreSQL are in
+tests/store/test_batched_store.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from oncegate.store.batching import Batcher
+
+
+class Recorder:
+    """A `send` that records each batch and holds it until released."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+        self.fail: BaseException | None = None
+
+    async def send(self, items: Sequence[int]) -> list[int]:
+        self.batches.append(list(items))
+        await self.gate.wait()
+        if self.fail is not None:
+            failure, self.fail = self.fail, None
+            raise failure
+        return [item * 10 for item in items]
+
+
+async def settle() -> None:
+    """Let every ready task run until each waits on something outside the loop."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lone_operation_is_sent_at_once_alone() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    waiter = asyncio.create_task(batcher.run(1))
+    await settle()
+    assert recorder.batches == [[1]]  # sent without waiting for company
+    recorder.gate.set()
+    assert await waiter == 10
+
+
+async def test_operations_arriving_while_one_is_in_flight_go_together_next() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    first = asyncio.create_task(batcher.run(1))
+    await settle()
+    later = [asyncio.create_task(batcher.run(item)) for item in (2, 3, 4)]
+    await settle()
+    assert recorder.batches == [[1]]  # the others wait for the statement in flight
+    recorder.gate.set()
+    assert await first == 10
+    assert await asyncio.gather(*later) == [20, 30, 40]  # each its own outcome
+    assert recorder.batches == [[1], [2, 3, 4]]
+
+
+async def test_a_full_batch_starts_beside_the_one_in_flight_and_none_is_larger() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=3)
+    waiters = [asyncio.create_task(batcher.run(item)) for item in range(1, 9)]
+    await settle()
+    assert recorder.batches == [[1], [2, 3, 4], [5, 6, 7]]  # 8 waits: its batch is not full
+    recorder.gate.set()
+    assert await asyncio.gather(*waiters) == [item * 10 for item in range(1, 9)]
+    assert recorder.batches[-1] == [8]
+    assert max(len(batch) for batch in recorder.batches) == 3
+
+
+async def test_a_failed_statement_fails_its_batch_only_and_the_next_one_works() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    recorder.fail = ConnectionResetError("lost")
+    doomed = [asyncio.create_task(batcher.run(item)) for item in (1, 2)]
+    await settle()
+    recorder.gate.set()
+    results = await asyncio.gather(*doomed, return_exceptions=True)
+    assert recorder.batches == [[1], [2]]
+    assert isinstance(results[0], ConnectionResetError)  # the statement that failed
+    assert results[1] == 20  # the next batch, sent when the failed one returned
+    assert await batcher.run(5) == 50  # and every one after: no restart needed
+
+
+async def test_a_waiter_that_gives_up_before_its_batch_is_sent_is_never_sent() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    first = asyncio.create_task(batcher.run(1))
+    await settle()
+    quitter = asyncio.create_task(batcher.run(2))
+    stayer = asyncio.create_task(batcher.run(3))
+    await settle()
+    quitter.cancel()
+    await settle()
+    recorder.gate.set()
+    assert await first == 10
+    assert await stayer == 30
+    assert recorder.batches == [[1], [3]]
+    with pytest.raises(asyncio.CancelledError):
+        await quitter
+
+
+async def test_a_waiter_that_gives_up_in_flight_does_not_cancel_the_others() -> None:
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+    batcher = Batcher(
+        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
+    )
+    waiters = [asyncio.create_task(batcher.run(item)) for item in (1, 2)]
+    await settle()
+    waiters[0].cancel()
+    await settle()
+    recorder.gate.set()
+    assert await waiters[1] == 20  # the statement went on for it
+    with pytest.raises(asyncio.CancelledError):
+        await waiters[0]
+    await settle()
+    assert abandoned == [(1, 10)]  # the outcome nobody received is handed over
+
+
+async def test_close_sends_what_is_queued_then_refuses_more() -> None:
+    recorder = Recorder()
+    recorder.gate.set()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    waiters = [asyncio.create_task(batcher.run(item)) for item in (1, 2, 3)]
+    await asyncio.sleep(0)
+    await batcher.close()
+    assert await asyncio.gather(*waiters) == [10, 20, 30]
+    with pytest.raises(RuntimeError):
+        await batcher.run(4)

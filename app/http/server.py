@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -188,6 +189,11 @@ async def _serve_traced(
             loop.add_signal_handler(number, stop)
         if received:  # a signal came while the gateway was starting
             stop()
+        # What exists now (the libraries, the pools, the apps: some 120,000 objects) lives as
+        # long as the process. Frozen out of the cyclic collector's sight, a full collection
+        # walks only what requests left behind; otherwise each one walked all of it, 30-100 ms
+        # with every request on the loop stopped: the replay p99 (docs/performance.md).
+        gc.freeze()
         try:
             await asyncio.gather(
                 *(

@@ -1,4 +1,4 @@
-"""The PostgreSQL store, on an asyncpg pool.
+"""The PostgreSQL store, on three asyncpg pools by job (`Pools`).
 
 Design rules:
 - Every statement is autocommitted: one round trip, no transaction held open.

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
 from oncegate import errors
@@ -51,6 +52,23 @@ def batches(operation: str) -> tuple[float, float]:
 
 async def answered(pending: Awaitable[T]) -> T:
     return await asyncio.wait_for(pending, HANG)
+
+
+async def hold(connection: asyncpg.Connection, key: str) -> Transaction:
+    """An uncommitted in-flight row for `key`, in a transaction left open: a claim of the key
+    waits on it inside PostgreSQL until the transaction ends, and holds its whole batch there."""
+    transaction = connection.transaction()
+    await transaction.start()
+    await connection.execute(
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
+        "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
+        "now() + interval '1 minute', now() + interval '1 hour')",
+        ROUTE,
+        SCOPE,
+        key,
+        digest("held"),
+    )
+    return transaction
 
 
 @pytest.fixture
@@ -206,17 +224,7 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
     # insert wait. The next batch queues behind it.
     holder = await asyncpg.connect(database_url)
     try:
-        transaction = holder.transaction()
-        await transaction.start()
-        await holder.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
-            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
-            "now() + interval '1 minute', now() + interval '1 hour')",
-            ROUTE,
-            SCOPE,
-            blocked,
-            digest("held"),
-        )
+        transaction = await hold(holder, blocked)
         first = asyncio.create_task(claim(store, blocked))
         await asyncio.sleep(0.2)  # the first statement is sent, and waits on the lock
         queued = asyncio.create_task(claim(store, quitter))
@@ -232,17 +240,7 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
 
         # Now give up while the statement is in PostgreSQL.
         again, gone, kept = new_key(), new_key(), new_key()
-        lock = holder.transaction()
-        await lock.start()
-        await holder.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
-            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
-            "now() + interval '1 minute', now() + interval '1 hour')",
-            ROUTE,
-            SCOPE,
-            again,
-            digest("held"),
-        )
+        lock = await hold(holder, again)
         alone = asyncio.create_task(claim(store, new_key()))
         together = [asyncio.create_task(claim(store, key)) for key in (again, gone, kept)]
         await asyncio.sleep(0.2)  # [alone] returned, [again, gone, kept] waits on the lock
@@ -273,17 +271,7 @@ async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
     holder = await asyncpg.connect(url)
     keys = [new_key() for _ in range(5)]
     try:
-        lock = holder.transaction()
-        await lock.start()
-        await holder.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
-            "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
-            "now() + interval '1 minute', now() + interval '1 hour')",
-            ROUTE,
-            SCOPE,
-            keys[0],
-            digest("held"),
-        )
+        await hold(holder, keys[0])  # ended by the stop below
         alone = asyncio.create_task(claim(store, new_key()))
         waiting = [asyncio.create_task(claim(store, key)) for key in keys]
         await answered(alone)

@@ -4,12 +4,18 @@ statement and one commit.
 An operation that arrives while no statement of its kind is in flight is sent at once, alone:
 no timer, nothing added at low load. Operations that arrive while one is in flight queue, and
 go together in the next statement when it returns. A statement carries at most `max_size`
-rows; when that many are queued, another statement starts beside the one in flight, so under
-heavy load several batches of one kind share the pool.
+operations and, when the operations say what they weigh (`weight`: the bytes of an answer),
+at most `max_weight` of them, or one alone if it weighs more; when a full statement's worth is
+queued, another statement starts beside the one in flight, so under heavy load several batches
+of one kind share the pool. And when the statement in flight takes longer than `stall` (a row
+lock, a slow disk), what waited that long is sent beside it rather than stuck behind it.
 
 Every operation keeps its own result: `send` gets the queued items in arrival order and returns
 one outcome per item, in the same order. If `send` fails, every operation of that batch fails
-with the same exception, and the next batch is sent as usual.
+with the same exception, and the next batch is sent as usual; but an error that one row can
+cause for all (`isolate` says which: a constraint, a deadlock) sends each operation of the
+batch again alone, so it fails only the row that caused it. That is safe because a statement
+that failed changed nothing.
 
 A batch runs in a task of its own. A caller that stops waiting (its client hung up) takes its
 operation out of the queue if it was not sent yet, and otherwise leaves the statement to finish
@@ -30,6 +36,11 @@ log = logging.getLogger(__name__)
 Item = TypeVar("Item")
 Outcome = TypeVar("Outcome")
 
+# A statement that has not returned after this long is stuck (a row lock, a slow disk): what
+# queued behind it is sent beside it. Several times a batch's usual round trip (~1 ms), so under
+# normal load it never fires.
+STALL = 0.05
+
 
 class Batcher(Generic[Item, Outcome]):
     def __init__(
@@ -38,6 +49,11 @@ class Batcher(Generic[Item, Outcome]):
         send: Callable[[Sequence[Item]], Awaitable[Sequence[Outcome]]],
         max_size: int,
         on_abandoned: Callable[[Item, Outcome], None] | None = None,
+        *,
+        weight: Callable[[Item], int] | None = None,
+        max_weight: int = 0,
+        stall: float = STALL,
+        isolate: Callable[[Exception], bool] | None = None,
     ) -> None:
         if max_size < 1:
             raise ValueError("a batch holds at least one operation")
@@ -45,8 +61,13 @@ class Batcher(Generic[Item, Outcome]):
         self._send = send
         self._max_size = max_size
         self._on_abandoned = on_abandoned
+        self._weight = weight
+        self._max_weight = max_weight
+        self._stall = stall
+        self._isolate = isolate
         self._queued: list[tuple[Item, asyncio.Future[Outcome]]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
         self._closed = False
 
@@ -80,12 +101,40 @@ class Batcher(Generic[Item, Outcome]):
         future.add_done_callback(delivered)
 
     def _dispatch(self) -> None:
-        while self._queued and (not self._in_flight or len(self._queued) >= self._max_size):
-            batch = self._queued[: self._max_size]
-            del self._queued[: self._max_size]
-            task = asyncio.create_task(self._carry(batch), name=f"store {self.operation} batch")
-            self._in_flight.add(task)
-            task.add_done_callback(self._landed)
+        while self._queued and (not self._in_flight or self._full()):
+            self._send_next()
+        if self._queued and self._stall_timer is None:
+            self._stall_timer = asyncio.get_running_loop().call_later(self._stall, self._stalled)
+        elif not self._queued and self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if self._queued and not self._closed:
+            self._send_next()  # what waited `stall` behind a statement that has not returned
+        self._dispatch()
+
+    def _full(self) -> bool:
+        if len(self._queued) >= self._max_size:
+            return True
+        if self._weight is None:
+            return False
+        return sum(self._weight(item) for item, _ in self._queued) >= self._max_weight
+
+    def _send_next(self) -> None:
+        taken, weight = 0, 0
+        for item, _ in self._queued[: self._max_size]:
+            if self._weight is not None:
+                weight += self._weight(item)
+                if taken and weight > self._max_weight:
+                    break
+            taken += 1
+        batch = self._queued[:taken]
+        del self._queued[:taken]
+        task = asyncio.create_task(self._carry(batch), name=f"store {self.operation} batch")
+        self._in_flight.add(task)
+        task.add_done_callback(self._landed)
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
@@ -101,6 +150,14 @@ class Batcher(Generic[Item, Outcome]):
                     f"{self.operation}: {len(outcomes)} outcomes for {len(batch)} operations"
                 )
         except Exception as exc:
+            if len(batch) > 1 and self._isolate is not None and self._isolate(exc):
+                log.warning(
+                    "a %s batch of %d failed (%s: %s); sending each operation alone",
+                    self.operation, len(batch), type(exc).__name__, exc,
+                )  # fmt: skip
+                for one in batch:
+                    await self._carry([one])
+                return
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
@@ -120,3 +177,6 @@ class Batcher(Generic[Item, Outcome]):
                 self._dispatch()
             await asyncio.gather(*self._in_flight, return_exceptions=True)
         self._closed = True
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None

@@ -30,6 +30,21 @@ DRIVER_ERRORS = (
     asyncpg.InternalClientError,
 )
 
+# Errors about the connection or the server as a whole: every statement would fail the same way.
+_WHOLE_SERVER = (
+    asyncpg.PostgresConnectionError,  # class 08
+    asyncpg.exceptions.InsufficientResourcesError,  # class 53
+    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, cancelled
+)
+
+
+def isolable(exc: Exception) -> bool:
+    """Whether a batched statement's error may be one row's doing (a constraint, a deadlock, a
+    value PostgreSQL refused): then each operation is sent again alone. Not for a connection that
+    broke or a server that is going away: those fail every statement alike."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, _WHOLE_SERVER)
+
+
 Parameters = ParamSpec("Parameters")
 Result = TypeVar("Result")
 

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
@@ -41,7 +41,7 @@ from ..sealing import Keyring, SealedAnswer
 from ..settings import StoreOptions
 from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
 from .batching import Batcher
-from .errors import DRIVER_ERRORS, Outage, translated
+from .errors import DRIVER_ERRORS, Outage, isolable, translated
 from .notify import Watch, Watchers
 from .queries import QUERIES
 
@@ -64,6 +64,9 @@ LISTEN_RETRY = 1.0
 # own: it never takes a connection a request waits for, and its statements keep PostgreSQL's
 # per-call plans, which its optional filters (`:route IS NULL OR ...`) need to use an index.
 OPERATOR_POOL_SIZE = 3
+# Answers are sent to PostgreSQL as one array per batch: a batch holds at most this many bytes
+# of them (one larger answer goes alone), so 64 large answers never make one huge parameter.
+COMPLETE_BATCH_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,22 +98,39 @@ class PostgresStore:
         self._watchers = Watchers()
         self._listening: asyncio.Task[None] | None = None
         self.outage = Outage(where or "(unnamed)")
-        size = options.batch_size
-        self._claims = Batcher("claim", self._claim_batch, size, self._claimed_for_nobody)
+        size, isolate = options.batch_size, isolable
+        self._claims = Batcher(
+            "claim", self._claim_batch, size, self._claimed_for_nobody, isolate=isolate
+        )
         self._reclaims = Batcher(
-            "reclaim_expired", self._reclaim_batch, size, self._claimed_for_nobody
+            "reclaim_expired", self._reclaim_batch, size, self._claimed_for_nobody, isolate=isolate
         )
         self._take_overs = Batcher(
-            "take_over", self._take_over_batch, size, self._claimed_for_nobody
+            "take_over", self._take_over_batch, size, self._taken_for_nobody, isolate=isolate
         )
-        self._completes = Batcher("complete", self._complete_batch, size)
-        self._releases = Batcher("release", functools.partial(self._settle_batch, "release"), size)
+        self._completes = Batcher(
+            "complete",
+            self._complete_batch,
+            size,
+            weight=_answer_size,
+            max_weight=COMPLETE_BATCH_BYTES,
+            isolate=isolate,
+        )
+        self._releases = Batcher(
+            "release", functools.partial(self._settle_batch, "release"), size, isolate=isolate
+        )
         self._unknowns = Batcher(
-            "mark_unknown", functools.partial(self._settle_batch, "mark_unknown"), size
+            "mark_unknown",
+            functools.partial(self._settle_batch, "mark_unknown"),
+            size,
+            isolate=isolate,
         )
-        self._batchers: tuple[Batcher[Any, Any], ...] = (
-            self._claims, self._reclaims, self._take_overs, self._completes, self._releases,
-            self._unknowns,
+        # Closed in two steps: the claims, whose orphans are settled, before the settles.
+        self._claiming: tuple[Batcher[Any, Any], ...] = (
+            self._claims, self._reclaims, self._take_overs,
+        )  # fmt: skip
+        self._settling: tuple[Batcher[Any, Any], ...] = (
+            self._completes, self._releases, self._unknowns,
         )  # fmt: skip
         self._cleanups: set[asyncio.Task[bool]] = set()
 
@@ -149,10 +169,12 @@ class PostgresStore:
         return cls(Pools(*opened), url, describe(url), options)
 
     async def close(self) -> None:
-        for batcher in self._batchers:
+        for batcher in self._claiming:
             await batcher.close()
         while self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+        for batcher in self._settling:
+            await batcher.close()
         if self._listening is not None:
             self._listening.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,18 +289,27 @@ class PostgresStore:
         return outcomes
 
     def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
-        """A request stopped waiting for its claim after the statement was sent, and the claim
-        was won: release it, or the key would read `unknown` once its lease runs out although
-        nothing was forwarded."""
+        """A request stopped waiting for its claim (or its reclaim of an expired key) after the
+        statement was sent, and the claim was won: release it, or the key would read `unknown`
+        once its lease runs out although nothing was forwarded."""
         if isinstance(outcome, Claim):
-            cleanup = asyncio.create_task(self.release(outcome))
-            self._cleanups.add(cleanup)
-            cleanup.add_done_callback(self._cleaned_up)
+            self._clean_up(self.release(outcome))
+
+    def _taken_for_nobody(self, _: object, outcome: Claim | None) -> None:
+        """The same for a take-over of an `unknown` key: it goes back to `unknown` (with the
+        new token), still in the operator's queue, rather than being forgotten."""
+        if outcome is not None:
+            self._clean_up(self.mark_unknown(outcome))
+
+    def _clean_up(self, settlement: Coroutine[Any, Any, bool]) -> None:
+        cleanup = asyncio.create_task(settlement)
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleaned_up)
 
     def _cleaned_up(self, cleanup: asyncio.Task[bool]) -> None:
         self._cleanups.discard(cleanup)
         if not cleanup.cancelled() and cleanup.exception() is not None:
-            log.warning("could not release a claim nobody waited for: %s", cleanup.exception())
+            log.warning("could not settle a claim nobody waited for: %s", cleanup.exception())
 
     @translated("get")
     async def get(self, scope: bytes, key: str) -> Record | None:
@@ -699,6 +730,13 @@ def _taken(
         won = token is not None and id(operation) in firsts
         outcomes.append(Claim(operation.id, token) if won and token is not None else None)
     return outcomes
+
+
+def _answer_size(completing: _Complete) -> int:
+    answer = completing.answer
+    if answer is None:
+        return 0
+    return len(answer.body or b"") + len(answer.headers)
 
 
 def _claimed_row(claim: Claim, wanted: _Wanted) -> Record:

@@ -295,3 +295,61 @@ async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
         assert all(isinstance(claimed, Claim) and claimed.token == 1 for claimed in claims)
     finally:
         await store.close()
+
+
+async def test_a_row_postgresql_refuses_fails_alone_and_the_rest_of_its_batch_settles(
+    store: PostgresStore,
+) -> None:
+    """A status PostgreSQL's check refuses (the table allows 100-599) fails the whole statement;
+    the batch is then sent again one row at a time, so only that row fails."""
+    keys = [new_key() for _ in range(4)]
+    claims = [await claim(store, key) for key in keys]
+    answer = plaintext([], b"{}")
+    statuses = [201, 201, 42, 201]
+    results = await answered(
+        asyncio.gather(
+            store.complete(await claim(store, new_key()), 201, answer),  # alone
+            *(
+                store.complete(claimed, status, answer)
+                for claimed, status in zip(claims, statuses, strict=True)
+            ),
+            return_exceptions=True,
+        )
+    )
+    assert results[:3] == [True, True, True] and results[4] is True
+    assert isinstance(results[3], errors.StoreUnavailable)
+    for key, status in zip(keys, statuses, strict=True):
+        record = await store.get(SCOPE, key)
+        assert record is not None
+        expected = ("in_progress", None) if status == 42 else ("completed", 201)
+        assert (record.state, record.status) == expected
+
+
+async def test_a_take_over_nobody_waits_for_puts_the_key_back_to_unknown(
+    store: PostgresStore, database_url: str
+) -> None:
+    key = new_key()
+    claimed = await claim(store, key)
+    assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
+    unknown = await store.get(SCOPE, key)
+    assert unknown is not None
+    holder = await asyncpg.connect(database_url)
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute("SELECT FROM oncegate_keys WHERE id = $1 FOR UPDATE", unknown.id)
+        taking = asyncio.create_task(store.take_over(unknown, LONG))
+        await asyncio.sleep(0.2)  # the take-over waits inside PostgreSQL on the row lock
+        taking.cancel()
+        await lock.rollback()
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+    finally:
+        await holder.close()
+    for _ in range(100):  # the take-over lands, then its orphan is marked unknown again
+        found = await store.get(SCOPE, key)
+        if found is not None and found.token == unknown.token + 1 and found.state == "unknown":
+            break
+        await asyncio.sleep(0.05)
+    assert found is not None
+    assert (found.token, found.state) == (unknown.token + 1, "unknown")  # kept, not deleted

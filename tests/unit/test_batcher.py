@@ -131,3 +131,48 @@ async def test_close_sends_what_is_queued_then_refuses_more() -> None:
     assert await asyncio.gather(*waiters) == [10, 20, 30]
     with pytest.raises(RuntimeError):
         await batcher.run(4)
+
+
+async def test_what_waits_behind_a_stuck_statement_is_sent_beside_it() -> None:
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8, stall=0.01)
+    stuck = asyncio.create_task(batcher.run(1))
+    await settle()
+    behind = [asyncio.create_task(batcher.run(item)) for item in (2, 3)]
+    await settle()
+    assert recorder.batches == [[1]]
+    for _ in range(100):  # the stall timer, 10 ms, fires however busy the machine is
+        if len(recorder.batches) > 1:
+            break
+        await asyncio.sleep(0.01)
+    assert recorder.batches == [[1], [2, 3]]  # sent while [1] is still in flight
+    recorder.gate.set()
+    assert await stuck == 10
+    assert await asyncio.gather(*behind) == [20, 30]
+
+
+async def test_a_batch_holds_at_most_its_weight_and_a_heavy_operation_goes_alone() -> None:
+    recorder = Recorder()
+    recorder.gate.set()
+    batcher = Batcher("test", recorder.send, max_size=8, weight=lambda item: item, max_weight=10)
+    results = await asyncio.gather(*(batcher.run(item) for item in (1, 3, 3, 3, 20, 3)))
+    assert results == [10, 30, 30, 30, 200, 30]
+    assert recorder.batches == [[1], [3, 3, 3], [20], [3]]
+
+
+async def test_an_error_one_operation_causes_fails_only_that_operation() -> None:
+    sent: list[list[int]] = []
+
+    async def send(items: Sequence[int]) -> list[int]:
+        sent.append(list(items))
+        if 13 in items:
+            raise ValueError("13 is refused")
+        return [item * 10 for item in items]
+
+    batcher = Batcher("test", send, max_size=8, isolate=lambda exc: isinstance(exc, ValueError))
+    results = await asyncio.gather(
+        *(batcher.run(item) for item in (1, 2, 13, 4)), return_exceptions=True
+    )
+    assert results[:2] == [10, 20] and results[3] == 40
+    assert isinstance(results[2], ValueError)
+    assert sent == [[1], [2, 13, 4], [2], [13], [4]]  # the failed batch, then each alone

@@ -109,7 +109,7 @@ class DemoUpstream:
         action_id = f"{PREFIXES[kind]}_{next(self._ids):06d}"
         try:
             request = json.loads(body) if body else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             request = body.decode("utf-8", "replace")
         action = {
             "id": action_id,

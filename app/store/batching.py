@@ -66,6 +66,7 @@ class Batcher(Generic[Item, Outcome]):
         self._stall = stall
         self._isolate = isolate
         self._queued: list[tuple[Item, asyncio.Future[Outcome]]] = []
+        self._queued_weight = 0
         self._in_flight: set[asyncio.Task[None]] = set()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
@@ -77,6 +78,7 @@ class Batcher(Generic[Item, Outcome]):
             raise RuntimeError(f"the {self.operation} batcher is closed")
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._queued.append((item, future))
+        self._queued_weight += self._weigh(item)
         self._dispatch()
         try:
             return await asyncio.shield(future)
@@ -88,6 +90,7 @@ class Batcher(Generic[Item, Outcome]):
         for index, (_, queued) in enumerate(self._queued):
             if queued is future:
                 del self._queued[index]  # never sent: as if it never came
+                self._queued_weight -= self._weigh(item)
                 future.cancel()
                 return
         if self._on_abandoned is None:
@@ -115,23 +118,24 @@ class Batcher(Generic[Item, Outcome]):
             self._send_next()  # what waited `stall` behind a statement that has not returned
         self._dispatch()
 
+    def _weigh(self, item: Item) -> int:
+        return 0 if self._weight is None else self._weight(item)
+
     def _full(self) -> bool:
         if len(self._queued) >= self._max_size:
             return True
-        if self._weight is None:
-            return False
-        return sum(self._weight(item) for item, _ in self._queued) >= self._max_weight
+        return self._weight is not None and self._queued_weight >= self._max_weight
 
     def _send_next(self) -> None:
         taken, weight = 0, 0
         for item, _ in self._queued[: self._max_size]:
-            if self._weight is not None:
-                weight += self._weight(item)
-                if taken and weight > self._max_weight:
-                    break
+            if self._weight is not None and taken and weight + self._weigh(item) > self._max_weight:
+                break  # full by weight: a heavy operation waits for the next statement
+            weight += self._weigh(item)
             taken += 1
         batch = self._queued[:taken]
         del self._queued[:taken]
+        self._queued_weight -= weight
         task = asyncio.create_task(self._carry(batch), name=f"store {self.operation} batch")
         self._in_flight.add(task)
         task.add_done_callback(self._landed)

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
@@ -46,8 +46,6 @@ from .notify import Watch, Watchers
 from .queries import QUERIES
 
 log = logging.getLogger(__name__)
-
-Result = TypeVar("Result")
 
 
 async def _no_reset(connection: asyncpg.Connection) -> None:
@@ -226,10 +224,8 @@ class PostgresStore:
 
     async def _fetchrow(self, pool: asyncpg.Pool, operation: str, **parameters: object) -> Any:
         query = QUERIES[operation]
-        if tracing.active():  # a `claim` or `settle` span around the round trip
-            with tracing.store_operation(operation):
-                return await pool.fetchrow(query.sql, *query.arguments(parameters))
-        return await pool.fetchrow(query.sql, *query.arguments(parameters))
+        with tracing.store_operation(operation):  # a `claim` or `settle` span, when tracing
+            return await pool.fetchrow(query.sql, *query.arguments(parameters))
 
     async def _fetch_batch(
         self, operation: str, pool: asyncpg.Pool, **arrays: Sequence[object]
@@ -240,19 +236,13 @@ class PostgresStore:
             rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
         return rows
 
-    @staticmethod
-    async def _traced(operation: str, pending: Awaitable[Result]) -> Result:
-        if tracing.active():  # a `claim` or `settle` span around the wait for the batch
-            with tracing.store_operation(operation):
-                return await pending
-        return await pending
-
     @translated("claim")
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | Record | None:
         wanted = _Wanted(route, scope, key, fingerprint, lease, ttl)
-        return await self._traced("claim", self._claims.run(wanted))
+        with tracing.store_operation("claim"):
+            return await self._claims.run(wanted)
 
     async def _claim_batch(self, batch: Sequence[_Wanted]) -> list[Claim | Record | None]:
         # One row per key: of two copies of a key in one batch, the first is sent, and the
@@ -321,7 +311,8 @@ class PostgresStore:
         self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | None:
         taking = _Reclaim(record.id, record.token, route, fingerprint, lease, ttl)
-        return await self._traced("reclaim_expired", self._reclaims.run(taking))
+        with tracing.store_operation("reclaim_expired"):
+            return await self._reclaims.run(taking)
 
     async def _reclaim_batch(self, batch: Sequence[_Reclaim]) -> list[Claim | None]:
         sent = _once(batch)
@@ -340,7 +331,8 @@ class PostgresStore:
     @translated("take_over")
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         taking = _TakeOver(record.id, record.token, lease)
-        return await self._traced("take_over", self._take_overs.run(taking))
+        with tracing.store_operation("take_over"):
+            return await self._take_overs.run(taking)
 
     async def _take_over_batch(self, batch: Sequence[_TakeOver]) -> list[Claim | None]:
         sent = _once(batch)
@@ -356,7 +348,8 @@ class PostgresStore:
     @translated("complete")
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         completing = _Complete(claim.record_id, claim.token, status, answer)
-        return await self._traced("complete", self._completes.run(completing))
+        with tracing.store_operation("complete"):
+            return await self._completes.run(completing)
 
     async def _complete_batch(self, batch: Sequence[_Complete]) -> list[bool]:
         sent = _once(batch)
@@ -377,14 +370,14 @@ class PostgresStore:
 
     @translated("release")
     async def release(self, claim: Claim) -> bool:
-        return await self._traced(
-            "release", self._releases.run(_Settle(claim.record_id, claim.token))
-        )
+        with tracing.store_operation("release"):
+            return await self._releases.run(_Settle(claim.record_id, claim.token))
 
     @translated("mark_unknown")
     async def mark_unknown(self, claim: Claim) -> bool:
         settling = _Settle(claim.record_id, claim.token)
-        return await self._traced("mark_unknown", self._unknowns.run(settling))
+        with tracing.store_operation("mark_unknown"):
+            return await self._unknowns.run(settling)
 
     async def _settle_batch(self, operation: str, batch: Sequence[_Settle]) -> list[bool]:
         sent = _once(batch)

@@ -191,6 +191,44 @@ async def test_copies_of_one_take_over_in_a_batch_one_wins(store: PostgresStore)
     assert results[1:] == [Claim(unknown.id, unknown.token + 1), None, None]
 
 
+async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
+    store: PostgresStore,
+) -> None:
+    """Contract section 4, "key expired: as a new key": of several requests that found the
+    same expired row and reclaim it in one batch, one claims it; the rest find it changed."""
+    other_key, key = new_key(), new_key()
+    for expiring in (other_key, key):
+        claimed = await store.claim(ROUTE, SCOPE, expiring, digest("old"), 0.1, 0.2)
+        assert isinstance(claimed, Claim)
+    expired: list[Record] = []
+    for expiring in (other_key, key):
+        for _ in range(100):  # until its TTL has run out (it can only run out more under load)
+            found = await store.get(SCOPE, expiring)
+            if found is not None and found.state == "expired":
+                break
+            await asyncio.sleep(0.05)
+        assert found is not None and found.state == "expired"
+        expired.append(found)
+    other, row = expired
+    before = batches("reclaim_expired")
+    results = await answered(
+        asyncio.gather(
+            store.reclaim_expired(other, ROUTE, digest("new"), LONG, LONG),  # alone
+            *(store.reclaim_expired(row, ROUTE, digest("new"), LONG, LONG) for _ in range(3)),
+        )
+    )
+    assert batches("reclaim_expired") == (before[0] + 2, before[1] + 4)
+    assert results == [
+        Claim(other.id, other.token + 1),
+        Claim(row.id, row.token + 1),
+        None,
+        None,
+    ]
+    now = await store.get(SCOPE, key)
+    assert now is not None
+    assert (now.state, now.token, now.fingerprint) == ("in_progress", row.token + 1, digest("new"))
+
+
 async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
     store = await PostgresStore.connect(database_url, StoreOptions(batch_size=8))
     try:

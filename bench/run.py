@@ -334,6 +334,15 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             )
             if migrate.returncode != 0:
                 raise RuntimeError(f"oncegate migrate failed:\n{migrate.stderr.decode()}")
+
+        def serve(target: str) -> list[str]:
+            """`oncegate serve` for `target` (the plain or the sealed gateway) in front of the
+            demo upstream, on the target's own ports."""
+            return quick.oncegate(
+                "serve", "--upstream", f"http://{HOST}:{ports['upstream']}", "--host", HOST,
+                "--port", str(ports[target]), "--admin-port", str(admin_ports[target]), *workers,
+            )  # fmt: skip
+
         upstream = _start(
             quick.oncegate("demo-upstream", "--host", HOST, "--port", str(ports["upstream"])),
             work / "upstream.log",
@@ -341,18 +350,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             started,
         )
         gateway = _start(
-            quick.oncegate(
-                "serve",
-                "--upstream",
-                f"http://{HOST}:{ports['upstream']}",
-                "--host",
-                HOST,
-                "--port",
-                str(ports["gateway"]),
-                "--admin-port",
-                str(admin_ports["gateway"]),
-                *workers,
-            ),
+            serve("gateway"),
             work / "gateway.log",
             environment,
             started,
@@ -371,18 +369,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             database_url = embedded_handle.url
             data_directory = embedded_handle.pgdata
         sealed = _start(
-            quick.oncegate(
-                "serve",
-                "--upstream",
-                f"http://{HOST}:{ports['upstream']}",
-                "--host",
-                HOST,
-                "--port",
-                str(ports["sealed"]),
-                "--admin-port",
-                str(admin_ports["sealed"]),
-                *workers,
-            ),
+            serve("sealed"),
             work / "sealed.log",
             {**environment, "ONCEGATE_DATABASE_URL": database_url,
              "ONCEGATE_ENCRYPTION_KEYS": "bench:" + base64.b64encode(os.urandom(32)).decode()},

@@ -109,6 +109,7 @@ class GatewayProcess:
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        self.admin_token = admin_token
         config = directory / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"routes": routes}))
         self.process = Process(
@@ -123,6 +124,11 @@ class GatewayProcess:
 
     def stop(self) -> None:
         self.process.stop()
+
+    def admin_client(self, timeout: float = 10) -> httpx.AsyncClient:
+        """A client of the admin port, with this gateway's admin token."""
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        return httpx.AsyncClient(base_url=self.admin_url, headers=headers, timeout=timeout)
 
     def __enter__(self) -> GatewayProcess:
         return self

@@ -50,8 +50,7 @@ def gateway(
 
 @pytest.fixture
 async def admin(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with httpx.AsyncClient(base_url=gateway.admin_url, headers=headers) as client:
+    async with gateway.admin_client() as client:
         yield client
 
 

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import (
@@ -47,12 +46,6 @@ __all__ = [
 ]
 
 ADMIN_TOKEN = "faults-admin-token"
-
-
-def admin_client(gateway: GatewayProcess) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=gateway.admin_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
-    )
 
 
 @dataclass

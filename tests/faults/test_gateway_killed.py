@@ -44,7 +44,6 @@ from tests.faults.conftest import (
     DemoUpstream,
     GatewayProcess,
     RawUpstream,
-    admin_client,
     problem_name,
     row,
     wait_for_state,
@@ -204,7 +203,7 @@ async def test_killed_before_the_answer_reject_then_settled_by_an_operator(
         assert again.status_code == 409 and problem_name(again) == "outcome-unknown"
     assert len(upstream.actions(key)) == 1
 
-    async with admin_client(survivor) as admin:
+    async with survivor.admin_client() as admin:
         (record,) = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
         assert record["state"] == "unknown"
         settled = await admin.post(
@@ -258,7 +257,7 @@ async def test_killed_after_the_answer_reject_then_released_by_an_operator(
     assert unknown.status_code == 409 and problem_name(unknown) == "outcome-unknown"
     assert len(raw_upstream.requests(key)) == 1  # not forwarded a second time
 
-    async with admin_client(survivor) as admin:
+    async with survivor.admin_client() as admin:
         (record,) = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
         assert record["state"] == "unknown"
         released = await admin.post(

@@ -34,7 +34,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from oncegate import errors
 from oncegate.http import admin as admin_api
 from tests.e2e.conftest import prefix_route
-from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_client
+from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess
 from tests.helpers import free_port, new_key
 
 CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
@@ -92,7 +92,7 @@ async def test_one_key_from_two_credentials_and_none_is_three_keys(
     assert other.status_code == 201 and other.json()["id"] not in first.values()
     assert len(upstream.actions(key)) == 4
 
-    async with admin_client(gateway) as admin:
+    async with gateway.admin_client() as admin:
         listed = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
         assert len(listed) == 4 and len({record["id"] for record in listed}) == 4
         assert all(record["body"] is None for record in listed)  # bodies only when asked
@@ -161,7 +161,7 @@ async def test_logs_never_hold_bodies_credentials_queries_or_the_admin_token(
         await post("/nowhere", new_key()),  # no route
     ]
     assert observed == [201, 201, 201, 422, 400, 400, 413, 502, 504, 404]
-    async with admin_client(gateway) as admin:
+    async with gateway.admin_client() as admin:
         assert (await admin.get("/admin/keys", params={"key": key, "body": 1})).is_success
     await asyncio.sleep(0.3)  # let the lines reach the file
     output = gateway.process.output()

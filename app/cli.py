@@ -329,8 +329,12 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        server.run(config, database.url, server.Summary(database.description, keys), received)
-    return 0
+        summary = server.Summary(database.description, keys)
+        stopped_by = server.run(config, database.url, summary, received)
+    # Stopped by Ctrl-C: the shell's convention for an interrupted command (128 + SIGINT), so a
+    # script that ran the gateway learns it was interrupted. SIGTERM is the ordinary way a
+    # service is stopped: 0.
+    return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 
 def _migrate(arguments: argparse.Namespace) -> int:

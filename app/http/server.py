@@ -2,8 +2,9 @@
 
 Both servers stop on the first SIGTERM or SIGINT: they stop accepting, finish the requests they
 have, then `running` waits for forwards still in flight and closes the pool. A second signal
-forces the exit. The process then ends normally (status 0), so `finally` blocks and atexit
-handlers run and the embedded PostgreSQL is stopped.
+forces the exit. The process then ends normally, so `finally` blocks and atexit handlers run and
+the embedded PostgreSQL is stopped; `run` returns the signal that stopped it, and the CLI's exit
+status says which (0 after SIGTERM, 130 after SIGINT: a shell's parent learns it was interrupted).
 
 With `--workers N` the sockets are bound once and N forked worker processes serve them, each with
 its own event loop, pool and upstream client: several processes are safe because PostgreSQL
@@ -21,7 +22,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -54,16 +55,18 @@ class Summary:
 
 def run(
     settings: Settings, database_url: str, summary: Summary, received: list[int] | None = None
-) -> None:
-    """Serve until a signal. `received`: signals that came before the servers could handle them
-    (the CLI holds them while the gateway starts); the servers then stop as soon as they start."""
+) -> int | None:
+    """Serve until a signal, and return it (None if none came). `received`: signals that came
+    before the servers could handle them (the CLI holds them while the gateway starts); the
+    servers then stop as soon as they start. Signals that come later are added to it."""
     received = [] if received is None else received
     sockets = [bind(settings.host, settings.port), bind(settings.host, settings.admin_port)]
     _announce(settings, sockets, summary)
     if settings.workers == 1:
         _work(settings, database_url, sockets, received)
     elif not received:
-        _supervise(settings, database_url, sockets)
+        _supervise(settings, database_url, sockets, received)
+    return received[0] if received else None
 
 
 def _announce(settings: Settings, sockets: list[socket.socket], summary: Summary) -> None:
@@ -108,7 +111,9 @@ def _work(
         runner.run(_serve(settings, database_url, sockets, received))
 
 
-def _supervise(settings: Settings, database_url: str, sockets: list[socket.socket]) -> None:
+def _supervise(
+    settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
+) -> None:
     workers: set[int] = set()
     stopping = False
 
@@ -131,6 +136,7 @@ def _supervise(settings: Settings, database_url: str, sockets: list[socket.socke
     def pass_on(number: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
+        received.append(number)
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, number)
@@ -186,7 +192,7 @@ async def _serve_traced(
                 server.should_exit = True
 
         for number in _SIGNALS:
-            loop.add_signal_handler(number, stop)
+            loop.add_signal_handler(number, _recorded, number, received, stop)
         if received:  # a signal came while the gateway was starting
             stop()
         # What exists now (the libraries, the pools, the apps: some 120,000 objects) lives as
@@ -204,6 +210,11 @@ async def _serve_traced(
         finally:
             for number in _SIGNALS:
                 loop.remove_signal_handler(number)
+
+
+def _recorded(number: int, received: list[int], stop: Callable[[], None]) -> None:
+    received.append(number)
+    stop()
 
 
 def _config(app: object) -> uvicorn.Config:

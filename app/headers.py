@@ -10,6 +10,10 @@
 - An answer that announces a body it may not have (a 204 with a length) breaks its framing: its
   connection is not reused (`announces_forbidden_body`, used by the upstream client).
 - Every answer carries one `X-Request-Id`: the client's, when it sent one sane one.
+- An answer header that no HTTP/1.1 answer may carry (a control byte in its value: the upstream's
+  parser let it through, the server's refuses to write it) is left out of what the client gets,
+  and `Oncegate-Dropped-Headers` names it (`relayable`); what is stored is kept as received, so
+  every replay drops it the same way and the answer stays replayable.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ _SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 # RFC 9110 §5.1 and §5.5: what a header name and a header value may hold.
 NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
+# What the HTTP/1.1 servers under both ports refuse to write into an answer: a control byte (tab
+# aside) in a value, where it could end the head early or drive the client's terminal.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_NAME = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+DROPPED = b"oncegate-dropped-headers"
 
 
 def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
@@ -89,6 +98,28 @@ def storable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """The headers of an answer that may be stored and replayed: end-to-end ones, and no
     credentials."""
     return [pair for pair in end_to_end(headers) if pair[0].lower() not in NOT_STORED]
+
+
+def relayable(
+    answer: Sequence[tuple[str, str]], skip: str
+) -> tuple[list[tuple[bytes, bytes]], list[str]]:
+    """An answer's headers (but `skip`) as the bytes to send, and the names of those left out
+    because no HTTP/1.1 answer may carry them; when any was, `Oncegate-Dropped-Headers` names
+    them. Leading and trailing spaces are not part of a value (RFC 9110 §5.5) and are trimmed."""
+    sent: list[tuple[bytes, bytes]] = []
+    dropped: list[str] = []
+    for name, value in answer:
+        if name.lower() == skip:
+            continue
+        raw_name, raw_value = name.encode("latin-1"), value.encode("latin-1").strip(b" \t")
+        if _CONTROL.search(raw_value) or not _NAME.match(raw_name):
+            dropped.append(name)
+        else:
+            sent.append((raw_name, raw_value))
+    if dropped:
+        shown = ", ".join(name for name in dropped if _NAME.match(name.encode("latin-1")))
+        sent.append((DROPPED, shown.encode() or b"(a header with an invalid name)"))
+    return sent, dropped
 
 
 def check_request(http_version: str, headers: list[tuple[str, str]]) -> None:

@@ -49,6 +49,7 @@ class Answer:
     outcome: str
     blocked: str | None = None  # the reason counted as a blocked duplicate
     upstream_seconds: float | None = None
+    dropped: list[str] | None = None  # headers no HTTP/1.1 answer may carry, left out
 
 
 class ProxyApp:
@@ -127,18 +128,15 @@ class ProxyApp:
 
 
 def _relayed(result: ProxyResponse, method: str) -> Answer:
-    response_headers = [
-        (name.encode("latin-1"), value.encode("latin-1"))
-        for name, value in result.headers
-        if name.lower() != headers.REQUEST_ID  # ours is added once, by the caller
-    ]
+    # The request id is added once, by the caller.
+    response_headers, dropped = headers.relayable(result.headers, skip=headers.REQUEST_ID)
     body = result.body
     if result.status in _NO_BODY_STATUSES or method == "HEAD":
         body = b""  # whatever was stored or received, these answers carry none
     else:
         response_headers.append((b"content-length", str(len(body)).encode()))
     return Answer(result.status, response_headers, body, result.outcome, result.blocked,
-                  result.upstream_seconds)  # fmt: skip
+                  result.upstream_seconds, dropped or None)  # fmt: skip
 
 
 def _problem(error: errors.GatewayError) -> Answer:
@@ -153,6 +151,15 @@ def _account(route_name: str, method: str, answer: Answer, elapsed: float, reque
     metrics.REQUEST_DURATION.labels(route_name, answer.outcome).observe(elapsed)
     if answer.blocked is not None:
         metrics.DUPLICATES_BLOCKED.labels(route_name, answer.blocked).inc()
+    if answer.dropped:
+        log.warning(
+            "%s: left out the answer's headers %s: a control byte in a value (or a name that "
+            "is not a token) cannot be sent in an HTTP/1.1 answer; the client was told in "
+            "Oncegate-Dropped-Headers (request %s)",
+            route_name, ", ".join(repr(name) for name in answer.dropped), request_id,
+            extra={"fields": {"route": route_name, "dropped_headers": answer.dropped,
+                              "request_id": request_id}},
+        )  # fmt: skip
     if log.isEnabledFor(logging.INFO):
         upstream = answer.upstream_seconds
         log.info(

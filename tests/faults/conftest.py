@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 ADMIN_TOKEN = "faults-admin-token"
+# A header value that colours a terminal red and sets its title: what `control-bytes` sends.
+ESCAPES = b"\x1b[31mred\x1b[0m\x1b]0;t\x07"
 
 
 @dataclass
@@ -74,6 +76,8 @@ class RawUpstream:
     - `kept`: 201 with a small JSON body, keeping the connection open for the next request
     - `no-content-with-body`: 204 that announces and sends a 12-byte body in the same write (a
       framing no HTTP/1.1 client can read: a 204 has no body), keeping the connection open
+    - `control-bytes`: 201 with a small JSON body and a header whose value holds terminal escapes
+      and a BEL (`X-Esc`), which an HTTP parser lets through and no HTTP/1.1 server may send on
     - `no-content-then-body`: the head of that 204 alone; its 12 bytes are sent just before the
       answer to the next request on the same connection, as a slow broken server would
     """
@@ -138,6 +142,12 @@ class RawUpstream:
                     connection.sendall(_response(201, {"performed": request.key}))
                     if self.after_answer is not None:
                         self.after_answer(request)
+                elif behaviour == "control-bytes":
+                    connection.sendall(
+                        _response(201, {"performed": request.key}).replace(
+                            b"\r\n\r\n", b"\r\nX-Esc: " + ESCAPES + b"\r\nX-Kept: yes\r\n\r\n", 1
+                        )
+                    )
                 elif behaviour == "error500":
                     connection.sendall(_response(500, {"error": "the upstream broke"}))
                 elif behaviour == "reset":

@@ -24,7 +24,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.faults.conftest import GatewayProcess, RawUpstream, problem_name, row
+from tests.faults.conftest import ESCAPES, GatewayProcess, RawUpstream, problem_name, row
 from tests.helpers import new_key
 
 
@@ -72,6 +72,32 @@ async def test_a_500_is_stored_and_replayed(
     assert replay.status_code == 500 and replay.headers["idempotent-replayed"] == "true"
     assert replay.content == first.content
     assert len(raw_upstream.requests(key)) == 1
+
+
+async def test_a_header_no_answer_may_carry_is_left_out_first_time_and_on_every_replay(
+    gateway: GatewayProcess,
+    client: httpx.AsyncClient,
+    raw_upstream: RawUpstream,
+    db: asyncpg.Connection,
+) -> None:
+    key = new_key()
+    answers = [
+        await client.post("/control-bytes", json={"n": 1}, headers={"Idempotency-Key": key})
+        for _ in range(3)
+    ]
+    for number, answer in enumerate(answers):
+        assert answer.status_code == 201
+        assert answer.json() == {"performed": key}
+        assert "x-esc" not in answer.headers and answer.headers["x-kept"] == "yes"
+        assert answer.headers["oncegate-dropped-headers"] == "X-Esc"
+        assert ("idempotent-replayed" in answer.headers) == (number > 0)
+    assert len(raw_upstream.requests(key)) == 1
+    # The store keeps the answer as received; it is the relaying that leaves the header out.
+    stored = await row(db, key)
+    assert stored is not None and stored["state"] == "completed"
+    assert ["X-Esc", ESCAPES.decode("latin-1")] in json.loads(stored["response_headers"])
+    log = gateway.process.output()
+    assert log.count("Oncegate-Dropped-Headers") == 3 and "'X-Esc'" in log
 
 
 async def test_a_no_content_answer_whose_body_comes_late_does_not_spoil_the_next_request(

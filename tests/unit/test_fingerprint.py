@@ -354,3 +354,113 @@ def test_json_up_to_the_limit_is_canonical_and_larger_json_is_its_bytes() -> Non
     assert len(large) > fingerprint.CANONICAL_JSON_LIMIT
     assert digest(large) != digest(large_reordered)  # bytes, not parsed
     assert digest(large) == digest(bytes(large))  # and the same bytes are the same request
+
+
+# -- form bodies -----------------------------------------------------------------------------
+
+FORM = "application/x-www-form-urlencoded"
+
+
+def form(body: bytes, content_type: str = FORM) -> bytes:
+    return digest(body, content_type=content_type)
+
+
+@pytest.mark.parametrize(
+    ("body", "same"),
+    [
+        (b"email=a%40example.com&name=A", b"name=A&email=a%40example.com"),  # Stripe's reorder
+        (b"a=1&b=2", b"b=2&a=1"),
+        (b"a=hello+world", b"a=hello%20world"),
+        (b"a=%41", b"a=A"),
+        (b"a=%2b", b"a=%2B"),
+        (b"a=1&&b=2", b"a=1&b=2"),
+        (b"&a=1&", b"a=1"),
+        (b"items[0]=x&amount=5", b"amount=5&items%5B0%5D=x"),
+        (b"a=1&b=2&a=3", b"b=2&a=1&a=3"),  # repeated names keep their order
+    ],
+)
+def test_form_bodies_that_every_parser_reads_the_same_are_the_same_request(
+    body: bytes, same: bytes
+) -> None:
+    assert form(body) == form(same)
+
+
+@pytest.mark.parametrize(
+    ("body", "other"),
+    [
+        (b"a=1&a=2", b"a=2&a=1"),  # a list, in the client's order
+        (b"a", b"a="),  # some parsers read the first as null
+        (b"a=1", b"a=2"),
+        (b"a=%2B", b"a=+"),  # a plus sign is not a space
+        (b"a=%26b", b"a=&b"),  # an escaped separator is data
+        (b"a=%3D", b"a%3D="),
+        (b"a=%FF", b"a=%FE"),  # bytes that are not UTF-8 stay distinct
+        (b"a=1&b=2", b"a=1&b=2&c=3"),
+    ],
+)
+def test_form_bodies_that_a_parser_could_tell_apart_are_different_requests(
+    body: bytes, other: bytes
+) -> None:
+    assert form(body) != form(other)
+
+
+def test_form_canonicalisation_ignores_the_charset_parameter_and_case() -> None:
+    assert form(b"b=2&a=1", "Application/X-WWW-Form-Urlencoded; charset=utf-8") == form(b"a=1&b=2")
+
+
+def test_form_rules_apply_to_form_bodies_only() -> None:
+    for content_type in ("text/plain", "application/octet-stream", None):
+        assert digest(b"a=1&b=2", content_type=content_type) != digest(
+            b"b=2&a=1", content_type=content_type
+        )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"a=%zz", b"a=%4", b"a=1%", b"a=caf\xc3\xa9", b"a=1 &b=2", b"a=1\n", b"a=1\r\nb=2", b"\x00"],
+    ids=["bad-escape", "short-escape", "trailing-percent", "raw-utf8", "space", "newline",
+         "crlf", "nul"],
+)  # fmt: skip
+def test_invalid_form_data_is_fingerprinted_as_its_bytes(body: bytes) -> None:
+    assert fingerprint.canonical_form(body) is None
+    # As bytes: the same bytes under another media type differ only by the media type.
+    assert form(body) == fingerprint._digest("POST", "/charges", "", FORM, b"bytes", body)
+    swapped = b"&".join(reversed(body.split(b"&")))
+    if swapped != body:
+        assert form(body) != form(swapped)
+
+
+def test_an_empty_form_body_is_the_form_with_no_fields() -> None:
+    assert fingerprint.canonical_form(b"") == b""
+    assert form(b"") == form(b"&") == form(b"&&")
+
+
+def test_form_up_to_the_limit_is_canonical_and_larger_form_is_its_bytes() -> None:
+    def padded(size: int, order: tuple[bytes, bytes]) -> bytes:
+        head = b"&".join(order) + b"&pad="
+        return head + b"x" * (size - len(head))
+
+    limit = fingerprint.CANONICAL_FORM_LIMIT
+    assert form(padded(limit, (b"a=1", b"b=2"))) == form(padded(limit, (b"b=2", b"a=1")))
+    assert form(padded(limit + 1, (b"a=1", b"b=2"))) != form(padded(limit + 1, (b"b=2", b"a=1")))
+
+
+def test_the_byte_rule_digest_is_given_for_form_bodies_only() -> None:
+    arguments = ("POST", "/charges", "", FORM, b"b=2&a=1")
+    request = fingerprint.of_request(*arguments)
+    assert request.digest == fingerprint.compute(*arguments)
+    assert request.before_forms is not None and request.before_forms != request.digest
+    # What the gateway computed before forms were canonicalised: the body as its bytes.
+    assert request.before_forms == fingerprint._digest(*arguments[:3], FORM, b"bytes", b"b=2&a=1")
+    assert fingerprint.of_request("POST", "/charges", "", JSON, b"{}").before_forms is None
+
+
+def test_a_key_stored_under_the_byte_rule_matches_only_the_same_bytes() -> None:
+    stored = fingerprint.before_forms("POST", "/charges", "", FORM, b"b=2&a=1")
+    assert stored is not None
+    assert fingerprint.of_request("POST", "/charges", "", FORM, b"b=2&a=1").matches(stored)
+    # The reordered body was a different request under the byte rule; it still is for that key.
+    assert not fingerprint.of_request("POST", "/charges", "", FORM, b"a=1&b=2").matches(stored)
+    # A new key stores the new digest, which the reordered body matches.
+    new = fingerprint.compute("POST", "/charges", "", FORM, b"b=2&a=1")
+    assert fingerprint.of_request("POST", "/charges", "", FORM, b"a=1&b=2").matches(new)

@@ -6,7 +6,7 @@ tokens, changed bytes) are not repeated: these add what they leave out."""
 from __future__ import annotations
 
 import json
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, quote_plus, urlencode
 
 import pytest
 from hypothesis import assume, example, given, settings
@@ -213,3 +213,89 @@ def test_the_fingerprint_of_any_request_is_a_digest_never_an_error(
     method: str, path: str, query: bytes | str, content_type: str | None, body: bytes
 ) -> None:
     assert len(fingerprint.compute(method, path, query, content_type, body)) == 32
+
+
+# -- form bodies -----------------------------------------------------------------------------
+
+FORM = "application/x-www-form-urlencoded"
+form_text = st.text(max_size=8)
+form_fields = st.lists(st.tuples(form_text, form_text), max_size=6)
+
+
+def by_name(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return sorted(fields, key=lambda field: field[0].encode())
+
+
+@settings(max_examples=300)
+@given(fields=form_fields, data=st.data(), plus=st.booleans())
+def test_reordering_form_fields_by_name_keeps_the_fingerprint(
+    fields: list[tuple[str, str]], data: st.DataObject, plus: bool
+) -> None:
+    """Any order that keeps repeated names in their order is the same request, and however
+    the client percent-encodes (`+` or `%20`, escapes of unreserved characters or not)."""
+    shuffled = data.draw(st.permutations(fields))
+    assume(by_name(shuffled) == by_name(fields))  # repeated names in the same order
+    quoting = quote_plus if plus else quote
+    body = urlencode(fields).encode()
+    other = "&".join(
+        f"{quoting(name, safe='')}={quoting(value, safe='')}" for name, value in shuffled
+    )
+    assert digest(body, content_type=FORM) == digest(other.encode(), content_type=FORM)
+
+
+@settings(max_examples=300)
+@given(fields=form_fields, other=form_fields)
+def test_forms_with_different_fields_give_different_fingerprints(
+    fields: list[tuple[str, str]], other: list[tuple[str, str]]
+) -> None:
+    assume(by_name(fields) != by_name(other))
+    assert digest(urlencode(fields).encode(), content_type=FORM) != digest(
+        urlencode(other).encode(), content_type=FORM
+    )
+
+
+def strictly_valid_form(body: bytes) -> bool:
+    """Visible ASCII, and every `%` the start of a two-hex-digit escape."""
+    index = 0
+    while index < len(body):
+        if body[index : index + 1] == b"%":
+            escape = body[index + 1 : index + 3]
+            if len(escape) != 2 or not all(chr(c) in "0123456789abcdefABCDEF" for c in escape):
+                return False
+            index += 3
+            continue
+        if not 0x21 <= body[index] <= 0x7E:
+            return False
+        index += 1
+    return True
+
+
+@settings(max_examples=500)
+@given(
+    body=st.binary(max_size=60) | st.text(alphabet="ab=&%+1Fz \xe9", max_size=30).map(str.encode)
+)
+@example(b"a=%zz")
+@example(b"a=\xff")
+@example(b"a=%4")
+def test_a_form_body_is_canonical_exactly_when_it_is_valid_else_its_bytes(body: bytes) -> None:
+    canonical = fingerprint.canonical_form(body)
+    assert (canonical is not None) == strictly_valid_form(body)
+    digest = fingerprint.compute("POST", "/p", "", FORM, body)
+    assert len(digest) == 32
+    as_bytes = fingerprint.before_forms("POST", "/p", "", FORM, body)
+    assert (digest == as_bytes) == (canonical is None)
+
+
+@settings(max_examples=200)
+@given(fields=form_fields, data=st.data())
+def test_a_retry_of_a_key_stored_under_the_byte_rule_matches_its_own_bytes_only(
+    fields: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    body = urlencode(fields).encode()
+    stored = fingerprint.before_forms("POST", "/p", "", FORM, body)
+    assert stored is not None
+    assert fingerprint.of_request("POST", "/p", "", FORM, body).matches(stored)
+    shuffled = urlencode(data.draw(st.permutations(fields))).encode()
+    assert fingerprint.of_request("POST", "/p", "", FORM, shuffled).matches(stored) == (
+        shuffled == body
+    )

@@ -18,9 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from . import errors, logs, metrics, settings
+from . import database_url, errors, logs, metrics, settings
 
 log = logging.getLogger("oncegate")
 
@@ -44,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _DATABASE_HELP = (
-    "The database is ONCEGATE_DATABASE_URL (a postgresql:// URL); when it is unset, the embedded "
+    "The database is ONCEGATE_DATABASE_URL (a postgresql:// URL; several hosts in libpq's syntax, "
+    "postgresql://user@db1:5432,db2:5432/oncegate?target_session_attrs=read-write, follow the "
+    "primary after a failover); when it is unset, the embedded "
     "PostgreSQL in ONCEGATE_DATA_DIR (default ~/.local/share/oncegate, or "
     "$XDG_DATA_HOME/oncegate; /var/lib/oncegate as root), started and stopped by the command."
 )
@@ -170,7 +171,12 @@ def _parser() -> argparse.ArgumentParser:
         "client's key-age check: stops for reconciliation instead of resending)",
     )
     lab.add_argument("--jobs", type=_positive, default=4, help="runs at a time (4)")
-    lab.add_argument("--database-url", metavar="URL", help="a migrated PostgreSQL, not embedded")
+    lab.add_argument(
+        "--database-url",
+        metavar="URL",
+        type=_database_url,
+        help="a migrated PostgreSQL, not embedded (one host or several, as ONCEGATE_DATABASE_URL)",
+    )
     lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
     lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
     lab.set_defaults(run=_lab)
@@ -240,6 +246,14 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
     return value
+
+
+def _database_url(text: str) -> str:
+    try:
+        database_url.parse(text)
+    except database_url.InvalidDatabaseUrl as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _strategies(text: str) -> str:
@@ -459,7 +473,7 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
     """The given database, or the embedded one, migrated, for as long as the block runs.
     `supervise`: restart the embedded server if it dies meanwhile (a gateway, not a one-shot)."""
     if where.database_url is not None:
-        yield _Database(where.database_url, without_password(where.database_url))
+        yield _Database(where.database_url, database_url.without_password(where.database_url))
         return
     from . import embedded, schema
 
@@ -472,19 +486,6 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
         yield _Database(server.url, f"embedded PostgreSQL, data in {server.data_dir}")
     finally:
         server.stop()
-
-
-def without_password(url: str) -> str:
-    """`url` fit for a log line: no password, in the authority or in the query."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        credentials, _, host = netloc.rpartition("@")
-        netloc = credentials.partition(":")[0] + "@" + host
-    query = urlencode(
-        [(name, value) for name, value in parse_qsl(parts.query) if name != "password"]
-    )
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 async def _check_schema(url: str) -> int:

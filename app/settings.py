@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from . import errors
+from . import database_url, errors
 from .sealing import Keyring
 
 ENV_PREFIX = "ONCEGATE_"
@@ -245,8 +245,11 @@ class DatabaseSettings(BaseModel):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value).scheme not in ("postgresql", "postgres"):
-            raise ValueError("ONCEGATE_DATABASE_URL must be a postgresql:// URL")
+        if value:
+            try:
+                database_url.parse(value)
+            except database_url.InvalidDatabaseUrl as exc:  # said without the URL: no password
+                raise ValueError(str(exc)) from None
         return value or None
 
 

@@ -4,6 +4,11 @@ The database URL (a plain `postgresql://` URL) arrives as `config.attributes["ur
 `oncegate migrate`; under Alembic's own command line (`alembic upgrade head` beside
 `alembic.ini`) it is the ini file's `sqlalchemy.url`, else `ONCEGATE_DATABASE_URL`. The SQL of
 each revision is hand-written, so there is no metadata to autogenerate from.
+
+SQLAlchemy is handed connections asyncpg makes from the URL as given (`async_creator`), not the
+URL itself: SQLAlchemy's parser refuses libpq's multi-host URLs (`db1:5432,db2:5432`,
+`?target_session_attrs=read-write`), which asyncpg reads as the gateway does, so `migrate` reaches
+the primary whichever host it is, exactly as `serve` will.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import asyncpg
 from alembic import context
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
@@ -28,7 +34,7 @@ def _url() -> str:
     scheme, separator, rest = url.partition("://")
     if not separator or scheme not in ("postgresql", "postgres", "postgresql+asyncpg"):
         raise SystemExit(f"not a postgresql:// URL: {scheme}://")
-    return "postgresql+asyncpg://" + rest  # SQLAlchemy's dialect for asyncpg
+    return "postgresql://" + rest  # as asyncpg reads it
 
 
 def _run(connection: Connection) -> None:
@@ -38,7 +44,11 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async(url: str) -> None:
-    engine = create_async_engine(url, poolclass=pool.NullPool)
+    engine = create_async_engine(
+        "postgresql+asyncpg://",  # SQLAlchemy's dialect for asyncpg; the URL goes to asyncpg
+        async_creator=lambda: asyncpg.connect(url),
+        poolclass=pool.NullPool,
+    )
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)
@@ -48,7 +58,8 @@ async def _run_async(url: str) -> None:
 
 
 if context.is_offline_mode():
-    context.configure(url=_url(), literal_binds=True)
+    # SQL printed, not run: only the dialect matters (SQLAlchemy could not parse a host list).
+    context.configure(dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 else:

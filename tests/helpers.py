@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
@@ -68,3 +69,18 @@ async def insert_completed_keys(
         prefix,
         count,
     )
+
+
+def behind_a_dead_host(url: str) -> str:
+    """`url` (the tests' PostgreSQL, on a Unix socket or a TCP port) as a libpq multi-host URL
+    whose first host refuses connections: what a client sees while the first host of its list
+    is a primary that died. Reaching the database through it shows that a command takes the
+    list and follows it to the host that answers."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    here = query.pop("host", None) or parts.netloc.rpartition("@")[2]
+    credentials = parts.netloc.rpartition("@")[0]
+    query["host"] = f"127.0.0.1:{free_port()},{here}"
+    query["target_session_attrs"] = "read-write"
+    listed = "&".join(f"{name}={value}" for name, value in query.items())
+    return f"{parts.scheme}://{credentials}@{parts.path}?{listed}"

@@ -32,11 +32,10 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 
-from .. import sealing, tracing
+from .. import database_url, sealing, tracing
 from ..sealing import Keyring, SealedAnswer
 from ..settings import StoreOptions
 from . import Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record
@@ -164,7 +163,7 @@ class PostgresStore:
             for pool in opened:
                 await pool.close()
             raise
-        return cls(Pools(*opened), url, describe(url), options)
+        return cls(Pools(*opened), url, database_url.describe(url), options)
 
     async def close(self) -> None:
         for batcher in self._claiming:
@@ -575,19 +574,6 @@ class PostgresStore:
                 "SELECT version_num FROM alembic_version"
             )
             return revision
-
-
-def describe(url: str) -> str:
-    """Where a PostgreSQL URL points, for messages: host and port or socket directory, and the
-    database; never the user or password."""
-    parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query))
-    host = parts.hostname or query.get("host") or "localhost"
-    database = parts.path.lstrip("/") or query.get("dbname") or "(default database)"
-    if host.startswith("/"):
-        return f"the Unix socket in {host}, database {database}"
-    port = parts.port or query.get("port") or 5432
-    return f"{host}:{port}, database {database}"
 
 
 def _headers(document: str | None) -> Headers | None:

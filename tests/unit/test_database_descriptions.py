@@ -1,11 +1,12 @@
-"""What the logs say about a database: where it is, never its password."""
+"""What the logs say about a database: where it is (one host or a host list), never its password;
+and which URLs are refused at start-up, with a sentence instead of a traceback."""
 
 from __future__ import annotations
 
 import pytest
 
-from oncegate import cli
-from oncegate.store import postgres
+from oncegate import database_url
+from oncegate.database_url import Host
 
 
 @pytest.mark.parametrize(
@@ -16,16 +17,74 @@ from oncegate.store import postgres
         ("postgresql://db/oncegate?password=s3cret&sslmode=require",
          "postgresql://db/oncegate?sslmode=require"),
         ("postgres://ana:p%40ss@[::1]:5433/x", "postgres://ana@[::1]:5433/x"),
+        ("postgresql://ana:s3cret@h1:5432,h2:5433/db?target_session_attrs=read-write",
+         "postgresql://ana@h1:5432,h2:5433/db?target_session_attrs=read-write"),
+        ("postgresql://ana:s3cret@/db?host=h1:5432,h2:5433&password=x&target_session_attrs=primary",
+         "postgresql://ana@/db?host=h1:5432,h2:5433&target_session_attrs=primary"),
     ],
 )  # fmt: skip
 def test_a_url_in_the_log_has_no_password(url: str, shown: str) -> None:
-    assert cli.without_password(url) == shown
+    assert database_url.without_password(url) == shown
 
 
-def test_the_store_names_where_postgres_is_without_credentials() -> None:
-    assert postgres.describe("postgresql://ana:s3cret@db:6432/oncegate") == (
-        "db:6432, database oncegate"
+@pytest.mark.parametrize(
+    ("url", "described"),
+    [
+        ("postgresql://ana:s3cret@db:6432/oncegate", "db:6432, database oncegate"),
+        ("postgresql://postgres:@/postgres?host=/srv/pg",
+         "the Unix socket in /srv/pg, database postgres"),
+        ("postgresql://db", "db:5432, database (default database)"),
+        ("postgresql://u:pw@[::1]:5433/x", "[::1]:5433, database x"),
+        ("postgresql://u:pw@127.0.0.1:5432,127.0.0.1:5433/db?target_session_attrs=read-write",
+         "hosts 127.0.0.1:5432, 127.0.0.1:5433 (read-write), database db"),
+        ("postgresql://u:pw@/db?host=h1:6000,h2&target_session_attrs=read-write",
+         "hosts h1:6000, h2:5432 (read-write), database db"),
+        ("postgresql://u@/db?host=h1,h2&port=6000,6001&target_session_attrs=primary",
+         "hosts h1:6000, h2:6001 (primary), database db"),
+        ("postgresql://u@/db?host=h1,h2&port=6000&target_session_attrs=read-write",
+         "hosts h1:6000, h2:6000 (read-write), database db"),
+    ],
+)  # fmt: skip
+def test_a_url_is_described_as_its_hosts_and_database(url: str, described: str) -> None:
+    assert database_url.describe(url) == described
+    assert "pw" not in described and "s3cret" not in described
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://db/x", "postgresql:// URL"),
+        ("postgresql://u@h1:5432,h2:5433/db", "needs target_session_attrs=read-write"),
+        ("postgresql://u@h1,h2/db?target_session_attrs=any", "needs target_session_attrs"),
+        ("postgresql://u@db/x?target_session_attrs=standby", "settle on a standby"),
+        ("postgresql://u@db/x?target_session_attrs=sideways", "is not one of"),
+        ("postgresql://u@db:port/x", "not a number"),
+        ("postgresql://u@db:70000/x", "not a number"),
+        ("postgresql://u@h1,,h2/x?target_session_attrs=read-write", "empty entry"),
+        ("postgresql://u@/x?host=h1&host=h2", "host= twice"),
+        ("postgresql://u@h0/x?host=h1", "names hosts twice"),
+        ("postgresql://u@/x?host=h1,h2,h3&port=1,2&target_session_attrs=read-write",
+         "3 hosts and 2 ports"),
+        ("postgresql://u@/x?host=h1:1,h2&port=2&target_session_attrs=read-write",
+         "beside its hosts and in port="),
+    ],
+)  # fmt: skip
+def test_a_url_that_cannot_work_is_refused_with_a_sentence(url: str, says: str) -> None:
+    with pytest.raises(database_url.InvalidDatabaseUrl, match=says):
+        database_url.parse(url)
+
+
+def test_a_refusal_never_repeats_the_password() -> None:
+    with pytest.raises(database_url.InvalidDatabaseUrl) as refused:
+        database_url.parse("postgresql://u:hunter2@db:99999/x")
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_host_a_connection_reached_is_named_as_the_url_names_it() -> None:
+    url = database_url.parse(
+        "postgresql://u@/db?host=127.0.0.1:5432,/run/pg&target_session_attrs=read-write"
     )
-    assert postgres.describe("postgresql://postgres:@/postgres?host=/srv/pg") == (
-        "the Unix socket in /srv/pg, database postgres"
-    )
+    assert url.host_at(("127.0.0.1", 5432)) == Host("127.0.0.1", 5432)
+    assert str(url.host_at("/run/pg/.s.PGSQL.5432")) == "the Unix socket in /run/pg"
+    assert str(url.host_at(("10.0.0.9", 6000))) == "10.0.0.9:6000"  # not in the list: as reached
+    assert url.host_at(None) is None

@@ -2,6 +2,9 @@
 
 The admin API answers 404 problem `admin-disabled` unless `ONCEGATE_ADMIN_TOKEN` is set, and 401
 `unauthorized` for a missing or wrong bearer token; the token is compared in constant time.
+A body is read only after the token was checked, and never past its bound (`read_bounded`): the
+admin port shares its process with the proxy, so whoever can reach it must not be able to make
+the gateway hold what they send.
 Bodies are shown only when asked for (`?body=1`), and stored headers never hold credentials (the
 proxy never stores them). Every error is a problem (`errors`), like the proxy port's; input that
 cannot name a key (an id beyond 64 bits, a NUL in a key) is 400 or 404, never a store error.
@@ -16,15 +19,21 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from .. import errors, headers, schema, service
 from .. import metrics as app_metrics
 from ..service import Operator
+from ..settings import DEFAULT_BODY_LIMIT, Settings
 from ..store import Cause, KeyRecord, QueuedKey, State
+from .proxy import ClientDisconnected, read_body
 from .runtime import Runtime
+
+# Room in a resolution for everything but its body: action, status, headers, JSON punctuation.
+RESOLUTION_OVERHEAD = 64 * 1024
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
@@ -57,6 +66,24 @@ async def require_admin(
 
 
 Admin = Depends(require_admin)
+
+
+async def read_bounded(request: Request, limit: int, whose: str) -> bytes:
+    """The request's body, refused with 413 as soon as it is known to exceed `limit`: by its
+    Content-Length before a byte is read, else as it arrives."""
+    try:
+        return await read_body(request.receive, list(request.headers.items()), limit, whose)
+    except ClientDisconnected:
+        raise errors.InvalidRequest("the client went away before its body was sent") from None
+
+
+def resolution_limit(settings: Settings) -> int:
+    """The largest resolution worth reading: the largest answer a route stores, as base64 (the
+    larger spelling), and its status and headers."""
+    largest = max(
+        (route.max_stored_response for route in settings.routes), default=DEFAULT_BODY_LIMIT
+    )
+    return largest * 4 // 3 + RESOLUTION_OVERHEAD
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
@@ -278,9 +305,16 @@ class Resolution(BaseModel):
     dependencies=[Admin],
     responses={409: {"description": "the key is not unknown"}},
 )
-async def resolve_key(
-    runtime: RuntimeDep, record_id: int, resolution: Resolution
-) -> dict[str, object]:
+async def resolve_key(runtime: RuntimeDep, record_id: int, request: Request) -> dict[str, object]:
+    # The body is read here, after `Admin` checked the token, not by FastAPI before it.
+    limit = resolution_limit(runtime.settings)
+    body = await read_bounded(request, limit, "the largest resolution a route can store")
+    try:
+        resolution = Resolution.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**detail, "loc": ("body", *detail["loc"])} for detail in exc.errors()]
+        ) from None
     answer = None
     if resolution.action == "complete":
         assert resolution.status is not None

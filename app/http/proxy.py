@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,9 @@ class ProxyApp:
                     path=path,
                     query=scope.get("query_string", b"").decode("latin-1"),
                     headers=request_headers,
-                    body=await read_body(receive, request_headers, route.max_body),
+                    body=await read_body(
+                        receive, request_headers, route.max_body, "this route's limit"
+                    ),
                     client_gone=lambda: _hung_up(receive),
                 ),
             )
@@ -184,11 +186,13 @@ async def _hung_up(receive: Receive) -> None:
         pass
 
 
-async def read_body(receive: Receive, request_headers: list[tuple[str, str]], limit: int) -> bytes:
-    """The whole request body, refusing (413) as soon as it is known to exceed `limit`."""
-    too_large = errors.BodyTooLarge(
-        f"the request body is larger than this route's limit of {limit} bytes"
-    )
+async def read_body(
+    receive: Receive, request_headers: Sequence[tuple[str, str]], limit: int, whose: str
+) -> bytes:
+    """The whole request body, refusing (413) as soon as it is known to exceed `limit` (`whose`
+    limit, as the refusal names it): by its Content-Length before a byte is read, else as it
+    arrives, so no more than `limit` bytes are ever held."""
+    too_large = errors.BodyTooLarge(f"the request body is larger than {whose} of {limit} bytes")
     for name, value in request_headers:
         if name == "content-length" and value.isdigit() and int(value) > limit:
             raise too_large

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from .. import errors, service
 from ..store import QueuedKey
-from .admin import Resolution, RuntimeDep
+from .admin import Resolution, RuntimeDep, read_bounded
 
 router = APIRouter(prefix="/admin/ui", include_in_schema=False)
 
@@ -46,6 +46,9 @@ COOKIE = "oncegate_session"
 SESSION_SECONDS = 8 * 3600
 # Forms hold a status, a few headers and a body an operator types or pastes: far below this.
 MAX_FORM_BYTES = 1024 * 1024
+# The login form holds the admin token and nothing else; it is the one form read before anyone
+# is known, so it is held to what a token needs.
+MAX_LOGIN_BYTES = 16 * 1024
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'",
@@ -158,15 +161,14 @@ def _csrf_field(session: Session) -> str:
     return f'<input type="hidden" name="csrf" value="{escape(session.csrf)}">'
 
 
-async def _form(request: Request) -> dict[str, str]:
-    """The fields of an urlencoded form, each given once."""
+async def _form(request: Request, limit: int = MAX_FORM_BYTES) -> dict[str, str]:
+    """The fields of an urlencoded form, each given once; never more than `limit` bytes read.
+    Every form but the login is read after the session was checked (`SessionDep`)."""
     if request.headers.get("content-type", "").split(";")[0].strip() != (
         "application/x-www-form-urlencoded"
     ):
         raise errors.InvalidRequest("send the page's form (application/x-www-form-urlencoded)")
-    body = await request.body()
-    if len(body) > MAX_FORM_BYTES:
-        raise errors.InvalidRequest("the form is too large", status=413)
+    body = await read_bounded(request, limit, "the limit of the page's forms")
     try:
         fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=20)
     except (UnicodeDecodeError, ValueError):
@@ -197,7 +199,7 @@ async def style() -> Response:
 @router.post("/login")
 async def login(request: Request, runtime: RuntimeDep) -> Response:
     token = _admin_token(runtime)
-    form = await _form(request)
+    form = await _form(request, MAX_LOGIN_BYTES)
     if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
         return login_page("That is not the admin token.")
     response = RedirectResponse("/admin/ui", status_code=303, headers=SECURITY_HEADERS)

@@ -79,11 +79,19 @@ def new_session(token: str, now: float) -> str:
     return f"{expires}.{_sign(token, 'session', expires)}"
 
 
+# An expiry is a Unix time in seconds: 10 digits until the year 2286, 12 for ever after.
+EXPIRY_DIGITS = 12
+
+
 def session_valid(token: str, cookie: str, now: float) -> bool:
+    """Whether `cookie` is a session this token signed that has not expired. A cookie is
+    attacker input: anything but ASCII digits, a dot and ASCII is simply not a session."""
     expires, _, signature = cookie.partition(".")
-    if not expires.isdigit() or int(expires) <= now:
+    if not (expires.isascii() and expires.isdigit() and len(expires) <= EXPIRY_DIGITS):
+        return False  # '²'.isdigit() is true, and int() of 5,000 digits refuses
+    if not signature.isascii() or int(expires) <= now:
         return False
-    return hmac.compare_digest(signature, _sign(token, "session", expires))
+    return hmac.compare_digest(signature.encode(), _sign(token, "session", expires).encode())
 
 
 def csrf_token(token: str, cookie: str) -> str:
@@ -372,7 +380,7 @@ Idempotency-Key above), then settle the key with the answer it gave, or release 
 
 def _resolution(form: Mapping[str, str]) -> Resolution:
     """The form as the admin API's resolution, validated by the same rules."""
-    if form.get("action") != "complete":
+    if form["action"] == "release":
         return Resolution(action="release")
     pairs = []
     for line in form.get("headers", "").splitlines():
@@ -399,6 +407,12 @@ async def resolve(
     if refused is not None:
         return refused
     record = await runtime.operator.describe(record_id)
+    if form.get("action") not in SETTLED:
+        # Only the two buttons' actions exist: anything else settles nothing, least of all a
+        # release that would let the next retry be forwarded again.
+        actions = " or ".join(repr(action) for action in SETTLED)
+        error = f"the action is {form.get('action')!r}: it is {actions}; nothing was changed"
+        return _key_page(session, record, error, 400, form)
     try:
         resolution = _resolution(form)
     except (ValidationError, ValueError) as exc:

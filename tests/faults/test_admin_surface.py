@@ -3,21 +3,26 @@ make the gateway do there, which shares its process with the proxy.
 
 - No admin body is read before its sender is known, and none past its bound: the answer (401,
   413) comes while the client still has most of its body to send, so the gateway never held it.
+- The page's resolve form knows two actions; any other (or none) is a 400 and changes nothing.
+- A session cookie is attacker input: whatever its bytes, a 401 and the login form, never a 500.
 """
 
 from __future__ import annotations
 
+import re
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from oncegate.http import ui
 from tests.e2e.conftest import parse_head, prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess
+from tests.helpers import new_key
 
-# The route stores answers up to this, so a resolution is bounded near 4/3 of it (base64).
+# The largest route stores answers up to this, so a resolution is bounded near 4/3 of it (base64).
 STORED = 64 * 1024
 
 
@@ -25,7 +30,10 @@ STORED = 64 * 1024
 def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
-    routes = [prefix_route("pay", upstream.url, max_stored_response=f"{STORED // 1024}KiB")]
+    routes = [
+        prefix_route("pay", upstream.url, max_stored_response=f"{STORED // 1024}KiB"),
+        prefix_route("slow", upstream.url, timeout="1s", max_stored_response="1KiB"),
+    ]
     process = GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN)
     try:
         yield process
@@ -119,3 +127,69 @@ def test_a_page_form_without_a_session_is_refused_before_its_body_is_read(
             gateway.admin_port, post_head(path, FORM), 48 * 1024**2, 1024
         )
         assert status == 401 and b"/admin/ui/login" in body  # the login form
+
+
+@pytest.fixture
+async def operator(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
+    """A browser-like client logged in to the page."""
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as browser_like:
+        logged_in = await browser_like.post("/admin/ui/login", data={"token": ADMIN_TOKEN})
+        assert logged_in.status_code == 303
+        yield browser_like
+
+
+async def unknown_key(gateway: GatewayProcess, client: httpx.AsyncClient) -> tuple[str, int]:
+    """A key whose request reached the upstream and whose answer was lost (a timeout)."""
+    key = new_key()
+    lost = await client.post(
+        "/slow/charges", json={"n": 1}, headers={"Idempotency-Key": key, "X-Demo-Delay": "3"}
+    )
+    assert lost.status_code == 504
+    async with gateway.admin_client() as admin:
+        (record,) = (await admin.get("/admin/keys", params={"key": key})).json()["records"]
+    assert record["state"] == "unknown"
+    return key, record["id"]
+
+
+@pytest.mark.parametrize("action", ["Complete", "bogus", "", None])
+async def test_the_page_s_resolve_form_refuses_an_action_it_does_not_know(
+    gateway: GatewayProcess,
+    client: httpx.AsyncClient,
+    operator: httpx.AsyncClient,
+    upstream: DemoUpstream,
+    action: str | None,
+) -> None:
+    key, record_id = await unknown_key(gateway, client)
+    page = (await operator.get(f"/admin/ui/keys/{record_id}")).text
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, page
+    form = {"csrf": found.group(1), "status": "201", "body": "x"}
+    if action is not None:
+        form["action"] = action
+    refused = await operator.post(f"/admin/ui/keys/{record_id}/resolve", data=form)
+    assert refused.status_code == 400 and "nothing was changed" in refused.text
+    async with gateway.admin_client() as admin:
+        assert (await admin.get(f"/admin/keys/{record_id}")).json()["state"] == "unknown"
+    retry = await client.post("/slow/charges", json={"n": 1}, headers={"Idempotency-Key": key})
+    assert retry.status_code == 409  # still unknown: not forwarded again
+    assert len(upstream.actions(key)) == 1
+
+
+@pytest.mark.parametrize(
+    "cookie",
+    [b"\xb2.x", b"9999999999.\xe9\xe9", b"9" * 5000 + b".x", b"\xd9\xa3" * 4 + b".x", b"."],
+    ids=["superscript-digit", "non-ascii-signature", "5000-digits", "arabic-digits", "dot"],
+)
+def test_an_odd_session_cookie_is_a_401_never_a_500(gateway: GatewayProcess, cookie: bytes) -> None:
+    request = (
+        b"GET /admin/ui HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
+        b"Cookie: oncegate_session=" + cookie + b"\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", gateway.admin_port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
+    assert b'name="token"' in answer  # the login form
+    assert "Traceback" not in gateway.process.output()

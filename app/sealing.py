@@ -118,6 +118,13 @@ class Keyring:
             body = _open(cipher, stored, stored.body, _bound(record_id, scope, b"body"))
         return header_pairs(headers), body
 
+    def reseal(self, record_id: int, scope: bytes, stored: SealedAnswer) -> SealedAnswer:
+        """A stored answer sealed again under the newest key (`oncegate rekey`): opened with the
+        key that sealed it, or read as plaintext. Raises `Unopenable` when it cannot be opened,
+        and then nothing is sealed: re-sealing must never lose an answer."""
+        headers, body = self.open(record_id, scope, stored)
+        return self.seal(record_id, scope, headers, body)
+
 
 class Sealer:
     """How answers are stored: sealed with a keyring, or in plaintext without one. Opens either

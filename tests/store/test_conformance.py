@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import inspect
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 from prometheus_client import REGISTRY
@@ -22,7 +22,7 @@ from oncegate.sealing import plaintext
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
-from oncegate.store.postgres import PostgresStore
+from oncegate.store.postgres import ROOMS, PostgresStore
 from tests.helpers import new_key
 
 ROUTE = "conformance"
@@ -333,18 +333,28 @@ async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
         assert REGISTRY.get_sample_value("oncegate_keys", {"state": state}) == count
 
 
-@pytest.mark.parametrize("kind", [PostgresStore, PostgresCheckpoints])
+def public_coroutines(kind: type) -> dict[str, Any]:
+    found = {}
+    for name, member in vars(kind).items():
+        function = member.__func__ if isinstance(member, classmethod) else member
+        if not name.startswith("_") and name != "close" and inspect.iscoroutinefunction(function):
+            found[name] = function
+    return found
+
+
+@pytest.mark.parametrize("kind", [*ROOMS, PostgresCheckpoints])
 def test_every_method_that_talks_to_postgresql_translates_driver_errors(kind: type) -> None:
     # Wearing `store.errors.translated` is what keeps asyncpg's exceptions inside store/.
-    public = {
-        name: member
-        for name, member in vars(kind).items()
-        if not name.startswith("_") and name != "close"
-    }
-    for name, member in public.items():
-        function = member.__func__ if isinstance(member, classmethod) else member
-        if inspect.iscoroutinefunction(function):
-            assert getattr(function, "store_operation", None), f"{kind.__name__}.{name}"
+    for name, function in public_coroutines(kind).items():
+        assert getattr(function, "store_operation", None), f"{kind.__name__}.{name}"
+
+
+def test_the_postgres_store_hands_every_operation_to_a_room_that_translates() -> None:
+    # `PostgresStore` is a table of contents: each of its methods either wears `translated`
+    # itself or passes the call to the room's method of the same name, which does.
+    in_rooms = {name for room in ROOMS for name in public_coroutines(room)}
+    for name, function in public_coroutines(PostgresStore).items():
+        assert getattr(function, "store_operation", None) or name in in_rooms, name
 
 
 async def test_a_refused_connection_is_store_unavailable() -> None:

@@ -53,7 +53,7 @@ def test_every_problem_and_outcome_is_in_the_reference() -> None:
     for kind in problems():
         assert f"`{kind.name}`" in REFERENCE, kind
         assert f"`{kind.outcome}`" in REFERENCE, kind
-    service = (ROOT / "app" / "service.py").read_text()
+    service = (ROOT / "app" / "service" / "flow.py").read_text()
     outcomes = re.findall(r'_answer\([^()]*, "(\w+)"\)', service)
     outcomes += re.findall(r'_forward_unprotected\([^()]*, "(\w+)"\)', service)
     assert {"forwarded", "released", "passthrough", "unprotected"} <= set(outcomes)

@@ -1,0 +1,121 @@
+"""The pure decision (contract sections 4 and 5): what to do with a request whose key someone
+claimed before, from the row the store returned. No I/O and no clock: the row's `state` (the
+SQL function `oncegate_key_state`) already says whether its lease or TTL ran out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import errors, headers, sealing
+from ..sealing import Sealer
+from ..settings import Route
+from ..store import Record
+from .messages import ProxyResponse
+
+# What a client waiting on an in-flight key should wait before asking again. Short, because most
+# upstream calls take well under a second; clients back off further themselves.
+IN_PROGRESS_RETRY_AFTER = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer with the stored response."""
+
+    response: ProxyResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer with this problem; nothing is forwarded."""
+
+    error: errors.GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """The key expired: claim its row as a new key, then forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """The outcome is unknown and the route says `on_unknown: forward`: take the row over with
+    a new fencing token, then forward again."""
+
+
+Decision = Replay | Refuse | Reclaim | TakeOver
+
+
+def decide(
+    record: Record,
+    fingerprint: bytes,
+    route: Route,
+    sealer: Sealer,
+    scope: bytes,
+) -> Decision:
+    """What to do with a request whose key someone claimed before (contract sections 4 and 5).
+    Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
+    by `sealer`, bound to the row's id and `scope`."""
+    if record.state == "expired":
+        return Reclaim()  # a new key, whatever was sent under it before
+    if record.fingerprint != fingerprint:
+        return Refuse(
+            errors.KeyReused(
+                "this Idempotency-Key was first used with a different request (method, path, "
+                "query or body); use a new key for a new request"
+            )
+        )
+    if record.state == "completed":
+        return _replay(record, sealer, scope)
+    if record.state == "in_progress":
+        return Refuse(
+            errors.RequestInProgress(
+                "a request with this Idempotency-Key is still being processed; retry later",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+            )
+        )
+    if route.on_unknown == "forward":
+        return TakeOver()
+    return Refuse(
+        errors.OutcomeUnknown(
+            "the request with this Idempotency-Key may have been performed, but its answer was "
+            "lost; an operator must resolve the key before it can be answered"
+        )
+    )
+
+
+def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
+    assert record.status is not None
+    if not record.stored:
+        return Refuse(
+            errors.ResponseNotStored(
+                f"the request with this Idempotency-Key completed with status {record.status}, "
+                "but its response was larger than max_stored_response and cannot be replayed; "
+                "it was not performed again"
+            )
+        )
+    body: bytes | None
+    if record.sealed_with is None:
+        assert record.headers is not None and record.body is not None
+        answer_headers, body = list(record.headers), record.body
+    else:
+        try:
+            answer_headers, body = sealer.open(record.id, scope, record.stored_answer())
+        except sealing.Unopenable as exc:
+            return Refuse(
+                errors.AnswerSealed(
+                    f"the request with this Idempotency-Key was performed (status "
+                    f"{record.status}), but its stored answer cannot be opened; it is replayed "
+                    "once the gateway has its key. It will not be performed again",
+                    key_name=exc.key_name,
+                    reason=str(exc),
+                )
+            )
+    return Replay(
+        ProxyResponse(
+            status=record.status,
+            headers=[*answer_headers, headers.REPLAYED],
+            body=body or b"",
+            outcome="replayed",
+            blocked="replayed",
+        )
+    )

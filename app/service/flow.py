@@ -1,0 +1,286 @@
+"""The gateway's state machine (contract sections 4 and 5): claim -> forward -> settle.
+
+Read `Gateway.handle` top to bottom:
+1. A method not under control, or a missing key on a `key: optional` route, is forwarded
+   untouched and nothing is stored.
+2. Otherwise the key is parsed, its scope and the request's fingerprint computed, and the key
+   claimed with one insert, which returns the existing row instead when there is one (one round
+   trip either way). The unique constraint decides who owns it.
+3. The owner forwards the request with no transaction open, then settles the key with its
+   fencing token: `completed` with the answer, released (row deleted) when nothing was sent or the
+   upstream asked for a retry, or `unknown` when the request may have been performed but the
+   answer was lost. A token that was superseded settles nothing.
+4. Anyone else gets the row, and `decide` (pure, no I/O) says what to do with it: an expired
+   row is reclaimed as a new key; a different fingerprint is a reused key (422); a completed key
+   is replayed; an in-flight one is 409 with Retry-After; an `unknown` one (including a claim
+   whose lease ran out because its gateway died) is 409 until resolved, or with
+   `on_unknown: forward` is taken over with a new token and forwarded again. A reclaim or a
+   take-over that finds the row changed since it was read looks again, a few times at most.
+
+Changing the lease rule (when an in-flight claim counts as abandoned) safely: the rule lives in
+one SQL function, `oncegate_key_state` (migration 0005; change it with a new migration), which
+every query and the admin API read states through; `decide` acts on the state it returns and
+never on the clock, and `tests/store/test_conformance.py` runs the same cases against the
+PostgreSQL store and the in-memory one (`store/memory.py`), whose `state_of` must say the same.
+A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
+live request would read as `unknown`, and be taken over under `on_unknown: forward`.
+
+The forward and its settlement run in a task of their own, shielded from the request: a client
+that hangs up does not cancel them, so its retry finds the answer stored. `drain` waits for
+every such task at shutdown. If PostgreSQL is unreachable at claim time the request is refused
+(503) and never forwarded; if it fails at settle time the caller still gets its answer and the
+key turns `unknown` when its lease runs out: the safe direction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from .. import errors, fingerprint, headers, keys, metrics
+from ..routing import upstream_url
+from ..sealing import Keyring, Sealer
+from ..settings import Route
+from ..store import Claim, Record, Store
+from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
+from .decision import IN_PROGRESS_RETRY_AFTER, Reclaim, Refuse, Replay, decide
+from .messages import ProxyRequest, ProxyResponse
+from .waiting import PREFERENCE_APPLIED, Wait
+
+log = logging.getLogger("oncegate.service")
+
+# Claim, read, claim again: the row can change between two statements (released, expired, taken
+# over). Each lap means another request made progress, so a few laps are plenty.
+CLAIM_ATTEMPTS = 5
+# Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
+# a millisecond, less than handing them to a thread costs.
+OFF_LOOP_BODY = 1024 * 1024
+
+
+class Gateway:
+    def __init__(self, store: Store, upstream: Upstream, keyring: Keyring | None = None) -> None:
+        self._store = store
+        self._upstream = upstream
+        # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
+        self._sealer = Sealer(keyring)
+        self._inflight: set[asyncio.Task[ProxyResponse]] = set()
+        self._unopenable_logged: set[str] = set()
+
+    async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
+        if request.method not in route.methods:
+            return await self._forward_unprotected(route, request, "passthrough")
+        key = keys.parse(request.header_values(keys.HEADER))
+        if key is None:
+            if route.key == "optional":
+                return await self._forward_unprotected(route, request, "unprotected")
+            raise errors.MissingKey(
+                f"{request.method} requests on route {route.name!r} need an Idempotency-Key "
+                'header, e.g. Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"'
+            )
+        scope = keys.scope(
+            route.name, [request.header_values(name) for name in route.scope_headers]
+        )
+        digest = await _fingerprint(request)
+        wait = Wait.asked(request, route, self._store)
+        try:
+            response = await self._claim_or_answer(route, request, scope, key, digest, wait)
+        except errors.GatewayError as error:
+            if wait is not None and wait.used:
+                error.headers[PREFERENCE_APPLIED] = wait.applied
+            raise
+        finally:
+            if wait is not None:
+                wait.end(route)
+        if wait is not None and wait.used:
+            response.headers = [*response.headers, (PREFERENCE_APPLIED, wait.applied)]
+        return response
+
+    async def _claim_or_answer(
+        self,
+        route: Route,
+        request: ProxyRequest,
+        scope: bytes,
+        key: str,
+        digest: bytes,
+        wait: Wait | None,
+    ) -> ProxyResponse:
+        laps = 0
+        while laps < CLAIM_ATTEMPTS:
+            found = await self._store.claim(
+                route.name, scope, key, digest, route.lease_seconds, route.ttl
+            )
+            if found is None:
+                # Held by a claim that committed while ours ran: read it now.
+                found = await self._store.get(scope, key)
+                if found is None:
+                    laps += 1
+                    continue  # and already released: claim again
+            if isinstance(found, Record):
+                decision = decide(found, digest, route, self._sealer, scope)
+                if isinstance(decision, Replay):
+                    return decision.response
+                if isinstance(decision, Refuse):
+                    self._log_sealed(decision.error)
+                    in_flight = isinstance(decision.error, errors.RequestInProgress)
+                    if (
+                        in_flight
+                        and wait is not None
+                        and await wait.until_settled(found, scope, key)
+                    ):
+                        continue  # it settled (or changed): answer as if we came after it
+                    raise decision.error
+                if isinstance(decision, Reclaim):
+                    claimed = await self._store.reclaim_expired(
+                        found, route.name, digest, route.lease_seconds, route.ttl
+                    )
+                else:
+                    claimed = await self._store.take_over(found, route.lease_seconds)
+                if claimed is None:
+                    laps += 1
+                    continue  # it changed since we read it: look again
+                found = claimed
+            return await self._forward_protected(route, request, found, scope)
+        raise errors.RequestInProgress(
+            "this Idempotency-Key changed hands several times while we looked at it; retry",
+            headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+        )
+
+    def _log_sealed(self, error: errors.GatewayError) -> None:
+        """Say once per key name that stored answers cannot be opened: an operator must add
+        the key; every retry meanwhile gets 503 answer-sealed."""
+        if isinstance(error, errors.AnswerSealed) and error.key_name not in self._unopenable_logged:
+            self._unopenable_logged.add(error.key_name)
+            log.error("stored answers sealed with key %r cannot be opened: %s", error.key_name,
+                      error.reason)  # fmt: skip
+
+    async def _forward_protected(
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
+    ) -> ProxyResponse:
+        task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
+        self._inflight.add(task)
+        task.add_done_callback(self._forget)
+        return await asyncio.shield(task)
+
+    def _forget(self, task: asyncio.Task[ProxyResponse]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled():
+            # Retrieve the result so an answer nobody waits for (the client hung up) is not
+            # reported as "never retrieved"; the store already holds what matters.
+            task.exception()
+
+    async def drain(self) -> None:
+        """Wait for every forward in flight to finish and be settled."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _forward_and_settle(
+        self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
+    ) -> ProxyResponse:
+        try:
+            response = await self._send(route, request)
+        except NotSent as exc:
+            await self._settle("release", self._store.release(claim))
+            raise errors.UpstreamUnavailable(
+                f"the upstream of route {route.name!r} could not be reached; nothing was sent, "
+                "the key was released, and a retry with the same key is safe"
+            ) from exc
+        except AnswerLost as exc:
+            await self._settle("mark_unknown", self._store.mark_unknown(claim))
+            raise errors.OutcomeUnknown(
+                f"the upstream of route {route.name!r} received the request but its answer was "
+                f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
+                "Retries get 409 until an operator resolves the key",
+                status=504 if exc.timed_out else 502,
+            ) from exc
+        if response.status in route.release_statuses:
+            await self._settle("release", self._store.release(claim))
+            return _answer(response, "released")
+        answer = None  # too large to store: the status alone
+        if len(response.body) <= route.max_stored_response:
+            body = response.body if route.store == "full" else b""
+            answer = self._sealer.seal(
+                claim.record_id, scope, headers.storable(response.headers), body
+            )
+        await self._settle("complete", self._store.complete(claim, response.status, answer))
+        return _answer(response, "forwarded")
+
+    async def _forward_unprotected(
+        self, route: Route, request: ProxyRequest, outcome: str
+    ) -> ProxyResponse:
+        try:
+            response = await self._send(route, request)
+        except NotSent as exc:
+            raise errors.UpstreamUnavailable(
+                f"the upstream of route {route.name!r} could not be reached"
+            ) from exc
+        except AnswerLost as exc:
+            raise errors.OutcomeUnknown(
+                f"the upstream of route {route.name!r} did not answer"
+                f"{' in time' if exc.timed_out else ''}",
+                status=504 if exc.timed_out else 502,
+            ) from exc
+        return _answer(response, outcome)
+
+    async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
+        inflight = metrics.INFLIGHT.labels(route.name)
+        inflight.inc()
+        url = upstream_url(route, request.path, request.query)
+        try:
+            response = await self._upstream.send(
+                request.method, url, request.headers, request.body, route.timeout
+            )
+        except (NotSent, AnswerLost) as exc:
+            # The address is for the operator's log; the client's answer names the route only.
+            log.warning(
+                "route %s: %s %s: %s: %s",
+                route.name, request.method, route.upstream, type(exc).__name__, exc,
+            )  # fmt: skip
+            raise
+        finally:
+            inflight.dec()
+        metrics.UPSTREAM_REQUEST_DURATION.labels(route.name).observe(response.duration)
+        return response
+
+    async def _settle(self, operation: str, settlement: Awaitable[bool]) -> None:
+        """Run a store write after the upstream answered. The caller gets the upstream's answer
+        whatever happens here: it was performed, and hiding it would only cause a retry."""
+        try:
+            settled = await settlement
+        except errors.StoreUnavailable:
+            log.error(
+                "could not %s a key after the upstream answered: the store is unavailable; "
+                "the key turns unknown when its lease runs out",
+                operation,
+            )
+            return
+        if not settled:
+            log.warning(
+                "could not %s a key: its claim was taken over (fencing token superseded)",
+                operation,
+            )
+
+
+async def _fingerprint(request: ProxyRequest) -> bytes:
+    arguments = (
+        request.method,
+        request.path,
+        request.query,
+        next(iter(request.header_values("content-type")), None),
+        request.body,
+    )
+    if len(request.body) <= OFF_LOOP_BODY:
+        return fingerprint.compute(*arguments)
+    # SHA-256 releases the GIL over large buffers, so a worker thread hashes a large body
+    # without holding up the requests on the event loop (10 MiB: about 10 ms of hashing).
+    return await asyncio.to_thread(fingerprint.compute, *arguments)
+
+
+def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
+    return ProxyResponse(
+        status=response.status,
+        headers=response.headers,
+        body=response.body,
+        outcome=outcome,
+        upstream_seconds=response.duration,
+    )

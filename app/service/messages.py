@@ -1,0 +1,33 @@
+"""What the edge hands the gateway (`ProxyRequest`) and what it gets back (`ProxyResponse`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+# Resolves when the client has hung up (the proxy port watches its connection).
+ClientGoneProbe = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    method: str
+    path: str  # normalized (paths.normalize), still percent-encoded
+    query: str
+    headers: Sequence[tuple[str, str]]  # names in lower case, values as received
+    body: bytes
+    client_gone: ClientGoneProbe | None = None
+
+    def header_values(self, name: str) -> list[str]:
+        return [value for header, value in self.headers if header == name]
+
+
+@dataclass(slots=True)
+class ProxyResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    outcome: str
+    # Set when the answer came from the store: the reason counted as a blocked duplicate.
+    blocked: str | None = None
+    upstream_seconds: float | None = field(default=None)

@@ -1,0 +1,157 @@
+"""The operator's side of the keys (contract sections 6 and 9): look up, the queue and its
+cursors, release, resolve."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from .. import errors, headers, keys, sealing
+from ..sealing import Keyring, Sealer
+from ..settings import ROUTE_NAME
+from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey
+
+# One page of the operator's queue: enough for a screen, small enough to scan quickly.
+QUEUE_PAGE_SIZE = 100
+QUEUE_MAX_PAGE_SIZE = 1000
+
+
+class Operator:
+    """What an operator may do to keys, for the admin API, its page and `oncegate keys` (contract
+    sections 6 and 9): look a key up in every scope, list the queue of keys in a state, release
+    a key, or settle an `unknown` one. The rules are here, not in the HTTP layer: a key in
+    flight is never released under its request, only an `unknown` key is resolved, and input
+    that cannot name a key never reaches the store. With a keyring, the answers it stores
+    are sealed and the ones it shows are opened."""
+
+    def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
+        self._store = store
+        self._sealer = Sealer(keyring)
+
+    def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
+        """A record's stored headers and body, opened; (None, None) when they cannot be."""
+        if record.sealed_with is None:
+            return (None if record.headers is None else list(record.headers)), record.body
+        try:
+            return self._sealer.open(record.id, record.scope, record.stored_answer())
+        except sealing.Unopenable:
+            return None, None
+
+    async def queue(
+        self,
+        state: str,
+        route: str | None = None,
+        since: datetime | None = None,
+        cursor: str | None = None,
+        limit: int = QUEUE_PAGE_SIZE,
+    ) -> QueuePage:
+        """Keys in `state` (the operator's queue: `unknown`), oldest first, one page. The
+        cursor is opaque to clients: the (created_at, id) of the last key of a page, so a page
+        is never shifted by keys settled or added while an operator reads the one before."""
+        listed = _listed(state)
+        _check_route(route)
+        if since is not None and since.tzinfo is None:
+            raise errors.InvalidRequest(
+                "since needs a time zone, e.g. 2026-12-03T06:00:00Z, so it names one moment"
+            )
+        if not 0 < limit <= QUEUE_MAX_PAGE_SIZE:
+            raise errors.InvalidRequest(f"limit must be 1 to {QUEUE_MAX_PAGE_SIZE}")
+        after = decode_cursor(cursor) if cursor is not None else None
+        # One more than asked for says whether another page follows.
+        found = await self._store.queue(listed, route, since, after, limit + 1)
+        records = found[:limit]
+        return QueuePage(records, encode_cursor(records[-1]) if len(found) > limit else None)
+
+    async def describe(self, record_id: int) -> QueuedKey:
+        found = await self._store.describe(_existing_id(record_id))
+        if found is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        return found
+
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        if not 0 < len(key) <= keys.MAX_KEY_LENGTH or not (key.isascii() and key.isprintable()):
+            raise errors.InvalidRequest(
+                f"key must be 1 to {keys.MAX_KEY_LENGTH} printable ASCII characters, as every "
+                "Idempotency-Key is"
+            )
+        _check_route(route)
+        return await self._store.find(key, route)
+
+    async def release(self, record_id: int) -> None:
+        deleted = await self._store.delete(_existing_id(record_id))
+        if deleted is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        if not deleted:
+            raise errors.KeyInFlight(
+                f"key {record_id} has a request in flight; deleting it now would let a retry be "
+                "forwarded while the first is still at the upstream. Try again when it has "
+                "settled."
+            )
+
+    async def resolve(
+        self, record_id: int, answer: tuple[int, Sequence[tuple[str, str]], bytes] | None
+    ) -> None:
+        """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
+        released when `answer` is None."""
+        record_id = _existing_id(record_id)
+        scope = await self._store.scope_of(record_id)
+        if scope is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        if answer is None:
+            settled = await self._store.resolve_released(record_id)
+        else:
+            status, answer_headers, body = answer
+            # Content-Length is recomputed on replay, and credentials are never stored.
+            storable = headers.storable(answer_headers)
+            sealed = self._sealer.seal(record_id, scope, storable, body)
+            settled = await self._store.resolve_completed(record_id, status, sealed)
+        if not settled:
+            raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePage:
+    records: list[QueuedKey]
+    cursor: str | None  # where the next page starts; None on the last page
+
+
+def _check_route(route: str | None) -> None:
+    if route is not None and not ROUTE_NAME.match(route):
+        raise errors.InvalidRequest(f"route must be a route name ({ROUTE_NAME.pattern})")
+
+
+def _listed(state: str) -> Listed:
+    for listed in LISTED_STATES:
+        if state == listed:
+            return listed
+    raise errors.InvalidRequest(f"state must be one of {', '.join(LISTED_STATES)}")
+
+
+def encode_cursor(record: QueuedKey) -> str:
+    text = f"{record.created_at.isoformat()}|{record.id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        moment, _, number = text.partition("|")
+        after = (datetime.fromisoformat(moment), int(number))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise errors.InvalidRequest(
+            "cursor is not one this gateway gave out: pass the `cursor` of the previous page "
+            "unchanged"
+        ) from None
+    if after[0].tzinfo is None or not 0 < after[1] < 2**63:
+        raise errors.InvalidRequest("cursor is not one this gateway gave out")
+    return after
+
+
+def _existing_id(record_id: int) -> int:
+    """Row ids are positive 64-bit integers: any other number names no key."""
+    if not 0 < record_id < 2**63:
+        raise errors.NotFound(f"no key with id {record_id}: key ids are positive 64-bit integers")
+    return record_id

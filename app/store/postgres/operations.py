@@ -1,0 +1,126 @@
+"""One operation of a batch, as the batcher queues it, and what a batch's rows say each one got.
+
+A batch sends each (row, fencing token) once, and in id order; an operation learns its result
+from the tokens that come back: a settle whose (id, token) came back settled its row; a take-over
+or reclaim whose row came back with the next token won it. A copy of an operation in the same
+batch gets what a second statement would: nothing, the first one did it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import asyncpg
+
+from ...sealing import SealedAnswer
+from .. import Claim, Record
+
+
+@dataclass(frozen=True, slots=True)
+class Claiming:
+    route: str
+    scope: bytes
+    key: str
+    fingerprint: bytes
+    lease: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaiming:
+    id: int
+    token: int
+    route: str
+    fingerprint: bytes
+    lease: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class TakingOver:
+    id: int
+    token: int
+    lease: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completing:
+    id: int
+    token: int
+    status: int
+    answer: SealedAnswer | None
+
+
+@dataclass(frozen=True, slots=True)
+class Settling:
+    id: int
+    token: int
+
+
+class OnRow(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def token(self) -> int: ...
+
+
+Operation = TypeVar("Operation", bound=OnRow)
+
+
+def to_send(batch: Sequence[Operation]) -> list[Operation]:
+    """The operations to send: one per (row, token), the first, in id order (every batch writes
+    its rows in one order, so two batches never deadlock). A copy gets what a second statement
+    would: nothing, the first one did it."""
+    first: dict[tuple[int, int], Operation] = {}
+    for operation in batch:
+        first.setdefault((operation.id, operation.token), operation)
+    return sorted(first.values(), key=lambda operation: operation.id)
+
+
+def settled_by_rows(
+    batch: Sequence[Operation], sent: Sequence[Operation], rows: Sequence[asyncpg.Record]
+) -> list[bool]:
+    """Which operations settled their row: those whose (id, token) came back. A superseded
+    token settles nothing, whatever the rest of the batch does."""
+    done = {(row["id"], row["fencing_token"]) for row in rows}
+    firsts = {id(operation) for operation in sent}
+    return [id(operation) in firsts and (operation.id, operation.token) in done
+            for operation in batch]  # fmt: skip
+
+
+def taken_by_rows(
+    batch: Sequence[Operation], sent: Sequence[Operation], rows: Sequence[asyncpg.Record]
+) -> list[Claim | None]:
+    """The claims won by a take-over or reclaim: the row came back with the token after the one
+    it was read with."""
+    taken = {(row["id"], row["fencing_token"] - 1): row["fencing_token"] for row in rows}
+    firsts = {id(operation) for operation in sent}
+    outcomes: list[Claim | None] = []
+    for operation in batch:
+        token = taken.get((operation.id, operation.token))
+        won = token is not None and id(operation) in firsts
+        outcomes.append(Claim(operation.id, token) if won and token is not None else None)
+    return outcomes
+
+
+def answer_size(completing: Completing) -> int:
+    answer = completing.answer
+    if answer is None:
+        return 0
+    return len(answer.body or b"") + len(answer.headers)
+
+
+def claimed_row(claim: Claim, wanted: Claiming) -> Record:
+    """The row a claim just made, as a copy of its key in the same batch sees it."""
+    return Record(
+        id=claim.record_id,
+        token=claim.token,
+        fingerprint=wanted.fingerprint,
+        state="in_progress",
+        status=None,
+        headers=None,
+        body=None,
+        stored=False,
+    )

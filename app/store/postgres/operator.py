@@ -1,0 +1,159 @@
+"""The operator's queries: finding, listing, releasing and resolving keys (the admin API and
+`oncegate keys`), the purger's batches, the key count, and the schema's revision. They run on
+the operator's pool, never on a connection a request waits for, one autocommitted statement each.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import asyncpg
+
+from ...sealing import SealedAnswer
+from ...settings import StoreOptions
+from .. import KeyCount, KeyRecord, Listed, QueuedKey
+from ..errors import Outage, translated
+from ..queries import QUERIES
+from .rows import answer_columns, fetchrow, headers_of
+
+
+class OperatorQueries:
+    def __init__(self, pool: asyncpg.Pool, options: StoreOptions, outage: Outage) -> None:
+        self._pool = pool
+        self._options = options
+        self.outage = outage
+
+    @translated("purge")
+    async def purge(self, batch_size: int) -> int:
+        query = QUERIES["purge"]
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            status: str = await connection.execute(
+                query.sql, *query.arguments({"batch_size": batch_size})
+            )
+        return int(status.rsplit(" ", 1)[1])
+
+    @translated("admin_find")
+    async def find(self, key: str, route: str | None) -> list[KeyRecord]:
+        query = QUERIES["admin_find"]
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows = await connection.fetch(query.sql, *query.arguments({"key": key, "route": route}))
+        return [
+            KeyRecord(
+                id=row["id"],
+                route=row["route"],
+                scope=bytes(row["scope"]),
+                key=row["key"],
+                state=row["state"],
+                status=row["response_status"],
+                headers=headers_of(row["response_headers"]),
+                body=row["response_body"],
+                created_at=row["created_at"],
+                completed_at=row["completed_at"],
+                expires_at=row["expires_at"],
+                sealed_with=row["sealed_with"],
+                sealed_headers=row["sealed_headers"],
+            )
+            for row in rows
+        ]
+
+    @translated("admin_delete")
+    async def delete(self, record_id: int) -> bool | None:
+        row = await fetchrow(self._pool, "admin_delete", id=record_id)
+        if row["deleted"]:
+            return True
+        return False if row["exists"] else None
+
+    @translated("admin_resolve_completed")
+    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
+        row = await fetchrow(
+            self._pool,
+            "admin_resolve_completed",
+            id=record_id,
+            status=status,
+            **answer_columns(answer),
+        )
+        return row is not None
+
+    @translated("admin_scope")
+    async def scope_of(self, record_id: int) -> bytes | None:
+        row = await fetchrow(self._pool, "admin_scope", id=record_id)
+        return None if row is None else bytes(row["scope"])
+
+    @translated("admin_resolve_released")
+    async def resolve_released(self, record_id: int) -> bool:
+        return await fetchrow(self._pool, "admin_resolve_released", id=record_id) is not None
+
+    @translated("total_keys")
+    async def total_keys(self) -> int:
+        """Every row of the key table, expired ones not yet purged included."""
+        keys: int = (await fetchrow(self._pool, "total_keys"))["keys"]
+        return keys
+
+    @translated("admin_queue")
+    async def queue(
+        self,
+        state: Listed,
+        route: str | None,
+        since: datetime | None,
+        after: tuple[datetime, int] | None,
+        limit: int,
+    ) -> list[QueuedKey]:
+        return await self._queued(
+            id=None, state=state, route=route, since=since, after=after, limit=limit
+        )
+
+    @translated("admin_describe")
+    async def describe(self, record_id: int) -> QueuedKey | None:
+        found = await self._queued(
+            id=record_id, state=None, route=None, since=None, after=None, limit=1
+        )
+        return found[0] if found else None
+
+    async def _queued(
+        self, after: tuple[datetime, int] | None, **parameters: object
+    ) -> list[QueuedKey]:
+        query = QUERIES["admin_queue"]
+        after_time, after_id = after if after is not None else (None, None)
+        arguments = query.arguments({**parameters, "after_time": after_time, "after_id": after_id})
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows = await connection.fetch(query.sql, *arguments)
+        return [
+            QueuedKey(
+                id=row["id"],
+                route=row["route"],
+                key=row["key"],
+                state=row["state"],
+                cause=row["cause"],
+                status=row["response_status"],
+                created_at=row["created_at"],
+                lease_expires_at=row["lease_expires_at"],
+                completed_at=row["completed_at"],
+                expires_at=row["expires_at"],
+            )
+            for row in rows
+        ]
+
+    @translated("count_keys")
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        row = await fetchrow(self._pool, "count_keys", after=after, page_size=limit)
+        return KeyCount(
+            last_id=row["last_id"],
+            rows=row["counted"],
+            counts={
+                "in_progress": row["in_progress"],
+                "completed": row["completed"],
+                "unknown": row["unknown"],
+            },
+        )
+
+    @translated("schema_revision")
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at, or None before the first migration."""
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            exists = await connection.fetchval("SELECT to_regclass('alembic_version')")
+            if exists is None:
+                return None
+            revision: str | None = await connection.fetchval(
+                "SELECT version_num FROM alembic_version"
+            )
+            return revision

@@ -1,0 +1,277 @@
+"""The request path: claims, reads, take-overs and settles, batched (`batching.Batcher`).
+
+Design rules:
+- Every statement is autocommitted: one round trip, no transaction held open.
+- Concurrent claims share one statement and one commit, as do concurrent completes, releases,
+  take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
+  the SQL is in queries.sql.
+- Storing an answer (`complete`) commits without waiting for the WAL flush (the `answers` pool,
+  whose sessions run with synchronous_commit off): one fsync fewer on every forward. The claim
+  stays synchronous, because a claim lost in a PostgreSQL crash could let a retry forward twice.
+  A lost `complete` cannot: the row falls back to its durable in-flight claim, whose lease runs
+  out into `unknown`, and nothing is forwarded again.
+- A request that stops waiting after its claim was sent may still win it: the claim is then
+  settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
+  `unknown` although nothing was forwarded. `close` ends the claims before those settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import asyncpg
+
+from ... import tracing
+from ...sealing import SealedAnswer
+from ...settings import StoreOptions
+from .. import Claim, Record
+from ..batching import Batcher
+from ..errors import Outage, isolable, translated
+from ..queries import QUERIES
+from .connections import Pools
+from .operations import (
+    Claiming,
+    Completing,
+    Reclaiming,
+    Settling,
+    TakingOver,
+    answer_size,
+    claimed_row,
+    settled_by_rows,
+    taken_by_rows,
+    to_send,
+)
+from .rows import answer_columns, fetchrow, record_of
+
+log = logging.getLogger("oncegate.store.postgres")
+
+# Answers are sent to PostgreSQL as one array per batch: a batch holds at most this many bytes
+# of them (one larger answer goes alone), so 64 large answers never make one huge parameter.
+COMPLETE_BATCH_BYTES = 4 * 1024 * 1024
+
+
+class RequestPath:
+    """The store's request-path operations (the `Store` Protocol but `watch`, `purge` and
+    `schema_revision`), each batched with its concurrent twins."""
+
+    def __init__(self, pools: Pools, options: StoreOptions, outage: Outage) -> None:
+        self._pool = pools.requests
+        self._answer_pool = pools.answers
+        self._options = options
+        self.outage = outage
+        size, isolate = options.batch_size, isolable
+        self._claims = Batcher(
+            "claim", self._claim_batch, size, self._claimed_for_nobody, isolate=isolate
+        )
+        self._reclaims = Batcher(
+            "reclaim_expired", self._reclaim_batch, size, self._claimed_for_nobody, isolate=isolate
+        )
+        self._take_overs = Batcher(
+            "take_over", self._take_over_batch, size, self._taken_for_nobody, isolate=isolate
+        )
+        self._completes = Batcher(
+            "complete",
+            self._complete_batch,
+            size,
+            weight=answer_size,
+            max_weight=COMPLETE_BATCH_BYTES,
+            isolate=isolate,
+        )
+        self._releases = Batcher(
+            "release", functools.partial(self._settle_batch, "release"), size, isolate=isolate
+        )
+        self._unknowns = Batcher(
+            "mark_unknown",
+            functools.partial(self._settle_batch, "mark_unknown"),
+            size,
+            isolate=isolate,
+        )
+        # Closed in two steps: the claims, whose orphans are settled, before the settles.
+        self._claiming: tuple[Batcher[Any, Any], ...] = (
+            self._claims, self._reclaims, self._take_overs,
+        )  # fmt: skip
+        self._settling: tuple[Batcher[Any, Any], ...] = (
+            self._completes, self._releases, self._unknowns,
+        )  # fmt: skip
+        self._cleanups: set[asyncio.Task[bool]] = set()
+
+    async def close(self) -> None:
+        """End the batchers: the claims first, then the settles of claims nobody waited for,
+        then the settles."""
+        for batcher in self._claiming:
+            await batcher.close()
+        while self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+        for batcher in self._settling:
+            await batcher.close()
+
+    @translated("mark_waited")
+    async def mark_waited(self, record: Record) -> bool:
+        row = await fetchrow(self._pool, "mark_waited", id=record.id, token=record.token)
+        return row is not None
+
+    async def _fetch_batch(
+        self, operation: str, pool: asyncpg.Pool, **arrays: Sequence[object]
+    ) -> list[asyncpg.Record]:
+        """One batched statement: its parameters are arrays, one element per operation."""
+        query = QUERIES[operation]
+        async with pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
+        return rows
+
+    @translated("claim")
+    async def claim(
+        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | Record | None:
+        wanted = Claiming(route, scope, key, fingerprint, lease, ttl)
+        with tracing.store_operation("claim"):
+            return await self._claims.run(wanted)
+
+    async def _claim_batch(self, batch: Sequence[Claiming]) -> list[Claim | Record | None]:
+        # One row per key: of two copies of a key in one batch, the first is sent, and the
+        # copy sees the row the first one found or made, as it would a statement later.
+        first: dict[tuple[bytes, str], int] = {}
+        for index, wanted in enumerate(batch):
+            first.setdefault((wanted.scope, wanted.key), index)
+        sent = [batch[index] for index in first.values()]
+        rows = await self._fetch_batch(
+            "claim",
+            self._pool,
+            routes=[wanted.route for wanted in sent],
+            scopes=[wanted.scope for wanted in sent],
+            keys=[wanted.key for wanted in sent],
+            fingerprints=[wanted.fingerprint for wanted in sent],
+            leases=[wanted.lease for wanted in sent],
+            ttls=[wanted.ttl for wanted in sent],
+        )
+        found: dict[tuple[bytes, str], Claim | Record | None] = {}
+        for row in rows:
+            wanted = sent[row["n"] - 1]
+            if row["id"] is None:
+                found[wanted.scope, wanted.key] = None
+            elif row["claimed"]:
+                found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"])
+            else:
+                found[wanted.scope, wanted.key] = record_of(row)
+        outcomes: list[Claim | Record | None] = []
+        for index, wanted in enumerate(batch):
+            outcome = found[wanted.scope, wanted.key]
+            if index != first[wanted.scope, wanted.key] and isinstance(outcome, Claim):
+                outcome = claimed_row(outcome, batch[first[wanted.scope, wanted.key]])
+            outcomes.append(outcome)
+        return outcomes
+
+    def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
+        """A request stopped waiting for its claim (or its reclaim of an expired key) after the
+        statement was sent, and the claim was won: release it, or the key would read `unknown`
+        once its lease runs out although nothing was forwarded."""
+        if isinstance(outcome, Claim):
+            self._clean_up(self.release(outcome))
+
+    def _taken_for_nobody(self, _: object, outcome: Claim | None) -> None:
+        """The same for a take-over of an `unknown` key: it goes back to `unknown` (with the
+        new token), still in the operator's queue, rather than being forgotten."""
+        if outcome is not None:
+            self._clean_up(self.mark_unknown(outcome))
+
+    def _clean_up(self, settlement: Coroutine[Any, Any, bool]) -> None:
+        cleanup = asyncio.create_task(settlement)
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleaned_up)
+
+    def _cleaned_up(self, cleanup: asyncio.Task[bool]) -> None:
+        self._cleanups.discard(cleanup)
+        if not cleanup.cancelled() and cleanup.exception() is not None:
+            log.warning("could not settle a claim nobody waited for: %s", cleanup.exception())
+
+    @translated("get")
+    async def get(self, scope: bytes, key: str) -> Record | None:
+        row = await fetchrow(self._pool, "get", scope=scope, key=key)
+        return record_of(row) if row is not None else None
+
+    @translated("reclaim_expired")
+    async def reclaim_expired(
+        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+    ) -> Claim | None:
+        taking = Reclaiming(record.id, record.token, route, fingerprint, lease, ttl)
+        with tracing.store_operation("reclaim_expired"):
+            return await self._reclaims.run(taking)
+
+    async def _reclaim_batch(self, batch: Sequence[Reclaiming]) -> list[Claim | None]:
+        sent = to_send(batch)
+        rows = await self._fetch_batch(
+            "reclaim_expired",
+            self._pool,
+            ids=[taking.id for taking in sent],
+            tokens=[taking.token for taking in sent],
+            routes=[taking.route for taking in sent],
+            fingerprints=[taking.fingerprint for taking in sent],
+            leases=[taking.lease for taking in sent],
+            ttls=[taking.ttl for taking in sent],
+        )
+        return taken_by_rows(batch, sent, rows)
+
+    @translated("take_over")
+    async def take_over(self, record: Record, lease: float) -> Claim | None:
+        taking = TakingOver(record.id, record.token, lease)
+        with tracing.store_operation("take_over"):
+            return await self._take_overs.run(taking)
+
+    async def _take_over_batch(self, batch: Sequence[TakingOver]) -> list[Claim | None]:
+        sent = to_send(batch)
+        rows = await self._fetch_batch(
+            "take_over",
+            self._pool,
+            ids=[taking.id for taking in sent],
+            tokens=[taking.token for taking in sent],
+            leases=[taking.lease for taking in sent],
+        )
+        return taken_by_rows(batch, sent, rows)
+
+    @translated("complete")
+    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
+        completing = Completing(claim.record_id, claim.token, status, answer)
+        with tracing.store_operation("complete"):
+            return await self._completes.run(completing)
+
+    async def _complete_batch(self, batch: Sequence[Completing]) -> list[bool]:
+        sent = to_send(batch)
+        columns = [answer_columns(completing.answer) for completing in sent]
+        rows = await self._fetch_batch(
+            "complete",
+            self._answer_pool,
+            ids=[completing.id for completing in sent],
+            tokens=[completing.token for completing in sent],
+            statuses=[completing.status for completing in sent],
+            stored=[completing.answer is not None for completing in sent],
+            headers=[column["headers"] for column in columns],
+            bodies=[column["body"] for column in columns],
+            sealed_with=[column["sealed_with"] for column in columns],
+            sealed_headers=[column["sealed_headers"] for column in columns],
+        )
+        return settled_by_rows(batch, sent, rows)
+
+    @translated("release")
+    async def release(self, claim: Claim) -> bool:
+        with tracing.store_operation("release"):
+            return await self._releases.run(Settling(claim.record_id, claim.token))
+
+    @translated("mark_unknown")
+    async def mark_unknown(self, claim: Claim) -> bool:
+        settling = Settling(claim.record_id, claim.token)
+        with tracing.store_operation("mark_unknown"):
+            return await self._unknowns.run(settling)
+
+    async def _settle_batch(self, operation: str, batch: Sequence[Settling]) -> list[bool]:
+        sent = to_send(batch)
+        rows = await self._fetch_batch(
+            operation,
+            self._pool,
+            ids=[settling.id for settling in sent],
+            tokens=[settling.token for settling in sent],
+        )
+        return settled_by_rows(batch, sent, rows)

@@ -19,8 +19,9 @@
 -- operations of many requests as parallel arrays (`unnest`), and every row keeps its own result,
 -- returned with its position (`n`) or its (id, token). One statement and one commit for all.
 -- Rows are written in one order (by (scope, key) for claims, by id for the rest), so two batches
--- that touch the same rows wait for each other instead of deadlocking. The caller (postgres/requests.py)
--- sends each key, or each (id, token), once per batch and answers its copies itself.
+-- that touch the same rows wait for each other instead of deadlocking. The caller
+-- (postgres/requests.py) sends each key, or each (id, token), once per batch and answers its
+-- copies itself.
 
 -- name: claim
 -- Take new keys, or read the rows that already hold them: one round trip either way.

@@ -141,4 +141,3 @@ class Listener:
 
     def _notified(self, connection: object, pid: int, channel: str, payload: str) -> None:
         self._watchers.settled(int(payload))
-

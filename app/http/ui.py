@@ -36,7 +36,8 @@ from pydantic import ValidationError
 
 from .. import errors, service
 from ..store import QueuedKey
-from .admin import Resolution, RuntimeDep, read_bounded
+from .admin import Resolution, read_bounded
+from .deps import RuntimeDep
 
 router = APIRouter(prefix="/admin/ui", include_in_schema=False)
 

@@ -8,6 +8,7 @@ One idea per room, each readable top to bottom:
 - `decision`: `decide`, pure: what to do with a key someone claimed before;
 - `operator`: `Operator`, the operator's queue, its cursors, release and resolve;
 - `maintenance`: the purger and the key count behind `oncegate_keys`;
+- `health`: whether the gateway can serve (`/readyz`);
 - `messages`: what the edge hands the gateway and gets back.
 
 The names others use are imported here, so `from oncegate import service` is all a caller needs.
@@ -23,6 +24,7 @@ from .decision import (
     decide,
 )
 from .flow import CLAIM_ATTEMPTS, Gateway
+from .health import Health, Readiness
 from .maintenance import (
     KEY_COUNT_PAGE_SIZE,
     PURGE_BATCH_SIZE,
@@ -45,10 +47,12 @@ __all__ = [
     "ClientGoneProbe",
     "Decision",
     "Gateway",
+    "Health",
     "Operator",
     "ProxyRequest",
     "ProxyResponse",
     "QueuePage",
+    "Readiness",
     "Reclaim",
     "Refuse",
     "Replay",

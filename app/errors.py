@@ -234,5 +234,10 @@ class InvalidRequest(GatewayError):
     outcome = "invalid_request"
 
 
+class StoreRefusedValue(InvalidRequest):
+    """A value PostgreSQL cannot hold or the driver cannot send (a moment outside the years 1 to
+    9999 in UTC, ...): the input's doing, answered 400, never taken for an outage."""
+
+
 class ConfigError(Exception):
     """Settings that cannot work; the message names the field. Raised before anything starts."""

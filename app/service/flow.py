@@ -254,6 +254,14 @@ class Gateway:
                 operation,
             )
             return
+        except errors.StoreRefusedValue as exc:
+            log.error(
+                "could not %s a key after the upstream answered: the store refused a value of "
+                "the answer (%s); the key turns unknown when its lease runs out",
+                operation,
+                exc.detail,
+            )
+            return
         if not settled:
             log.warning(
                 "could not %s a key: its claim was taken over (fencing token superseded)",

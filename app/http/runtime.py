@@ -70,10 +70,16 @@ def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:
+    # No generated documentation (/docs, /redoc, /openapi.json): Swagger UI would load its script
+    # from a public CDN on the same origin as /admin/ui, unauthenticated; docs/reference.md is
+    # the reference.
     app = FastAPI(
         title="oncegate admin",
         description="Metrics, health, and the keys of the idempotency store.",
         version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.runtime = runtime
     app.include_router(admin.router)

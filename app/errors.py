@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .outcomes import BlockReason, Outcome
+
 PROBLEM_TYPE_PREFIX = "urn:oncegate:problem:"
 
 
@@ -18,10 +20,10 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     name: ClassVar[str] = "internal-error"
     title: ClassVar[str] = "Internal gateway error"
-    outcome: ClassVar[str] = "error"
+    outcome: ClassVar[Outcome] = Outcome.ERROR
     # Set on errors that answer a retry of a known key without calling the upstream: the
     # `reason` of oncegate_duplicates_blocked_total.
-    blocked: ClassVar[str | None] = None
+    blocked: ClassVar[BlockReason | None] = None
 
     def __init__(
         self, detail: str, *, headers: dict[str, str] | None = None, status: int | None = None
@@ -37,7 +39,7 @@ class GatewayError(Exception):
         return self.status if self._status is None else self._status
 
     @property
-    def blocked_reason(self) -> str | None:
+    def blocked_reason(self) -> BlockReason | None:
         return self.blocked
 
     @property
@@ -57,21 +59,21 @@ class RouteNotFound(GatewayError):
     status = 404
     name = "route-not-found"
     title = "No route matches this path"
-    outcome = "no_route"
+    outcome = Outcome.NO_ROUTE
 
 
 class InvalidPath(GatewayError):
     status = 400
     name = "invalid-path"
     title = "The request path is not a valid path"
-    outcome = "invalid_path"
+    outcome = Outcome.INVALID_PATH
 
 
 class InvalidHeader(GatewayError):
     status = 400
     name = "invalid-header"
     title = "A header value cannot be forwarded unchanged"
-    outcome = "invalid_header"
+    outcome = Outcome.INVALID_HEADER
 
 
 class RequestTimeout(GatewayError):
@@ -80,7 +82,7 @@ class RequestTimeout(GatewayError):
     status = 408
     name = "request-timeout"
     title = "The request's head did not arrive in time"
-    outcome = "request_timeout"
+    outcome = Outcome.REQUEST_TIMEOUT
 
 
 class UnsupportedTransferCoding(GatewayError):
@@ -90,42 +92,42 @@ class UnsupportedTransferCoding(GatewayError):
     status = 501
     name = "unsupported-transfer-coding"
     title = "The request's transfer coding is not supported"
-    outcome = "unsupported_transfer_coding"
+    outcome = Outcome.UNSUPPORTED_TRANSFER_CODING
 
 
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"
     title = "Idempotency-Key header is required"
-    outcome = "missing_key"
+    outcome = Outcome.MISSING_KEY
 
 
 class InvalidKey(GatewayError):
     status = 400
     name = "invalid-key"
     title = "Idempotency-Key header is malformed"
-    outcome = "invalid_key"
+    outcome = Outcome.INVALID_KEY
 
 
 class BodyTooLarge(GatewayError):
     status = 413
     name = "body-too-large"
     title = "Request body is too large"
-    outcome = "body_too_large"
+    outcome = Outcome.BODY_TOO_LARGE
 
 
 class KeyReused(GatewayError):
     status = 422
     name = "key-reused"
     title = "Idempotency-Key was already used for a different request"
-    outcome = "mismatch"
+    outcome = Outcome.MISMATCH
 
 
 class RequestInProgress(GatewayError):
     status = 409
     name = "request-in-progress"
     title = "A request with this Idempotency-Key is still in progress"
-    outcome = "in_progress"
+    outcome = Outcome.IN_PROGRESS
     blocked = "in_progress"
 
 
@@ -139,7 +141,7 @@ class ResponseNotStored(GatewayError):
     status = 409
     name = "response-not-stored"
     title = "The original response was too large to store"
-    outcome = "replayed"
+    outcome = Outcome.REPLAYED
     blocked = "replayed"
 
 
@@ -153,10 +155,10 @@ class OutcomeUnknown(GatewayError):
     status = 409
     name = "outcome-unknown"
     title = "The outcome of the original request is unknown"
-    outcome = "unknown"
+    outcome = Outcome.UNKNOWN
 
     @property
-    def blocked_reason(self) -> str | None:
+    def blocked_reason(self) -> BlockReason | None:
         # The first caller's 504/502 did reach the upstream; only the 409 to a retry is a block.
         return "unknown" if self.status_code == 409 else None
 
@@ -165,7 +167,7 @@ class UpstreamUnavailable(GatewayError):
     status = 502
     name = "upstream-unavailable"
     title = "The upstream could not be reached"
-    outcome = "upstream_unavailable"
+    outcome = Outcome.UPSTREAM_UNAVAILABLE
 
 
 class AnswerSealed(GatewayError):
@@ -176,7 +178,7 @@ class AnswerSealed(GatewayError):
     status = 503
     name = "answer-sealed"
     title = "The stored answer cannot be opened"
-    outcome = "answer_sealed"
+    outcome = Outcome.ANSWER_SEALED
 
     def __init__(self, detail: str, *, key_name: str, reason: str) -> None:
         super().__init__(detail)
@@ -188,7 +190,7 @@ class StoreUnavailable(GatewayError):
     status = 503
     name = "store-unavailable"
     title = "The idempotency store is unavailable"
-    outcome = "store_unavailable"
+    outcome = Outcome.STORE_UNAVAILABLE
 
 
 # The admin port's problems (contract section 6): rendered like the proxy's.
@@ -231,7 +233,7 @@ class InvalidRequest(GatewayError):
     status = 400
     name = "invalid-request"
     title = "The request is not valid"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
 
 
 class StoreRefusedValue(InvalidRequest):

@@ -17,6 +17,7 @@ The names others use are imported here, so `from oncegate import service` is all
 from .decision import (
     IN_PROGRESS_RETRY_AFTER,
     Decision,
+    InFlight,
     Reclaim,
     Refuse,
     Replay,
@@ -32,7 +33,7 @@ from .maintenance import (
     count_keys,
     purge_expired,
 )
-from .messages import ClientGoneProbe, ProxyRequest, ProxyResponse
+from .messages import Answer, ClientGoneProbe, ProxyRequest
 from .operator import QUEUE_PAGE_SIZE, Operator, QueuePage, decode_cursor, encode_cursor
 from .waiting import ClientGone
 
@@ -43,14 +44,15 @@ __all__ = [
     "PURGE_BATCH_SIZE",
     "PURGE_PAUSE",
     "QUEUE_PAGE_SIZE",
+    "Answer",
     "ClientGone",
     "ClientGoneProbe",
     "Decision",
     "Gateway",
     "Health",
+    "InFlight",
     "Operator",
     "ProxyRequest",
-    "ProxyResponse",
     "QueuePage",
     "Readiness",
     "Reclaim",

@@ -67,6 +67,14 @@ class Operator:
         records = found[:limit]
         return QueuePage(records, encode_cursor(records[-1]) if len(found) > limit else None)
 
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        """A logout of the operator's page: its session is refused until it expires, by every
+        gateway, after a restart too."""
+        await self._store.end_session(session, expires_at)
+
+    async def session_ended(self, session: bytes) -> bool:
+        return await self._store.session_ended(session)
+
     async def describe(self, record_id: int) -> QueuedKey:
         found = await self._store.describe(_existing_id(record_id))
         if found is None:

@@ -3,13 +3,16 @@
 Each class knows its HTTP status, its problem name (rendered as the RFC 9457 `type`
 `urn:oncegate:problem:<name>`), its title and the `outcome` label its request is counted under.
 The HTTP layer renders every `GatewayError` the same way; nothing else builds a problem body.
+
+Each also says whether the same request, retried with the same key, can get another answer
+(`should_retry`): the one signal client libraries read whatever API they were written for, sent
+as `x-should-retry` (Stainless-generated SDKs) and `Stripe-Should-Retry` (Stripe's). None says
+nothing, and leaves a client to its defaults.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
-
-from .outcomes import BlockReason, Outcome
 
 PROBLEM_TYPE_PREFIX = "urn:oncegate:problem:"
 
@@ -20,18 +23,31 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     name: ClassVar[str] = "internal-error"
     title: ClassVar[str] = "Internal gateway error"
-    outcome: ClassVar[Outcome] = Outcome.ERROR
+    outcome: ClassVar[str] = "error"
     # Set on errors that answer a retry of a known key without calling the upstream: the
     # `reason` of oncegate_duplicates_blocked_total.
-    blocked: ClassVar[BlockReason | None] = None
+    blocked: ClassVar[str | None] = None
+    # Whether a retry of the same request with the same key can be answered otherwise.
+    should_retry: ClassVar[bool | None] = None
 
     def __init__(
-        self, detail: str, *, headers: dict[str, str] | None = None, status: int | None = None
+        self,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        status: int | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.headers = headers or {}
         self._status = status
+        self._retry = retry
+
+    @property
+    def retry_advised(self) -> bool | None:
+        """Whether a retry can help: the class's answer, unless this instance knows better."""
+        return self.should_retry if self._retry is None else self._retry
 
     @property
     def status_code(self) -> int:
@@ -39,7 +55,7 @@ class GatewayError(Exception):
         return self.status if self._status is None else self._status
 
     @property
-    def blocked_reason(self) -> BlockReason | None:
+    def blocked_reason(self) -> str | None:
         return self.blocked
 
     @property
@@ -59,21 +75,24 @@ class RouteNotFound(GatewayError):
     status = 404
     name = "route-not-found"
     title = "No route matches this path"
-    outcome = Outcome.NO_ROUTE
+    outcome = "no_route"
+    should_retry = False
 
 
 class InvalidPath(GatewayError):
     status = 400
     name = "invalid-path"
     title = "The request path is not a valid path"
-    outcome = Outcome.INVALID_PATH
+    outcome = "invalid_path"
+    should_retry = False
 
 
 class InvalidHeader(GatewayError):
     status = 400
     name = "invalid-header"
     title = "A header value cannot be forwarded unchanged"
-    outcome = Outcome.INVALID_HEADER
+    outcome = "invalid_header"
+    should_retry = False
 
 
 class RequestTimeout(GatewayError):
@@ -82,7 +101,7 @@ class RequestTimeout(GatewayError):
     status = 408
     name = "request-timeout"
     title = "The request's head did not arrive in time"
-    outcome = Outcome.REQUEST_TIMEOUT
+    outcome = "request_timeout"
 
 
 class UnsupportedTransferCoding(GatewayError):
@@ -92,42 +111,48 @@ class UnsupportedTransferCoding(GatewayError):
     status = 501
     name = "unsupported-transfer-coding"
     title = "The request's transfer coding is not supported"
-    outcome = Outcome.UNSUPPORTED_TRANSFER_CODING
+    outcome = "unsupported_transfer_coding"
+    should_retry = False
 
 
 class MissingKey(GatewayError):
     status = 400
     name = "missing-key"
-    title = "Idempotency-Key header is required"
-    outcome = Outcome.MISSING_KEY
+    title = "The idempotency key is missing"
+    outcome = "missing_key"
+    should_retry = False
 
 
 class InvalidKey(GatewayError):
     status = 400
     name = "invalid-key"
-    title = "Idempotency-Key header is malformed"
-    outcome = Outcome.INVALID_KEY
+    title = "The idempotency key is malformed"
+    outcome = "invalid_key"
+    should_retry = False
 
 
 class BodyTooLarge(GatewayError):
     status = 413
     name = "body-too-large"
     title = "Request body is too large"
-    outcome = Outcome.BODY_TOO_LARGE
+    outcome = "body_too_large"
+    should_retry = False
 
 
 class KeyReused(GatewayError):
     status = 422
     name = "key-reused"
-    title = "Idempotency-Key was already used for a different request"
-    outcome = Outcome.MISMATCH
+    title = "The idempotency key was already used for a different request"
+    outcome = "mismatch"
+    should_retry = False
 
 
 class RequestInProgress(GatewayError):
     status = 409
     name = "request-in-progress"
-    title = "A request with this Idempotency-Key is still in progress"
-    outcome = Outcome.IN_PROGRESS
+    title = "A request with this idempotency key is still in progress"
+    outcome = "in_progress"
+    should_retry = True
     blocked = "in_progress"
 
 
@@ -141,7 +166,8 @@ class ResponseNotStored(GatewayError):
     status = 409
     name = "response-not-stored"
     title = "The original response was too large to store"
-    outcome = Outcome.REPLAYED
+    outcome = "replayed"
+    should_retry = False
     blocked = "replayed"
 
 
@@ -155,10 +181,11 @@ class OutcomeUnknown(GatewayError):
     status = 409
     name = "outcome-unknown"
     title = "The outcome of the original request is unknown"
-    outcome = Outcome.UNKNOWN
+    outcome = "unknown"
+    should_retry = False
 
     @property
-    def blocked_reason(self) -> BlockReason | None:
+    def blocked_reason(self) -> str | None:
         # The first caller's 504/502 did reach the upstream; only the 409 to a retry is a block.
         return "unknown" if self.status_code == 409 else None
 
@@ -167,7 +194,8 @@ class UpstreamUnavailable(GatewayError):
     status = 502
     name = "upstream-unavailable"
     title = "The upstream could not be reached"
-    outcome = Outcome.UPSTREAM_UNAVAILABLE
+    outcome = "upstream_unavailable"
+    should_retry = True
 
 
 class AnswerSealed(GatewayError):
@@ -178,7 +206,8 @@ class AnswerSealed(GatewayError):
     status = 503
     name = "answer-sealed"
     title = "The stored answer cannot be opened"
-    outcome = Outcome.ANSWER_SEALED
+    outcome = "answer_sealed"
+    should_retry = False
 
     def __init__(self, detail: str, *, key_name: str, reason: str) -> None:
         super().__init__(detail)
@@ -190,7 +219,8 @@ class StoreUnavailable(GatewayError):
     status = 503
     name = "store-unavailable"
     title = "The idempotency store is unavailable"
-    outcome = Outcome.STORE_UNAVAILABLE
+    outcome = "store_unavailable"
+    should_retry = True
 
 
 # The admin port's problems (contract section 6): rendered like the proxy's.
@@ -233,12 +263,7 @@ class InvalidRequest(GatewayError):
     status = 400
     name = "invalid-request"
     title = "The request is not valid"
-    outcome = Outcome.INVALID_REQUEST
-
-
-class StoreRefusedValue(InvalidRequest):
-    """A value PostgreSQL cannot hold or the driver cannot send (a moment outside the years 1 to
-    9999 in UTC, ...): the input's doing, answered 400, never taken for an outage."""
+    outcome = "invalid_request"
 
 
 class ConfigError(Exception):

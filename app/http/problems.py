@@ -10,6 +10,9 @@ from starlette.responses import Response
 from .. import errors
 
 MEDIA_TYPE = "application/problem+json"
+# Whether a retry with the same key can help (`GatewayError.retry_advised`), in the two headers
+# client libraries read: Stainless-generated SDKs (`x-should-retry`) and Stripe's.
+SHOULD_RETRY = (b"x-should-retry", b"stripe-should-retry")
 
 
 def parts(error: errors.GatewayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -17,6 +20,9 @@ def parts(error: errors.GatewayError) -> tuple[int, list[tuple[bytes, bytes]], b
     body = json.dumps(error.problem()).encode()
     headers = [(name.lower().encode("latin-1"), value.encode("latin-1"))
                for name, value in error.headers.items()]  # fmt: skip
+    advice = error.retry_advised
+    if advice is not None:
+        headers += [(name, b"true" if advice else b"false") for name in SHOULD_RETRY]
     headers += [
         (b"content-type", MEDIA_TYPE.encode()),
         (b"content-length", str(len(body)).encode()),

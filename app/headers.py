@@ -2,8 +2,9 @@
 
 - Hop-by-hop fields (RFC 9110 §7.6.1, and those a `Connection` header names) are never forwarded
   or stored; `Content-Length` is recomputed on each hop.
-- The upstream always gets the `Idempotency-Key`, even when the client names it in `Connection`:
-  the contract promises it, and an upstream that deduplicates by key relies on it.
+- The upstream always gets the key header (`Idempotency-Key`, or the route's `key_header`), even
+  when the client names it in `Connection`: the contract promises it, and an upstream that
+  deduplicates by key relies on it.
 - Credentials are never stored: one client's `Authorization`, `Cookie` or `Set-Cookie` must not
   be replayed to anyone (the first caller still gets its `Set-Cookie`).
 - A request whose head cannot be passed on as the client meant it is refused (`check_request`).
@@ -42,9 +43,6 @@ HOP_BY_HOP = frozenset(
 )
 # Set by the client for the upstream's address, never copied from the incoming request.
 REQUEST_ONLY = frozenset({"host", "expect"})
-# Always sent, even when the client names it in `Connection`: the contract promises the upstream
-# the key, and an upstream that deduplicates by key (`on_unknown: forward`) relies on it.
-ALWAYS_SENT = frozenset({"idempotency-key"})
 # A HEAD answer's Content-Length is the size of the GET's body (RFC 9110 §8.6), not a framing.
 HEAD_ANSWER_KEEPS = frozenset({"content-length"})
 

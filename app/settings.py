@@ -10,6 +10,7 @@ in the file; `ttl` at the top level (or `--ttl`) is the default for routes that 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -29,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from . import database_url, errors
+from . import database_url, errors, headers, keys
 from .sealing import Keyring
 
 ENV_PREFIX = "ONCEGATE_"
@@ -81,15 +82,38 @@ Duration = Annotated[
     float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)
 ]
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+# A wait may be none at all (`0s`).
+Wait = Annotated[
+    float, BeforeValidator(parse_duration), Field(ge=0, le=MAX_DURATION, allow_inf_nan=False)
+]
 
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
 DEFAULT_MAX_WAIT = 10.0
+DEFAULT_MAX_WAITERS = 1000
+DEFAULT_MAX_WAITERS_PER_KEY = 64
 _METHOD = re.compile(r"^[A-Z]+$")
 # A route name: a metric label, a log field and the admin API's `route=`.
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+KEY_HEADER = "Idempotency-Key"
+# What a `key_header` cannot be, besides hop-by-hop fields and the route's scope headers:
+# fields the gateway or the HTTP layers below it read, set or rewrite (the client's request
+# head, its body's description, credentials, `Prefer`, the request id, trace context), so a
+# key there would not reach the upstream as sent, or would mean two things at once.
+UNUSABLE_KEY_HEADERS = frozenset(
+    {
+        "content-type",
+        "content-encoding",
+        "authorization",
+        "cookie",
+        headers.PREFER,
+        headers.REQUEST_ID,
+        "traceparent",
+        "tracestate",
+    }
+)
 
 
 def default_data_dir(environ: Mapping[str, str], euid: int | None = None) -> Path:
@@ -146,6 +170,14 @@ class Route(BaseModel):
     # `status_only`: keep the status and headers of answers, not their bodies (for APIs whose
     # answers must not be kept); a replay then has an empty body.
     store: Literal["full", "status_only"] = "full"
+    # Where the key is (contract section 10): a header of another name (`PayPal-Request-Id`),
+    # passed upstream under that name, or a string field of a JSON body, named by an RFC 6901
+    # pointer (`/idempotency_key`). Unset: the `Idempotency-Key` header.
+    key_header: str | None = None
+    key_from_body: str | None = None
+    # How long a duplicate of an in-flight key waits for its answer without asking (`Prefer:
+    # wait`), so clients that retry on their own timeout get the replay instead of 409.
+    wait: Wait = 0.0
 
     @field_validator("name")
     @classmethod
@@ -197,6 +229,65 @@ class Route(BaseModel):
             if not 100 <= status <= 599:
                 raise ValueError(f"{status} is not an HTTP status code")
         return value
+
+    @field_validator("key_header")
+    @classmethod
+    def _key_header(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not _HEADER_NAME.match(value):
+            raise ValueError(f"{value!r} is not a header name")
+        lowered = value.lower()
+        if lowered in headers.HOP_BY_HOP or lowered in headers.REQUEST_ONLY:
+            raise ValueError(
+                f"{value!r} is a hop-by-hop or connection field: it never reaches the upstream, "
+                "so it cannot carry a key"
+            )
+        if lowered in UNUSABLE_KEY_HEADERS:
+            raise ValueError(
+                f"{value!r} means something else to the gateway or to HTTP; name the header "
+                "your API takes its key in (e.g. PayPal-Request-Id)"
+            )
+        return value
+
+    @field_validator("key_from_body")
+    @classmethod
+    def _key_from_body(cls, value: str | None) -> str | None:
+        if value is not None:
+            keys.parse_pointer(value)  # its ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _where_the_key_is(self) -> Route:
+        if self.key_header is not None and self.key_from_body is not None:
+            raise ValueError(
+                "key_header and key_from_body both say where the key is; a route takes one"
+            )
+        if self.key_header is not None and self.key_header.lower() in self.scope_headers:
+            raise ValueError(
+                f"key_header {self.key_header!r} is also a scope header: every key would be a "
+                "scope of its own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _wait(self) -> Route:
+        if self.wait > self.max_wait:
+            raise ValueError(
+                f"wait ({self.wait:g}s) exceeds max_wait ({self.max_wait:g}s), the longest a "
+                "client may ask to wait with Prefer: wait; raise max_wait too"
+            )
+        return self
+
+    @property
+    def key_header_name(self) -> str:
+        """The header the key is in, lower case (`key_header`, else `Idempotency-Key`)."""
+        return (self.key_header or KEY_HEADER).lower()
+
+    @functools.cached_property
+    def key_pointer(self) -> tuple[str, ...] | None:
+        """`key_from_body`'s reference tokens, or None when the key is in a header."""
+        return None if self.key_from_body is None else keys.parse_pointer(self.key_from_body)
 
     @model_validator(mode="after")
     def _lease_and_ttl(self) -> Route:
@@ -300,6 +391,14 @@ class Settings(DatabaseSettings, SealingSettings):
     store_connect_timeout: Duration = 5.0
     store_command_timeout: Duration = 10.0
     store_acquire_timeout: Duration = 10.0
+    # The most requests one gateway process lets wait for in-flight keys (`Prefer: wait`, a
+    # route's `wait`), in all and on one key. A waiter costs a task, a little memory and a read
+    # of its row every 0.5 s (2,000 reads a second at the default), and holds its client's
+    # connection; past either bound a duplicate is answered at once, 409 request-in-progress
+    # with Retry-After, as it would be without waiting. One key's copies beyond a few dozen
+    # are a retry storm, not users, and must not take every place.
+    max_waiters: int = Field(DEFAULT_MAX_WAITERS, ge=0, le=100_000)
+    max_waiters_per_key: int = Field(DEFAULT_MAX_WAITERS_PER_KEY, ge=0, le=100_000)
     routes: tuple[Route, ...] = ()
 
     def store_options(self) -> StoreOptions:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 import yarl
 
-from . import headers, tracing
+from . import headers, keys, tracing
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -153,8 +153,10 @@ class Upstream:
         request_headers: Sequence[tuple[str, str]],
         body: bytes,
         timeout: float,  # noqa: ASYNC109 - a per-route budget, applied by aiohttp
+        key_header: str = keys.HEADER,
     ) -> UpstreamResponse:
-        """Send one request and read its whole answer within `timeout` seconds."""
+        """Send one request and read its whole answer within `timeout` seconds. `key_header`
+        (lower case) is sent even when the client names it in `Connection`: the key."""
         client_timeout = self._timeouts.get(timeout)
         if client_timeout is None:
             # `connect` covers waiting for a pooled connection and the handshake: nothing has been
@@ -169,7 +171,7 @@ class Upstream:
         attempt = _Attempt()
         current = _ATTEMPT.set(attempt)
         outgoing = headers.end_to_end(
-            request_headers, drop=headers.REQUEST_ONLY, keep=headers.ALWAYS_SENT
+            request_headers, drop=headers.REQUEST_ONLY, keep=frozenset({key_header})
         )
         # The `forward` span, when tracing: the upstream's trace context names it.
         with tracing.forwarding(outgoing) as forwarded:

@@ -24,19 +24,27 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from .. import errors, headers, service
+from .. import errors, headers, schema, service
 from .. import metrics as app_metrics
 from ..service import Operator
 from ..settings import DEFAULT_BODY_LIMIT, Settings
 from ..store import Cause, KeyRecord, QueuedKey, State
-from .deps import RuntimeDep
 from .proxy import ClientDisconnected, read_body
+from .runtime import Runtime
 
 # Room in a resolution for everything but its body: action, status, headers, JSON punctuation.
 RESOLUTION_OVERHEAD = 64 * 1024
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
+
+
+async def get_runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 async def require_admin(
@@ -94,11 +102,19 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
-    readiness = await runtime.health.readiness()
-    if not readiness.ready:
+    head = schema.head()
+    try:
+        revision = await runtime.store.schema_revision()
+    except errors.StoreUnavailable:
         response.status_code = 503
-        return {"status": "unavailable", "detail": readiness.detail}
-    return {"status": "ok", "revision": readiness.head}
+        return {"status": "unavailable", "detail": "PostgreSQL does not answer"}
+    if revision != head:
+        response.status_code = 503
+        return {
+            "status": "unavailable",
+            "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
+        }
+    return {"status": "ok", "revision": head}
 
 
 class KeyView(BaseModel):

@@ -1,8 +1,11 @@
 """`oncegate demo-upstream`: a small fake email, ticket and payment service.
 
 - `POST /emails`, `/tickets`, `/charges` perform an action (it is recorded at once) and answer
-  201 with a JSON receipt, a `Location` and an `ETag`.
-- `GET /actions` lists every action really performed, with the `Idempotency-Key` it came with
+  201 with a JSON receipt, a `Location` and an `ETag`. So do two endpoints of APIs that take
+  their key elsewhere: `POST /payments` reads it from its JSON body's `idempotency_key` (as
+  Square's does) and `POST /orders` from `PayPal-Request-Id` (as PayPal's does). A trailing
+  slash is ignored (`/charges/`).
+- `GET /actions` lists every action really performed, with the key it came with
   (`?key=K` filters); `DELETE /actions` forgets them all.
 - Any path under `/echo` answers 200 with what it received: method, path, query, headers, body.
 - Query parameters make a call misbehave: `?delay=SECONDS` answers late (the action is performed
@@ -31,8 +34,16 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-KINDS = {"/emails": "email", "/tickets": "ticket", "/charges": "charge"}
-PREFIXES = {"email": "em", "ticket": "tk", "charge": "ch"}
+KINDS = {
+    "/emails": "email",
+    "/tickets": "ticket",
+    "/charges": "charge",
+    "/payments": "payment",
+    "/orders": "order",
+}
+PREFIXES = {"email": "em", "ticket": "tk", "charge": "ch", "payment": "py", "order": "or"}
+# Where each kind's idempotency key is: a header, or (None) the JSON body's `idempotency_key`.
+KEY_HEADERS = {"payment": None, "order": "paypal-request-id"}
 _NO_CONTENT = frozenset({204, 304})
 
 
@@ -78,7 +89,7 @@ class DemoUpstream:
                 ]
             await _respond(send, 200, {"actions": actions})
             return
-        kind = KINDS.get(path)
+        kind = KINDS.get(path.rstrip("/") or "/")
         if kind is None:
             await _respond(send, 404, {"error": f"no such endpoint: {path}"})
             return
@@ -94,7 +105,7 @@ class DemoUpstream:
             return
         receipt: dict[str, Any] = {"status": status}
         if status < 400:
-            receipt = self._perform(kind, path, headers.get("idempotency-key"), body)
+            receipt = self._perform(kind, path, headers, body)
         if size:
             receipt["padding"] = ""
             receipt["padding"] = "x" * max(0, size - len(json.dumps(receipt)))
@@ -105,12 +116,19 @@ class DemoUpstream:
             extra += [("location", f"/actions/{receipt['id']}"), ("etag", f'"{receipt["id"]}"')]
         await _respond(send, status, receipt, extra=extra)
 
-    def _perform(self, kind: str, path: str, key: str | None, body: bytes) -> dict[str, Any]:
+    def _perform(
+        self, kind: str, path: str, headers: dict[str, str], body: bytes
+    ) -> dict[str, Any]:
         action_id = f"{PREFIXES[kind]}_{next(self._ids):06d}"
         try:
             request = json.loads(body) if body else None
         except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             request = body.decode("utf-8", "replace")
+        key_header = KEY_HEADERS.get(kind, "idempotency-key")
+        if key_header is not None:
+            key = headers.get(key_header)
+        else:
+            key = request.get("idempotency_key") if isinstance(request, dict) else None
         action = {
             "id": action_id,
             "kind": kind,

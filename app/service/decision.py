@@ -5,14 +5,13 @@ SQL function `oncegate_key_state`) already says whether its lease or TTL ran out
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import assert_never
 
 from .. import errors, headers, sealing
-from ..outcomes import Outcome
+from ..fingerprint import Fingerprint
 from ..sealing import Sealer
 from ..settings import Route
 from ..store import Record
-from .messages import Answer
+from .messages import ProxyResponse
 
 # What a client waiting on an in-flight key should wait before asking again. Short, because most
 # upstream calls take well under a second; clients back off further themselves.
@@ -23,7 +22,7 @@ IN_PROGRESS_RETRY_AFTER = 1
 class Replay:
     """Answer with the stored response."""
 
-    answer: Answer
+    response: ProxyResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +30,6 @@ class Refuse:
     """Answer with this problem; nothing is forwarded."""
 
     error: errors.GatewayError
-
-
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """Another request holds the key now: wait for it to settle when the request asked to
-    (`Prefer: wait`) and look again, else answer with `error` (409 request-in-progress)."""
-
-    error: errors.RequestInProgress
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +43,12 @@ class TakeOver:
     a new fencing token, then forward again."""
 
 
-# Closed: `Gateway` applies a decision with `match` and `assert_never`, so a new variant is a
-# type error until every place that applies one says what it does.
-Decision = Replay | Refuse | InFlight | Reclaim | TakeOver
+Decision = Replay | Refuse | Reclaim | TakeOver
 
 
 def decide(
     record: Record,
-    fingerprint: bytes,
+    fingerprint: Fingerprint,
     route: Route,
     sealer: Sealer,
     scope: bytes,
@@ -67,36 +56,32 @@ def decide(
     """What to do with a request whose key someone claimed before (contract sections 4 and 5).
     Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
     by `sealer`, bound to the row's id and `scope`."""
-    match record.state:
-        case "expired":
-            return Reclaim()  # a new key, whatever was sent under it before
-        case _ if record.fingerprint != fingerprint:
-            return Refuse(
-                errors.KeyReused(
-                    "this Idempotency-Key was first used with a different request (method, "
-                    "path, query or body); use a new key for a new request"
-                )
+    if record.state == "expired":
+        return Reclaim()  # a new key, whatever was sent under it before
+    if not fingerprint.matches(record.fingerprint):
+        return Refuse(
+            errors.KeyReused(
+                "this idempotency key was first used with a different request (method, path, "
+                "query or body); use a new key for a new request"
             )
-        case "completed":
-            return _replay(record, sealer, scope)
-        case "in_progress":
-            return InFlight(
-                errors.RequestInProgress(
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                    headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
-                )
+        )
+    if record.state == "completed":
+        return _replay(record, sealer, scope)
+    if record.state == "in_progress":
+        return Refuse(
+            errors.RequestInProgress(
+                "a request with this idempotency key is still being processed; retry later",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
             )
-        case "unknown" if route.on_unknown == "forward":
-            return TakeOver()
-        case "unknown":
-            return Refuse(
-                errors.OutcomeUnknown(
-                    "the request with this Idempotency-Key may have been performed, but its "
-                    "answer was lost; an operator must resolve the key before it can be answered"
-                )
-            )
-        case _:
-            assert_never(record.state)
+        )
+    if route.on_unknown == "forward":
+        return TakeOver()
+    return Refuse(
+        errors.OutcomeUnknown(
+            "the request with this idempotency key may have been performed, but its answer was "
+            "lost; an operator must resolve the key before it can be answered"
+        )
+    )
 
 
 def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
@@ -104,7 +89,7 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
     if not record.stored:
         return Refuse(
             errors.ResponseNotStored(
-                f"the request with this Idempotency-Key completed with status {record.status}, "
+                f"the request with this idempotency key completed with status {record.status}, "
                 "but its response was larger than max_stored_response and cannot be replayed; "
                 "it was not performed again"
             )
@@ -119,7 +104,7 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
         except sealing.Unopenable as exc:
             return Refuse(
                 errors.AnswerSealed(
-                    f"the request with this Idempotency-Key was performed (status "
+                    f"the request with this idempotency key was performed (status "
                     f"{record.status}), but its stored answer cannot be opened; it is replayed "
                     "once the gateway has its key. It will not be performed again",
                     key_name=exc.key_name,
@@ -127,11 +112,11 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
                 )
             )
     return Replay(
-        Answer(
+        ProxyResponse(
             status=record.status,
             headers=[*answer_headers, headers.REPLAYED],
             body=body or b"",
-            outcome=Outcome.REPLAYED,
+            outcome="replayed",
             blocked="replayed",
         )
     )

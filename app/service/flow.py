@@ -3,7 +3,8 @@
 Read `Gateway.handle` top to bottom:
 1. A method not under control, or a missing key on a `key: optional` route, is forwarded
    untouched and nothing is stored.
-2. Otherwise the key is parsed, its scope and the request's fingerprint computed, and the key
+2. Otherwise the key is parsed (from `Idempotency-Key`, the route's `key_header`, or the JSON
+   body's field at `key_from_body`), its scope and the request's fingerprint computed, and the key
    claimed with one insert, which returns the existing row instead when there is one (one round
    trip either way). The unique constraint decides who owns it.
 3. The owner forwards the request with no transaction open, then settles the key with its
@@ -37,18 +38,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import assert_never
 
 from .. import errors, fingerprint, headers, keys, metrics
-from ..outcomes import Outcome
 from ..routing import upstream_url
 from ..sealing import Keyring, Sealer
-from ..settings import Route
+from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
-from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
-from .messages import Answer, ProxyRequest
-from .waiting import PREFERENCE_APPLIED, Wait
+from .decision import IN_PROGRESS_RETRY_AFTER, Reclaim, Refuse, Replay, decide
+from .messages import ProxyRequest, ProxyResponse
+from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
 log = logging.getLogger("oncegate.service")
 
@@ -58,45 +57,56 @@ CLAIM_ATTEMPTS = 5
 # Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
 # a millisecond, less than handing them to a thread costs.
 OFF_LOOP_BODY = 1024 * 1024
+# A key in a JSON body larger than this is looked up in a worker thread: parsing JSON holds the
+# event loop about 85 ms per MiB (fingerprint.CANONICAL_JSON_LIMIT says the same of the
+# fingerprint's canonical form).
+OFF_LOOP_JSON = fingerprint.CANONICAL_JSON_LIMIT
+DEFAULT_WAITERS = (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY)
+EXAMPLE_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
 
 
 class Gateway:
-    def __init__(self, store: Store, upstream: Upstream, keyring: Keyring | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        upstream: Upstream,
+        keyring: Keyring | None = None,
+        waiters: tuple[int, int] = DEFAULT_WAITERS,
+    ) -> None:
         self._store = store
         self._upstream = upstream
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
-        self._inflight: set[asyncio.Task[Answer]] = set()
+        self._inflight: set[asyncio.Task[ProxyResponse]] = set()
         self._unopenable_logged: set[str] = set()
+        # Who waits for a key in flight, at most `waiters` (in all, on one key).
+        self._waiting = WaitingRoom(*waiters)
 
-    async def handle(self, route: Route, request: ProxyRequest) -> Answer:
+    async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
         if request.method not in route.methods:
-            return await self._forward_unprotected(route, request, Outcome.PASSTHROUGH)
-        key = keys.parse(request.header_values(keys.HEADER))
+            return await self._forward_unprotected(route, request, "passthrough")
+        key = await _key(route, request)
         if key is None:
             if route.key == "optional":
-                return await self._forward_unprotected(route, request, Outcome.UNPROTECTED)
-            raise errors.MissingKey(
-                f"{request.method} requests on route {route.name!r} need an Idempotency-Key "
-                'header, e.g. Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"'
-            )
+                return await self._forward_unprotected(route, request, "unprotected")
+            raise errors.MissingKey(_missing_key(route, request.method))
         scope = keys.scope(
             route.name, [request.header_values(name) for name in route.scope_headers]
         )
         digest = await _fingerprint(request)
-        wait = Wait.asked(request, route, self._store)
+        wait = Wait.asked(request, route, self._store, self._waiting)
         try:
-            answer = await self._claim_or_answer(route, request, scope, key, digest, wait)
+            response = await self._claim_or_answer(route, request, scope, key, digest, wait)
         except errors.GatewayError as error:
-            if wait is not None and wait.used:
+            if wait is not None and wait.used and wait.applied:
                 error.headers[PREFERENCE_APPLIED] = wait.applied
             raise
         finally:
             if wait is not None:
                 wait.end(route)
-        if wait is not None and wait.used:
-            answer.headers = [*answer.headers, (PREFERENCE_APPLIED, wait.applied)]
-        return answer
+        if wait is not None and wait.used and wait.applied:
+            response.headers = [*response.headers, (PREFERENCE_APPLIED, wait.applied)]
+        return response
 
     async def _claim_or_answer(
         self,
@@ -104,51 +114,47 @@ class Gateway:
         request: ProxyRequest,
         scope: bytes,
         key: str,
-        digest: bytes,
+        digest: fingerprint.Fingerprint,
         wait: Wait | None,
-    ) -> Answer:
+    ) -> ProxyResponse:
         laps = 0
         while laps < CLAIM_ATTEMPTS:
             found = await self._store.claim(
-                route.name, scope, key, digest, route.lease_seconds, route.ttl
+                route.name, scope, key, digest.digest, route.lease_seconds, route.ttl
             )
             if found is None:
                 # Held by a claim that committed while ours ran: read it now.
                 found = await self._store.get(scope, key)
-            match found:
-                case None:
+                if found is None:
                     laps += 1
                     continue  # and already released: claim again
-                case Claim():
-                    return await self._forward_protected(route, request, found, scope)
-                case Record():
-                    decision = decide(found, digest, route, self._sealer, scope)
-                case _:
-                    assert_never(found)
-            match decision:
-                case Replay(answer):
-                    return answer
-                case Refuse(error):
-                    self._log_sealed(error)
-                    raise error
-                case InFlight(error):
-                    if wait is not None and await wait.until_settled(found, scope, key):
+            if isinstance(found, Record):
+                decision = decide(found, digest, route, self._sealer, scope)
+                if isinstance(decision, Replay):
+                    return decision.response
+                if isinstance(decision, Refuse):
+                    self._log_sealed(decision.error)
+                    in_flight = isinstance(decision.error, errors.RequestInProgress)
+                    if (
+                        in_flight
+                        and wait is not None
+                        and await wait.until_settled(found, scope, key)
+                    ):
                         continue  # it settled (or changed): answer as if we came after it
-                    raise error
-                case Reclaim():
+                    raise decision.error
+                if isinstance(decision, Reclaim):
                     claimed = await self._store.reclaim_expired(
-                        found, route.name, digest, route.lease_seconds, route.ttl
+                        found, route.name, digest.digest, route.lease_seconds, route.ttl
                     )
-                case TakeOver():
+                else:
                     claimed = await self._store.take_over(found, route.lease_seconds)
-                case _:
-                    assert_never(decision)
-            if claimed is None:
-                laps += 1
-                continue  # it changed since we read it: look again
-            return await self._forward_protected(route, request, claimed, scope)
+                if claimed is None:
+                    laps += 1
+                    continue  # it changed since we read it: look again
+                found = claimed
+            return await self._forward_protected(route, request, found, scope)
         raise errors.RequestInProgress(
-            "this Idempotency-Key changed hands several times while we looked at it; retry",
+            "this idempotency key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
         )
 
@@ -162,13 +168,13 @@ class Gateway:
 
     async def _forward_protected(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
-    ) -> Answer:
+    ) -> ProxyResponse:
         task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
         self._inflight.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)
 
-    def _forget(self, task: asyncio.Task[Answer]) -> None:
+    def _forget(self, task: asyncio.Task[ProxyResponse]) -> None:
         self._inflight.discard(task)
         if not task.cancelled():
             # Retrieve the result so an answer nobody waits for (the client hung up) is not
@@ -182,7 +188,7 @@ class Gateway:
 
     async def _forward_and_settle(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
-    ) -> Answer:
+    ) -> ProxyResponse:
         try:
             response = await self._send(route, request)
         except NotSent as exc:
@@ -196,24 +202,29 @@ class Gateway:
             raise errors.OutcomeUnknown(
                 f"the upstream of route {route.name!r} received the request but its answer was "
                 f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
-                "Retries get 409 until an operator resolves the key",
+                + (
+                    "A retry with the same key is forwarded again (the route's on_unknown)"
+                    if route.on_unknown == "forward"
+                    else "Retries get 409 until an operator resolves the key"
+                ),
                 status=504 if exc.timed_out else 502,
+                retry=route.on_unknown == "forward",
             ) from exc
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
-            return _answer(response, Outcome.RELEASED)
-        stored = None  # too large to store: the status alone
+            return _answer(response, "released")
+        answer = None  # too large to store: the status alone
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            stored = self._sealer.seal(
+            answer = self._sealer.seal(
                 claim.record_id, scope, headers.storable(response.headers), body
             )
-        await self._settle("complete", self._store.complete(claim, response.status, stored))
-        return _answer(response, Outcome.FORWARDED)
+        await self._settle("complete", self._store.complete(claim, response.status, answer))
+        return _answer(response, "forwarded")
 
     async def _forward_unprotected(
-        self, route: Route, request: ProxyRequest, outcome: Outcome
-    ) -> Answer:
+        self, route: Route, request: ProxyRequest, outcome: str
+    ) -> ProxyResponse:
         try:
             response = await self._send(route, request)
         except NotSent as exc:
@@ -234,8 +245,9 @@ class Gateway:
         url = upstream_url(route, request.path, request.query)
         try:
             response = await self._upstream.send(
-                request.method, url, request.headers, request.body, route.timeout
-            )
+                request.method, url, request.headers, request.body, route.timeout,
+                route.key_header_name,
+            )  # fmt: skip
         except (NotSent, AnswerLost) as exc:
             # The address is for the operator's log; the client's answer names the route only.
             log.warning(
@@ -260,14 +272,6 @@ class Gateway:
                 operation,
             )
             return
-        except errors.StoreRefusedValue as exc:
-            log.error(
-                "could not %s a key after the upstream answered: the store refused a value of "
-                "the answer (%s); the key turns unknown when its lease runs out",
-                operation,
-                exc.detail,
-            )
-            return
         if not settled:
             log.warning(
                 "could not %s a key: its claim was taken over (fencing token superseded)",
@@ -275,7 +279,33 @@ class Gateway:
             )
 
 
-async def _fingerprint(request: ProxyRequest) -> bytes:
+async def _key(route: Route, request: ProxyRequest) -> str | None:
+    """The request's key, where its route says it is; None when it has none."""
+    pointer = route.key_pointer
+    if pointer is None:
+        return keys.parse(
+            request.header_values(route.key_header_name), route.key_header or "Idempotency-Key"
+        )
+    arguments = (request.body, pointer, route.key_from_body or "")
+    if len(request.body) <= OFF_LOOP_JSON:
+        return keys.from_body(*arguments)
+    return await asyncio.to_thread(keys.from_body, *arguments)
+
+
+def _missing_key(route: Route, method: str) -> str:
+    if route.key_from_body is not None:
+        return (
+            f"{method} requests on route {route.name!r} carry their key in the JSON body, as "
+            f"the string at {route.key_from_body}; this body has none there, or is not JSON"
+        )
+    header = route.key_header or "Idempotency-Key"
+    return (
+        f"{method} requests on route {route.name!r} need an {header} header, e.g. "
+        f'{header}: "{EXAMPLE_KEY}"'
+    )
+
+
+async def _fingerprint(request: ProxyRequest) -> fingerprint.Fingerprint:
     arguments = (
         request.method,
         request.path,
@@ -284,14 +314,14 @@ async def _fingerprint(request: ProxyRequest) -> bytes:
         request.body,
     )
     if len(request.body) <= OFF_LOOP_BODY:
-        return fingerprint.compute(*arguments)
+        return fingerprint.of_request(*arguments)
     # SHA-256 releases the GIL over large buffers, so a worker thread hashes a large body
     # without holding up the requests on the event loop (10 MiB: about 10 ms of hashing).
-    return await asyncio.to_thread(fingerprint.compute, *arguments)
+    return await asyncio.to_thread(fingerprint.of_request, *arguments)
 
 
-def _answer(response: UpstreamResponse, outcome: Outcome) -> Answer:
-    return Answer(
+def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
+    return ProxyResponse(
         status=response.status,
         headers=response.headers,
         body=response.body,

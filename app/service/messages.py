@@ -1,13 +1,9 @@
-"""What the edge hands the gateway (`ProxyRequest`) and what it gets back (`Answer`): the one
-answer type from the service to the edge, which relays it as it is (or renders the
-`errors.GatewayError` the gateway raised instead)."""
+"""What the edge hands the gateway (`ProxyRequest`) and what it gets back (`ProxyResponse`)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-
-from ..outcomes import BlockReason, Outcome
+from dataclasses import dataclass, field
 
 # Resolves when the client has hung up (the proxy port watches its connection).
 ClientGoneProbe = Callable[[], Awaitable[None]]
@@ -27,13 +23,11 @@ class ProxyRequest:
 
 
 @dataclass(slots=True)
-class Answer:
-    """The upstream's answer, just received or stored, and how the request is counted."""
-
+class ProxyResponse:
     status: int
     headers: list[tuple[str, str]]
     body: bytes
-    outcome: Outcome
+    outcome: str
     # Set when the answer came from the store: the reason counted as a blocked duplicate.
-    blocked: BlockReason | None = None
-    upstream_seconds: float | None = None  # the upstream call's time, when one was made
+    blocked: str | None = None
+    upstream_seconds: float | None = field(default=None)

@@ -1,4 +1,17 @@
-"""Waiting for a key in flight to settle (`Prefer: wait=N`, contract section 9)."""
+"""Waiting for a key in flight to settle (`Prefer: wait=N`, contract section 9, and a route's
+`wait`, section 10).
+
+Invariants:
+- A request waits only when it asked (`Prefer: wait=N`, N capped by `max_wait`; `wait=0` is no
+  wait) or, when it did not ask, for its route's `wait`. Only an answer to a request that asked
+  carries `Preference-Applied`.
+- Waiting is bounded per gateway process (`WaitingRoom`): at most `max_waiters` requests wait,
+  and at most `max_waiters_per_key` on one key. The one over a bound is answered as it would be
+  without waiting (409 request-in-progress, Retry-After): a flood of duplicates costs one
+  answer each, never a task, a watch and a poll each.
+- A waiter holds no pooled connection. A request that finds no duplicate in flight pays for
+  waiting with the parse of `Prefer` and, on a route with `wait`, one small object: no store
+  call, no task, no notification (bench/run.py's `wait` row)."""
 
 from __future__ import annotations
 
@@ -24,16 +37,56 @@ class ClientGone(Exception):
     and nothing was claimed for it."""
 
 
-class Wait:
-    """A request's `Prefer: wait=N` (contract section 9): while its key is in flight, it waits,
-    up to N seconds and the route's `max_wait`, for the key to settle, then is answered as if it
-    had arrived afterwards. Woken by the store's settle notification; it also polls the row, so
-    a lost notification costs time, not the answer. It holds no pooled connection while it
-    waits, and stops when the client hangs up."""
+class WaitingRoom:
+    """Who waits in this process: at most `most` in all and `most_per_key` on one row."""
 
-    def __init__(self, seconds: int, store: Store, client_gone: ClientGoneProbe | None) -> None:
+    def __init__(self, most: int, most_per_key: int) -> None:
+        self._most = most
+        self._most_per_key = most_per_key
+        self._total = 0
+        self._by_row: dict[int, int] = {}
+
+    def enter(self, record_id: int) -> bool:
+        """Take a place to wait on row `record_id`; False when there is none."""
+        on_row = self._by_row.get(record_id, 0)
+        if self._total >= self._most or on_row >= self._most_per_key:
+            return False
+        self._total += 1
+        self._by_row[record_id] = on_row + 1
+        return True
+
+    def leave(self, record_id: int) -> None:
+        self._total -= 1
+        left = self._by_row[record_id] - 1
+        if left:
+            self._by_row[record_id] = left
+        else:
+            del self._by_row[record_id]
+
+    @property
+    def waiting(self) -> int:
+        return self._total
+
+
+class Wait:
+    """A request's `Prefer: wait=N` (contract section 9), or its route's `wait` (section 10):
+    while its key is in flight, it waits, up to N seconds and the route's `max_wait`, for the key
+    to settle, then is answered as if it had arrived afterwards. Woken by the store's settle
+    notification; it also polls the row, so a lost notification costs time, not the answer. It
+    holds no pooled connection while it waits, and stops when the client hangs up."""
+
+    def __init__(
+        self,
+        seconds: float,
+        store: Store,
+        room: WaitingRoom,
+        client_gone: ClientGoneProbe | None,
+        applied: str | None,
+    ) -> None:
         self._store = store
-        self.applied = f"wait={seconds}"
+        self._room = room
+        # `Preference-Applied`'s value, for a request that asked (`Prefer: wait=N`).
+        self.applied = applied
         self.used = False
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + seconds
@@ -42,11 +95,19 @@ class Wait:
         self._gone: asyncio.Future[None] | None = None  # watching the client, once it waits
 
     @classmethod
-    def asked(cls, request: ProxyRequest, route: Route, store: Store) -> Wait | None:
+    def asked(
+        cls, request: ProxyRequest, route: Route, store: Store, room: WaitingRoom
+    ) -> Wait | None:
+        """How this request waits: as it asked, else as its route says; None: it does not."""
         requested = headers.requested_wait(request.header_values(headers.PREFER))
+        if requested is None:
+            if not route.wait:
+                return None
+            return cls(route.wait, store, room, request.client_gone, applied=None)
         if not requested:
-            return None
-        return cls(min(requested, math.ceil(route.max_wait)), store, request.client_gone)
+            return None  # `Prefer: wait=0`: answer at once, whatever the route's `wait`
+        seconds = min(requested, math.ceil(route.max_wait))
+        return cls(seconds, store, room, request.client_gone, applied=f"wait={seconds}")
 
     async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
         """Wait for `record`'s claim to settle: True when it did (or changed), False when the
@@ -54,6 +115,8 @@ class Wait:
         loop = asyncio.get_running_loop()
         if self._deadline <= loop.time():
             return False
+        if not self._room.enter(record.id):
+            return False  # too many wait already: answered as if it had not asked
         self.used = True
         started = loop.time()
         watch = self._store.watch(record.id)
@@ -61,14 +124,17 @@ class Wait:
             if not await self._store.mark_waited(record):
                 return True  # settled between our read and now
             while (remaining := self._deadline - loop.time()) > 0:
-                if await self._woken(watch, min(WAIT_POLL_INTERVAL, remaining)):
-                    return True
+                # Woken or not, look at the row: a wake-up may be for every waiter (the
+                # listener reconnected), and one that leaves for nothing loses its place.
+                await self._woken(watch, min(WAIT_POLL_INTERVAL, remaining))
                 now = await self._store.get(scope, key)
                 if now is None or now.token != record.token or now.state != "in_progress":
                     return True
+                watch.rearm()
             return False
         finally:
             watch.close()
+            self._room.leave(record.id)
             self._spent += loop.time() - started
 
     async def _woken(self, watch: Watch, timeout: float) -> bool:  # noqa: ASYNC109 - a poll

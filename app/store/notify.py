@@ -29,6 +29,11 @@ class Watch:
     def wake(self) -> None:
         self._settled.set()
 
+    def rearm(self) -> None:
+        """Wait for the next wake-up: the last one was looked into, and the row had not settled
+        (`wake_all` wakes every waiter, whatever its row)."""
+        self._settled.clear()
+
     def close(self) -> None:
         self._watchers.forget(self)
 

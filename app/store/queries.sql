@@ -315,14 +315,3 @@ WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;
 -- so an operator sees which store a gateway opened (an empty one where keys were expected is a
 -- wrong data directory or URL).
 SELECT count(*) AS keys FROM oncegate_keys;
-
--- name: end_session
--- A logout: the session is refused until its own expiry (migration 0009). Sessions already past
--- theirs are deleted on the way, so the table holds only live ones.
-WITH expired AS (DELETE FROM oncegate_ended_sessions WHERE expires_at < now())
-INSERT INTO oncegate_ended_sessions (session, expires_at)
-VALUES (:session, :expires_at)
-ON CONFLICT (session) DO NOTHING;
-
--- name: session_ended
-SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS ended;

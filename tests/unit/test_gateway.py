@@ -15,16 +15,8 @@ import pytest
 
 from oncegate import errors, fingerprint, headers, keys, service, settings
 from oncegate.sealing import Sealer, plaintext
-from oncegate.service import (
-    Gateway,
-    InFlight,
-    ProxyRequest,
-    Reclaim,
-    Refuse,
-    Replay,
-    TakeOver,
-    decide,
-)
+from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
+from oncegate.service.waiting import WaitingRoom
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream import Upstream
@@ -34,6 +26,7 @@ FINGERPRINT = hashlib.sha256(b"the request").digest()
 PLAIN = Sealer(None)  # answers stored in plaintext
 SCOPE = b"s" * 32
 OTHER = hashlib.sha256(b"another request").digest()
+REQUEST = fingerprint.Fingerprint(FINGERPRINT)  # a request whose digest is FINGERPRINT
 
 
 def route(**options: object) -> settings.Route:
@@ -53,46 +46,56 @@ def record(state: State, fingerprint: bytes = FINGERPRINT, stored: bool = True) 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed", "unknown"])
 def test_a_different_request_under_a_known_key_is_refused_as_reused(state: State) -> None:
-    decision = decide(record(state, fingerprint=OTHER), FINGERPRINT, route(), PLAIN, SCOPE)
+    decision = decide(record(state, fingerprint=OTHER), REQUEST, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.KeyReused)
     assert decision.error.status_code == 422 and decision.error.outcome == "mismatch"
 
 
 def test_a_completed_key_is_replayed() -> None:
-    decision = decide(record("completed"), FINGERPRINT, route(), PLAIN, SCOPE)
+    decision = decide(record("completed"), REQUEST, route(), PLAIN, SCOPE)
     assert isinstance(decision, Replay)
-    assert decision.answer.status == 201
-    assert ("idempotent-replayed", "true") in decision.answer.headers
-    assert (decision.answer.outcome, decision.answer.blocked) == ("replayed", "replayed")
+    assert decision.response.status == 201
+    assert ("idempotent-replayed", "true") in decision.response.headers
+    assert (decision.response.outcome, decision.response.blocked) == ("replayed", "replayed")
 
 
 def test_a_completed_key_whose_answer_was_too_large_is_refused_with_its_status() -> None:
-    decision = decide(record("completed", stored=False), FINGERPRINT, route(), PLAIN, SCOPE)
+    decision = decide(record("completed", stored=False), REQUEST, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.ResponseNotStored)
     assert "201" in decision.error.detail
     assert (decision.error.status_code, decision.error.outcome) == (409, "replayed")
 
 
 def test_a_key_in_flight_is_409_with_retry_after() -> None:
-    decision = decide(record("in_progress"), FINGERPRINT, route(), PLAIN, SCOPE)
-    assert isinstance(decision, InFlight) and isinstance(decision.error, errors.RequestInProgress)
+    decision = decide(record("in_progress"), REQUEST, route(), PLAIN, SCOPE)
+    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.RequestInProgress)
     assert decision.error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
     assert decision.error.blocked_reason == "in_progress"
 
 
 def test_an_unknown_key_is_409_without_retry_after_unless_the_route_forwards() -> None:
-    decision = decide(record("unknown"), FINGERPRINT, route(), PLAIN, SCOPE)
+    decision = decide(record("unknown"), REQUEST, route(), PLAIN, SCOPE)
     assert isinstance(decision, Refuse) and isinstance(decision.error, errors.OutcomeUnknown)
     assert decision.error.status_code == 409 and "Retry-After" not in decision.error.headers
     assert decision.error.blocked_reason == "unknown"
     forwarding = route(on_unknown="forward")
-    assert isinstance(decide(record("unknown"), FINGERPRINT, forwarding, PLAIN, SCOPE), TakeOver)
+    assert isinstance(decide(record("unknown"), REQUEST, forwarding, PLAIN, SCOPE), TakeOver)
+
+
+def test_a_key_stored_under_the_byte_rule_is_the_same_request_as_its_own_bytes() -> None:
+    """A form body's key stored before forms were canonicalised holds the byte rule's digest
+    (`before_forms`): a retry with the same bytes is replayed, not refused as reused."""
+    stored = record("completed", fingerprint=OTHER)
+    retry = fingerprint.Fingerprint(FINGERPRINT, before_forms=OTHER)
+    assert isinstance(decide(stored, retry, route(), PLAIN, SCOPE), Replay)
+    reordered = fingerprint.Fingerprint(FINGERPRINT, before_forms=hashlib.sha256(b"x").digest())
+    assert isinstance(decide(stored, reordered, route(), PLAIN, SCOPE), Refuse)
 
 
 @pytest.mark.parametrize("fingerprint", [FINGERPRINT, OTHER])
 def test_an_expired_key_is_a_new_key_whatever_was_sent_under_it(fingerprint: bytes) -> None:
     expired = record("expired", fingerprint=fingerprint)
-    assert isinstance(decide(expired, FINGERPRINT, route(), PLAIN, SCOPE), Reclaim)
+    assert isinstance(decide(expired, REQUEST, route(), PLAIN, SCOPE), Reclaim)
 
 
 # Laps of Gateway.handle
@@ -302,3 +305,157 @@ def test_the_wait_preference_is_read_as_rfc_7240_says(
     values: list[str], seconds: int | None
 ) -> None:
     assert headers.requested_wait(values) == seconds
+
+
+# A route's `wait` (contract section 10), and the bounds on waiting
+
+
+async def in_flight(store: MemoryStore, route: settings.Route, key: str) -> Claim:
+    first = await store.claim("r", scope_of(route), key, REQUEST_FINGERPRINT, 600, 600)
+    assert isinstance(first, Claim)
+    return first
+
+
+async def test_a_route_with_wait_holds_a_duplicate_without_being_asked(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, wait="10s")
+    first = await in_flight(store, route, "rw1")
+    waiter = asyncio.create_task(Gateway(store, upstream).handle(route, request("rw1")))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # waiting, not answered 409
+    assert await store.complete(first, 201, plaintext([], b"settled"))
+    answer = await asyncio.wait_for(waiter, 10)
+    assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
+    assert not [name for name, _ in answer.headers if name == "preference-applied"]  # not asked
+    assert upstream_server.requests("rw1") == []
+
+
+async def test_prefer_wait_0_answers_at_once_on_a_route_with_wait(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, wait="10s")
+    await in_flight(store, route, "rw2")
+    plain = request("rw2")
+    asked = ProxyRequest(plain.method, plain.path, plain.query,
+                         [*plain.headers, ("prefer", "wait=0")], plain.body)  # fmt: skip
+    with pytest.raises(errors.RequestInProgress):
+        await asyncio.wait_for(Gateway(store, upstream).handle(route, asked), 5)
+
+
+async def test_past_the_per_key_bound_duplicates_are_answered_409_at_once(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, wait="10s")
+    first = await in_flight(store, route, "rw3")
+    gateway = Gateway(store, upstream, waiters=(100, 2))
+    copies = [asyncio.create_task(gateway.handle(route, request("rw3"))) for _ in range(5)]
+    done, waiting = await asyncio.wait(copies, timeout=2)
+    assert len(done) == 3 and len(waiting) == 2  # the three over the bound did not wait
+    for refused in done:
+        error = refused.exception()
+        assert isinstance(error, errors.RequestInProgress)
+        assert error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
+    assert await store.complete(first, 201, plaintext([], b"settled"))
+    for replayed in waiting:
+        assert (await asyncio.wait_for(replayed, 10)).outcome == "replayed"
+    # The places are free again: the next duplicates wait too.
+    second = await in_flight(store, route, "rw4")
+    again = [asyncio.create_task(gateway.handle(route, request("rw4"))) for _ in range(2)]
+    assert not (await asyncio.wait(again, timeout=0.2))[0]
+    assert await store.complete(second, 201, plaintext([], b"settled"))
+    await asyncio.wait_for(asyncio.gather(*again), 10)
+
+
+async def test_past_the_total_bound_a_duplicate_of_any_key_is_answered_409_at_once(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, wait="10s")
+    claims = [await in_flight(store, route, key) for key in ("rw5", "rw6")]
+    gateway = Gateway(store, upstream, waiters=(3, 100))
+    copies = [
+        asyncio.create_task(gateway.handle(route, request(key)))
+        for key in ("rw5", "rw5", "rw6", "rw6")
+    ]
+    done, waiting = await asyncio.wait(copies, timeout=2)
+    assert len(done) == 1 and len(waiting) == 3
+    assert isinstance(done.pop().exception(), errors.RequestInProgress)
+    for claim in claims:
+        assert await store.complete(claim, 201, plaintext([], b"settled"))
+    answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+    assert {answer.outcome for answer in answers} == {"replayed"}
+
+
+def test_the_waiting_room_counts_places_in_all_and_per_row() -> None:
+    room = WaitingRoom(most=3, most_per_key=2)
+    assert room.enter(1) and room.enter(1) and not room.enter(1)
+    assert room.enter(2) and not room.enter(3)  # 3 in all
+    room.leave(1)
+    assert room.enter(3) and room.waiting == 3
+    for row in (1, 2, 3):
+        room.leave(row)
+    assert room.waiting == 0 and room.enter(1) and room.enter(1)
+
+
+# Where the key is: another header, or a field of the JSON body
+
+
+def keyed_request(headers_: list[tuple[str, str]], body: bytes = b"{}") -> ProxyRequest:
+    return ProxyRequest("POST", "/kept", "", [("content-type", "application/json"), *headers_],
+                        body)  # fmt: skip
+
+
+async def test_a_key_header_route_takes_the_key_there_and_passes_it_upstream(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, key_header="PayPal-Request-Id")
+    gateway = Gateway(store, upstream)
+    with pytest.raises(errors.MissingKey, match="PayPal-Request-Id"):
+        await gateway.handle(route, keyed_request([("idempotency-key", "kh1")]))
+    sent = [("paypal-request-id", "kh1"), ("connection", "paypal-request-id")]
+    answer = await gateway.handle(route, keyed_request(sent))
+    assert answer.outcome == "forwarded"
+    # Passed upstream under its name, though the client named it in Connection.
+    [forwarded] = [
+        seen for seen in upstream_server.received if seen.headers.get("paypal-request-id") == "kh1"
+    ]
+    assert "connection" not in forwarded.headers
+    [found] = await store.find("kh1", None)
+    assert found.state == "completed"
+    again = await gateway.handle(route, keyed_request(sent))
+    assert again.outcome == "replayed"
+
+
+async def test_a_body_key_route_takes_the_key_from_the_body(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, key_from_body="/payment/idempotency_key")
+    gateway = Gateway(store, upstream)
+    body = b'{"payment": {"idempotency_key": "kb1", "amount": 1}}'
+    assert (await gateway.handle(route, keyed_request([], body))).outcome == "forwarded"
+    found = await store.get(scope_of(route), "kb1")
+    assert found is not None  # and its fingerprint covers the whole body, key included
+    assert found.fingerprint == fingerprint.compute("POST", "/kept", "", "application/json", body)
+    with pytest.raises(errors.MissingKey, match="/payment/idempotency_key"):
+        await gateway.handle(route, keyed_request([("idempotency-key", "kb2")], b'{"a": 1}'))
+    with pytest.raises(errors.InvalidKey, match="number"):
+        await gateway.handle(route, keyed_request([], b'{"payment": {"idempotency_key": 7}}'))
+    optional = served_route(upstream_server, key_from_body="/k", key="optional")
+    assert (await gateway.handle(optional, keyed_request([], b"[]"))).outcome == "unprotected"
+
+
+async def test_a_large_body_key_is_found_off_the_event_loop(
+    upstream_server: RawUpstream, upstream: Upstream
+) -> None:
+    store = MemoryStore()
+    route = served_route(upstream_server, key_from_body="/k")
+    body = b'{"k": "kb3", "pad": "' + b"x" * (2 * service.flow.OFF_LOOP_JSON) + b'"}'
+    answer = await Gateway(store, upstream).handle(route, keyed_request([], body))
+    assert answer.outcome == "forwarded"
+    assert [found.key for found in await store.find("kb3", None)] == ["kb3"]

@@ -176,3 +176,103 @@ def test_route_name_and_values_cannot_run_together() -> None:
 
 def test_scope_accepts_latin1_header_values() -> None:
     assert keys.scope("r", [["caf\xe9"]]) != keys.scope("r", [["cafe"]])
+
+
+# -- another header, and keys in the body (contract section 10) -----------------------------
+
+
+def test_messages_name_the_routes_key_header() -> None:
+    with pytest.raises(errors.InvalidKey, match="PayPal-Request-Id"):
+        keys.parse(["a", "b"], "PayPal-Request-Id")
+    assert keys.parse(['"abc"'], "PayPal-Request-Id") == "abc"
+
+
+@pytest.mark.parametrize(
+    ("pointer", "tokens"),
+    [
+        ("/idempotency_key", ("idempotency_key",)),
+        ("/a/b/0", ("a", "b", "0")),
+        ("/a~1b", ("a/b",)),  # RFC 6901 §3: ~1 is /
+        ("/m~0n", ("m~n",)),  # ~0 is ~
+        ("/~01", ("~1",)),  # ~0 first would make it /; the RFC decodes ~1 first
+        ("/~10", ("/0",)),
+        ("/", ("",)),  # the member named by the empty string
+        ("//", ("", "")),
+        ("/ ", (" ",)),
+        ("/c%d", ("c%d",)),  # no percent-decoding in a plain pointer
+    ],
+)
+def test_json_pointers_parse_with_their_escapes(pointer: str, tokens: tuple[str, ...]) -> None:
+    assert keys.parse_pointer(pointer) == tokens
+
+
+@pytest.mark.parametrize("pointer", ["", "idempotency_key", "#/a", "/a~", "/a~2", "/~a", "/a/~"])
+def test_malformed_json_pointers_are_refused(pointer: str) -> None:
+    with pytest.raises(ValueError, match="pointer"):
+        keys.parse_pointer(pointer)
+
+
+def body_key(body: bytes, pointer: str) -> str | None:
+    return keys.from_body(body, keys.parse_pointer(pointer), pointer)
+
+
+@pytest.mark.parametrize(
+    ("body", "pointer", "key"),
+    [
+        (b'{"idempotency_key": "k-1", "amount": 5}', "/idempotency_key", "k-1"),
+        (b'{"a": {"b": ["x", {"c": "deep"}]}}', "/a/b/1/c", "deep"),
+        (b'{"a/b": "slash", "m~n": "tilde"}', "/a~1b", "slash"),
+        (b'{"a/b": "slash", "m~n": "tilde"}', "/m~0n", "tilde"),
+        (b'{"": "empty-name"}', "/", "empty-name"),
+        (b'{"k": "first", "k": "last"}', "/k", "last"),  # as the fingerprint reads it
+        (b'{"k": "\\u0041B"}', "/k", "AB"),
+    ],
+)
+def test_the_key_is_the_string_the_pointer_names(body: bytes, pointer: str, key: str) -> None:
+    assert body_key(body, pointer) == key
+
+
+@pytest.mark.parametrize(
+    ("body", "pointer"),
+    [
+        (b'{"amount": 5}', "/idempotency_key"),
+        (b"", "/k"),
+        (b"not json", "/k"),
+        (b'{"k": "v"', "/k"),  # truncated
+        (b'"just a string"', "/k"),
+        (b'["a", "b"]', "/k"),
+        (b'{"a": ["x"]}', "/a/1"),  # past the end
+        (b'{"a": ["x"]}', "/a/-"),  # the element after the last
+        (b'{"a": ["x"]}', "/a/00"),  # a leading zero is no index
+        (b'{"a": ["x"]}', "/a/+0"),
+        (b'{"a": "x"}', "/a/0"),  # into a string
+        (b'{"a": {"0": "x"}}', "/a/00"),
+        (b"\xff\xfe", "/k"),
+    ],
+)
+def test_nothing_there_is_a_missing_key(body: bytes, pointer: str) -> None:
+    assert body_key(body, pointer) is None
+
+
+def test_an_object_member_named_like_an_index_is_found() -> None:
+    assert body_key(b'{"a": {"00": "x"}}', "/a/00") == "x"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"k": 12345}', "number"),
+        (b'{"k": null}', "null"),
+        (b'{"k": true}', "boolean"),
+        (b'{"k": ["a"]}', "array"),
+        (b'{"k": {"a": 1}}', "object"),
+        (b'{"k": ""}', "empty"),
+        (b'{"k": "caf\xc3\xa9"}', "printable ASCII"),
+        (b'{"k": "a\\nb"}', "printable ASCII"),
+        (b'{"k": "' + b"x" * 256 + b'"}', "256 characters"),
+    ],
+)
+def test_a_value_that_cannot_be_a_key_is_a_malformed_key(body: bytes, message: str) -> None:
+    with pytest.raises(errors.InvalidKey, match=message) as caught:
+        body_key(body, "/k")
+    assert "/k" in caught.value.detail

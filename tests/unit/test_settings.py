@@ -667,3 +667,73 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
         f"{path}, line 4, column 4: not valid YAML: expected <block end>, but found "
         "'<block mapping start>' (while parsing a block collection)"
     )
+
+
+# -- where the key is, and waiting (contract section 10) ------------------------------------
+
+
+def test_the_key_is_in_idempotency_key_unless_the_route_says_otherwise() -> None:
+    assert route().key_header_name == "idempotency-key" and route().key_pointer is None
+    assert route(key_header="PayPal-Request-Id").key_header_name == "paypal-request-id"
+    assert route(key_from_body="/a~1b/0").key_pointer == ("a/b", "0")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["Connection", "keep-alive", "TE", "Transfer-Encoding", "Upgrade", "Content-Length",
+     "Proxy-Authorization", "Host", "Expect", "Content-Type", "Authorization", "Cookie",
+     "Prefer", "X-Request-Id", "traceparent"],
+)  # fmt: skip
+def test_a_key_header_the_upstream_would_not_get_as_sent_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    message = load_error(
+        tmp_path, f"routes: [{{name: r, match: /, upstream: {UPSTREAM}, key_header: {name}}}]"
+    )
+    assert f"routes[0].key_header: {name!r}" in message
+
+
+@pytest.mark.parametrize("name", ["Pay Pal", "a:b", "", "é"])
+def test_a_key_header_that_is_no_header_name_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="not a header name"):
+        route(key_header=name)
+
+
+def test_a_key_header_that_is_a_scope_header_is_refused() -> None:
+    with pytest.raises(ValueError, match="scope header"):
+        route(key_header="X-Tenant", scope_headers=["x-tenant"])
+
+
+def test_key_header_and_key_from_body_on_one_route_are_refused(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        f"routes: [{{name: r, match: /, upstream: {UPSTREAM}, key_header: X-Idempotency-Key,"
+        " key_from_body: /idempotency_key}]",
+    )
+    assert "key_header and key_from_body" in message
+
+
+@pytest.mark.parametrize("pointer", ["idempotency_key", "''", "/a~2"])
+def test_a_malformed_key_pointer_is_refused(tmp_path: Path, pointer: str) -> None:
+    message = load_error(
+        tmp_path, f"routes: [{{name: r, match: /, upstream: {UPSTREAM}, key_from_body: {pointer}}}]"
+    )
+    assert "routes[0].key_from_body:" in message and "pointer" in message
+
+
+def test_wait_is_a_duration_of_zero_by_default_and_at_most_max_wait() -> None:
+    assert route().wait == 0
+    assert route(wait="2s").wait == 2.0
+    assert route(wait="15s", max_wait="20s").wait == 15.0
+    with pytest.raises(ValueError, match="max_wait"):
+        route(wait="15s")
+    with pytest.raises(ValueError):
+        route(wait="-1s")
+
+
+def test_the_waiter_bounds_are_settings(tmp_path: Path) -> None:
+    loaded = settings.load({"upstream": UPSTREAM}, {"ONCEGATE_MAX_WAITERS": "10"})
+    assert loaded.max_waiters == 10 and loaded.max_waiters_per_key == 64
+    assert "max_waiters_per_key" in load_error(
+        tmp_path, "max_waiters_per_key: -1", flags={"upstream": UPSTREAM}
+    )

@@ -18,19 +18,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	@VENV=$(VENV) bash scripts/run.sh
 
-# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus, and
-# tests/e2e/test_queue.py drives /admin/ui in a real headless Chromium (both Debian's packages),
-# installed here when they can be (root, with apt-get). Elsewhere those tests say they are
-# skipped and the rest of the suite runs; CI (root on Debian) always has them.
+# tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus,
+# tests/e2e/test_queue.py drives /admin/ui in a real headless Chromium, and tests/faults/
+# test_failover.py fails a primary over to its standby (Debian's postgresql-15: initdb,
+# pg_basebackup; the package's own cluster is not used), all Debian's packages, installed here
+# when they can be (root, with apt-get). Elsewhere those tests say they are skipped and the rest
+# of the suite runs; CI (root on Debian) always has them.
 test-tools: $(STAMP)
-	@{ command -v prometheus >/dev/null && command -v chromium >/dev/null; } || { \
+	@{ command -v prometheus >/dev/null && command -v chromium >/dev/null \
+		&& [ -x /usr/lib/postgresql/15/bin/pg_basebackup ]; } || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-				apt-get install -y -qq --no-install-recommends prometheus chromium >/dev/null; \
+				apt-get install -y -qq --no-install-recommends prometheus chromium \
+				postgresql-15 >/dev/null; \
 		else \
-			echo "make test: prometheus or chromium is not installed and cannot be installed" \
-				"here (needs root and apt-get): the dashboard's and the admin page's tests" \
-				"will be skipped."; \
+			echo "make test: prometheus, chromium or postgresql-15 is not installed and cannot" \
+				"be installed here (needs root and apt-get): the dashboard's, the admin page's" \
+				"and the failover's tests will be skipped."; \
 		fi; }
 
 # The whole suite but the slowest fault tests (a few minutes).

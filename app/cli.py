@@ -489,8 +489,9 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
 
 
 async def _check_schema(url: str) -> int:
-    """Refuse to serve a database that was never migrated: every request would fail. Returns
-    how many keys it holds, for the start-up summary."""
+    """Refuse to serve a database that was never migrated: every request would fail. Warn, once,
+    when a failover of this PostgreSQL could lose claims (contract section 10, "failover").
+    Returns how many keys it holds, for the start-up summary."""
     from . import schema
     from .store.postgres import PostgresStore
 
@@ -502,6 +503,9 @@ async def _check_schema(url: str) -> int:
                 f"the database is at schema revision {revision or 'none'}, this gateway needs "
                 f"{schema.head()}: run `oncegate migrate` first"
             )
+        risk = (await store.replication()).risk()
+        if risk is not None:
+            log.warning("%s; the primary is %s", risk, store.primary)
         return await store.total_keys()
     finally:
         await store.close()

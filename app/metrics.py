@@ -195,6 +195,14 @@ KEYS = Gauge(
     multiprocess_mode="livemostrecent",
 )
 
+FAILOVER_UNSAFE = Gauge(
+    "oncegate_store_failover_unsafe",
+    "1 when PostgreSQL has streaming standbys but none synchronous, or commits with "
+    "synchronous_commit below on: a failover can lose acknowledged claims, so a retry after it "
+    "could be performed twice (checked at start-up, by /readyz and with every key count).",
+    multiprocess_mode="livemostrecent",
+)
+
 
 def exposition() -> bytes:
     """The text for `/metrics`: this process's metrics, or with --workers every worker's."""

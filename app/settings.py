@@ -312,6 +312,10 @@ class Route(BaseModel):
         return self.lease if self.lease is not None else 2 * self.timeout
 
 
+# PostgreSQL's own values of synchronous_commit, from the least durable to the most.
+AnswerCommit = Literal["off", "local", "remote_write", "on", "remote_apply"]
+
+
 @dataclass(frozen=True, slots=True)
 class StoreOptions:
     """How the PostgreSQL store is run (the `store_*` settings)."""
@@ -321,6 +325,11 @@ class StoreOptions:
     connect_timeout: float = 5.0
     command_timeout: float = 10.0
     acquire_timeout: float = 10.0
+    # PostgreSQL's synchronous_commit for storing answers (docs/operations.md, "PostgreSQL with a
+    # standby"). `off` by default: one WAL flush fewer per forward, and an answer lost in a crash
+    # or a failover leaves its key `unknown`, never forwarded twice (its claim is durable). `on`
+    # with a synchronous standby: an answer the client got survives a failover.
+    answer_commit: AnswerCommit = "off"
 
 
 class DatabaseSettings(BaseModel):
@@ -399,6 +408,7 @@ class Settings(DatabaseSettings, SealingSettings):
     # are a retry storm, not users, and must not take every place.
     max_waiters: int = Field(DEFAULT_MAX_WAITERS, ge=0, le=100_000)
     max_waiters_per_key: int = Field(DEFAULT_MAX_WAITERS_PER_KEY, ge=0, le=100_000)
+    store_answer_commit: AnswerCommit = "off"
     routes: tuple[Route, ...] = ()
 
     def store_options(self) -> StoreOptions:
@@ -408,6 +418,7 @@ class Settings(DatabaseSettings, SealingSettings):
             connect_timeout=self.store_connect_timeout,
             command_timeout=self.store_command_timeout,
             acquire_timeout=self.store_acquire_timeout,
+            answer_commit=self.store_answer_commit,
         )
 
     @field_validator("upstream")

@@ -292,13 +292,17 @@ def stop_orphaned_postgres(pgdata: Path) -> None:
             time.sleep(0.1)
 
 
+# A real server to measure against, and how answers are committed there (bench/answer_commit.py).
+KEPT_SETTINGS = ("ONCEGATE_DATABASE_URL", "ONCEGATE_STORE_ANSWER_COMMIT")
+
+
 def server_environment(data_dir: Path) -> dict[str, str]:
     """The caller's environment minus ONCEGATE_* settings that would change the setup measured;
-    ONCEGATE_DATABASE_URL stays, to benchmark against a real server."""
+    KEPT_SETTINGS stay."""
     environment = {
         name: value
         for name, value in os.environ.items()
-        if not name.startswith("ONCEGATE_") or name == "ONCEGATE_DATABASE_URL"
+        if not name.startswith("ONCEGATE_") or name in KEPT_SETTINGS
     }
     environment["ONCEGATE_DATA_DIR"] = str(data_dir)
     return environment

@@ -102,9 +102,13 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
+    """Ready or not. A PostgreSQL whose failover could lose claims (`store.Replication.risk`)
+    is said in the body under `replication`, still 200: the gateway works, and taking every
+    gateway out of service over a database setting would turn a risk into an outage."""
     head = schema.head()
     try:
         revision = await runtime.store.schema_revision()
+        risk = (await runtime.store.replication()).risk()
     except errors.StoreUnavailable:
         response.status_code = 503
         return {"status": "unavailable", "detail": "PostgreSQL does not answer"}
@@ -114,6 +118,8 @@ async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
             "status": "unavailable",
             "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
         }
+    if risk is not None:
+        return {"status": "ok", "revision": head, "replication": risk}
     return {"status": "ok", "revision": head}
 
 

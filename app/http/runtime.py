@@ -139,10 +139,12 @@ async def _purge_forever(store: PostgresStore, interval: float) -> None:
 
 
 async def _count_keys_forever(store: PostgresStore, interval: float) -> None:
-    """Keep `oncegate_keys{state}` current: count at start, then every `interval`."""
+    """Keep `oncegate_keys{state}` current: count at start, then every `interval`; and
+    `oncegate_store_failover_unsafe` with it."""
     while True:
         try:
             await service.count_keys(store)
+            await store.replication()
         except errors.StoreUnavailable:
             log.warning("key count skipped: the store is unavailable; again in %gs", interval)
         await asyncio.sleep(interval)

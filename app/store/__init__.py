@@ -128,6 +128,45 @@ class KeyCount:
     counts: dict[Listed, int]
 
 
+# synchronous_commit values under which a commit waits for a synchronous standby to flush it.
+DURABLE_ON_STANDBY = ("on", "remote_apply")
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    """The primary's streaming standbys, as its `pg_stat_replication` shows them to the gateway's
+    role, and the `synchronous_commit` its sessions (and so its claims) commit with."""
+
+    standbys: int
+    synchronous: int | None  # None: the role may not see sync_state (grant it pg_monitor)
+    synchronous_standby_names: str
+    synchronous_commit: str
+
+    def risk(self) -> str | None:
+        """What a failover can do to this deployment's keys, in words, or None when a claim the
+        gateway acknowledged is on a synchronous standby before any client hears of it."""
+        if self.standbys == 0:
+            return None
+        if self.synchronous == 0 or (
+            self.synchronous is None and not self.synchronous_standby_names
+        ):
+            why = f"PostgreSQL has {self.standbys} streaming standby(s) and none is synchronous"
+            fix = "set synchronous_standby_names on the primary to name a standby"
+        elif self.synchronous_commit not in DURABLE_ON_STANDBY:
+            why = (
+                f"PostgreSQL commits with synchronous_commit = {self.synchronous_commit}, which "
+                "does not wait for the synchronous standby to flush a commit"
+            )
+            fix = "set synchronous_commit = on for the gateway's role or database"
+        else:
+            return None
+        return (
+            f"{why}: claims acknowledged by the primary can be missing on the standby it fails "
+            f"over to, so a retry after a failover could be performed twice. To avoid it, {fix} "
+            '(docs/operations.md, "PostgreSQL with a standby")'
+        )
+
+
 class Store(Protocol):
     async def claim(
         self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
@@ -167,6 +206,9 @@ class Store(Protocol):
 
     async def schema_revision(self) -> str | None:
         """The migration the database is at; None before the first one."""
+
+    async def replication(self) -> Replication:
+        """The primary's standbys and the commit setting its sessions run with."""
 
 
 class AdminStore(Protocol):

@@ -56,9 +56,14 @@ class Outage:
     A store that names its database has one as its `outage` attribute; `translated` reports each
     operation's failure or success to it."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, primary: object = None) -> None:
         self.where = where
+        # Which host is the primary (its str), for a URL with several: named in both lines.
+        self.primary = primary
         self.down = False
+
+    def _primary(self, when: str) -> str:
+        return "" if self.primary is None else f"; {when} {self.primary}"
 
     def failed(self, operation: str, exc: BaseException) -> None:
         if self.down:
@@ -66,15 +71,16 @@ class Outage:
             return
         self.down = True
         log.error(
-            "PostgreSQL at %s is unavailable (%s): answering 503 store-unavailable and "
+            "PostgreSQL at %s is unavailable (%s%s): answering 503 store-unavailable and "
             "forwarding nothing until it is back",
             self.where,
             reason(exc),
+            self._primary("the primary was"),
         )
 
     def recovered(self) -> None:
         self.down = False
-        log.warning("PostgreSQL at %s is back", self.where)
+        log.warning("PostgreSQL at %s is back%s", self.where, self._primary("the primary is"))
 
 
 def translated(

@@ -21,7 +21,18 @@ from typing import Literal
 
 from .. import sealing
 from ..sealing import SealedAnswer
-from . import Cause, Claim, Headers, KeyCount, KeyRecord, Listed, QueuedKey, Record, State
+from . import (
+    Cause,
+    Claim,
+    Headers,
+    KeyCount,
+    KeyRecord,
+    Listed,
+    QueuedKey,
+    Record,
+    Replication,
+    State,
+)
 from .notify import Watch, Watchers
 
 
@@ -187,6 +198,10 @@ class MemoryStore:
 
     async def schema_revision(self) -> str | None:
         return None
+
+    async def replication(self) -> Replication:
+        return Replication(standbys=0, synchronous=0, synchronous_standby_names="",
+                           synchronous_commit="on")  # fmt: skip
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         await self._yield()

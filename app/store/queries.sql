@@ -315,3 +315,23 @@ WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;
 -- so an operator sees which store a gateway opened (an empty one where keys were expected is a
 -- wrong data directory or URL).
 SELECT count(*) AS keys FROM oncegate_keys;
+
+-- name: answers_after_failover
+-- After a failover (postgres/failover.py): of the rows whose answers this gateway stored just
+-- before it, or could not store during it, those the new primary holds unanswered (still in
+-- flight, or unknown: a retry is refused until an operator resolves it) and those it does not
+-- hold at all (the claim was lost too: a retry is forwarded again).
+SELECT count(*) FILTER (WHERE k.id IS NOT NULL AND k.state <> 'completed') AS unanswered,
+       count(*) FILTER (WHERE k.id IS NULL) AS gone
+FROM unnest(:ids::bigint[], :tokens::bigint[]) AS given(id, token)
+LEFT JOIN oncegate_keys AS k ON k.id = given.id AND k.fencing_token = given.token;
+
+-- name: replication
+-- The primary's streaming standbys and how commits wait for them (store.Replication). A role
+-- without pg_monitor (or pg_read_all_stats) sees the rows but not their state: `hidden` says so.
+SELECT count(*) FILTER (WHERE state IS DISTINCT FROM 'startup') AS standbys,
+       count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')) AS synchronous,
+       count(*) > 0 AND bool_and(state IS NULL) AS hidden,
+       current_setting('synchronous_standby_names') AS synchronous_standby_names,
+       current_setting('synchronous_commit') AS synchronous_commit
+FROM pg_stat_replication;

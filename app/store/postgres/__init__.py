@@ -25,7 +25,7 @@ from datetime import datetime
 from ... import database_url
 from ...sealing import Keyring, SealedAnswer
 from ...settings import StoreOptions
-from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record
+from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ..errors import Outage, translated
 from ..notify import Watch
 from .connections import Listener, Pools
@@ -46,7 +46,9 @@ class PostgresStore:
     ) -> None:
         options = options or StoreOptions()
         self._pools = pools
-        self.outage = Outage(where or "(unnamed)")
+        # With several hosts, the outage lines name the primary: which host failed, which took over.
+        primary = pools.primary if pools.primary.several_hosts else None
+        self.outage = Outage(where or "(unnamed)", primary)
         self._requests = RequestPath(pools, options, self.outage)
         self._operator = OperatorQueries(pools.operator, options, self.outage)
         self._rekeying = Rekeying(pools.operator, options, self.outage)
@@ -138,6 +140,14 @@ class PostgresStore:
 
     async def count_keys(self, after: int, limit: int) -> KeyCount:
         return await self._operator.count_keys(after, limit)
+
+    async def replication(self) -> Replication:
+        return await self._operator.replication()
+
+    @property
+    def primary(self) -> str:
+        """The host of the URL the newest connection reached (the primary)."""
+        return str(self._pools.primary)
 
     async def schema_revision(self) -> str | None:
         return await self._operator.schema_revision()

@@ -8,7 +8,9 @@ Design rules:
   connection of its own (`Listener`).
 - asyncpg prepares each statement once per connection and reuses it (its statement cache).
 - The pools replace broken connections by themselves, so service resumes when PostgreSQL comes
-  back, with no restart.
+  back, with no restart. With several hosts in the URL (`target_session_attrs=read-write`) each
+  new connection goes to whichever host takes writes: after a failover, the promoted standby.
+  `Primary` remembers which host the last new connection reached, for the log.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
+from ... import database_url
+from ...database_url import Host
 from ...settings import StoreOptions
 from ..errors import DRIVER_ERRORS
 from ..notify import Watch, Watchers
@@ -43,10 +48,47 @@ async def _no_reset(connection: asyncpg.Connection) -> None:
     """See the module docstring: nothing to reset."""
 
 
+class Primary:
+    """The host of the URL that the store's newest connection reached: the primary, since every
+    connection asks for a read-write session when the URL lists several hosts."""
+
+    def __init__(self, url: str) -> None:
+        self._url = database_url.parse(url)
+        self.host: Host | None = None
+        self.on_change: list[Callable[[Host, Host], None]] = []  # (the new host, the one before)
+
+    @property
+    def several_hosts(self) -> bool:
+        return len(self._url.hosts) > 1
+
+    async def connected(self, connection: asyncpg.Connection) -> None:
+        """Every pool's `init`: note the host a new connection reached, and say so when it is
+        not the one before (a failover)."""
+        host = self._url.host_at(reached(connection))
+        if host is None or host == self.host:
+            return
+        before, self.host = self.host, host
+        if before is not None:
+            log.warning("PostgreSQL: the primary is now %s (it was %s)", host, before)
+            for changed in self.on_change:
+                changed(host, before)
+
+    def __str__(self) -> str:
+        return str(self.host) if self.host is not None else "not reached yet"
+
+
+def reached(connection: asyncpg.Connection) -> object:
+    """The address a connection reached: asyncpg keeps it in `_addr`, a (host, port) pair or a
+    socket path (it has no public accessor; tests/store/test_failover_store.py fails loudly if
+    it moves)."""
+    return getattr(connection, "_addr", None)
+
+
 @dataclass(frozen=True, slots=True)
 class Pools:
     """The store's connections, by job. `requests`: claims, releases, take-overs, reads;
-    `answers`: completes, committed without waiting for the WAL flush (`store.postgres`);
+    `answers`: completes, committed with `synchronous_commit` = the `store_answer_commit` setting
+    (`off` by default: without waiting for the WAL flush; `store.postgres.requests`);
     `operator`: everything else. The request pools plan each statement once per connection
     (`plan_cache_mode = force_generic_plan`): left to choose, PostgreSQL re-plans the batched
     statements on every call (about 0.25 ms of its CPU, half a lone claim's round trip)."""
@@ -54,11 +96,14 @@ class Pools:
     requests: asyncpg.Pool
     answers: asyncpg.Pool
     operator: asyncpg.Pool
+    primary: Primary
 
     @classmethod
     async def open(cls, url: str, options: StoreOptions, min_size: int) -> Pools:
+        primary = Primary(url)
         common: dict[str, Any] = {
             "reset": _no_reset,
+            "init": primary.connected,
             "timeout": options.connect_timeout,
             "command_timeout": options.command_timeout,
         }
@@ -67,7 +112,10 @@ class Pools:
         try:
             for size, settings in (
                 (options.pool_size, generic),
-                (max(1, options.pool_size // 2), {**generic, "synchronous_commit": "off"}),
+                (
+                    max(1, options.pool_size // 2),
+                    {**generic, "synchronous_commit": options.answer_commit},
+                ),
                 (OPERATOR_POOL_SIZE, {}),
             ):
                 pool = await asyncpg.create_pool(
@@ -82,7 +130,8 @@ class Pools:
             for pool in opened:
                 await pool.close()
             raise
-        return cls(*opened)
+        requests, answers, operator = opened
+        return cls(requests, answers, operator, primary)
 
     async def close(self) -> None:
         await self.operator.close()

@@ -9,9 +9,10 @@ from datetime import datetime
 
 import asyncpg
 
+from ... import metrics
 from ...sealing import SealedAnswer
 from ...settings import StoreOptions
-from .. import KeyCount, KeyRecord, Listed, QueuedKey
+from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ..errors import Outage, translated
 from ..queries import QUERIES
 from .rows import answer_columns, fetchrow, headers_of
@@ -145,6 +146,19 @@ class OperatorQueries:
                 "unknown": row["unknown"],
             },
         )
+
+    @translated("replication")
+    async def replication(self) -> Replication:
+        """The primary's standbys and commit setting; `oncegate_store_failover_unsafe` follows."""
+        row = await fetchrow(self._pool, "replication")
+        found = Replication(
+            standbys=row["standbys"],
+            synchronous=None if row["hidden"] else row["synchronous"],
+            synchronous_standby_names=row["synchronous_standby_names"],
+            synchronous_commit=row["synchronous_commit"],
+        )
+        metrics.FAILOVER_UNSAFE.set(1 if found.risk() else 0)
+        return found
 
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:

@@ -5,11 +5,12 @@ Design rules:
 - Concurrent claims share one statement and one commit, as do concurrent completes, releases,
   take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
   the SQL is in queries.sql.
-- Storing an answer (`complete`) commits without waiting for the WAL flush (the `answers` pool,
-  whose sessions run with synchronous_commit off): one fsync fewer on every forward. The claim
-  stays synchronous, because a claim lost in a PostgreSQL crash could let a retry forward twice.
-  A lost `complete` cannot: the row falls back to its durable in-flight claim, whose lease runs
-  out into `unknown`, and nothing is forwarded again.
+- Storing an answer (`complete`) commits with `synchronous_commit` = `store_answer_commit` (the
+  `answers` pool): `off` by default, without waiting for the WAL flush, one fsync fewer on every
+  forward. The claim stays synchronous, because a claim lost in a PostgreSQL crash could let a
+  retry forward twice. A lost `complete` cannot: the row falls back to its durable in-flight
+  claim, whose lease runs out into `unknown`, and nothing is forwarded again. What a failover
+  lost that way is counted and logged (`failover.RecentAnswers`).
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
@@ -30,9 +31,10 @@ from ...sealing import SealedAnswer
 from ...settings import StoreOptions
 from .. import Claim, Record
 from ..batching import Batcher
-from ..errors import Outage, isolable, translated
+from ..errors import DRIVER_ERRORS, Outage, isolable, translated
 from ..queries import QUERIES
 from .connections import Pools
+from .failover import RecentAnswers
 from .operations import (
     Claiming,
     Completing,
@@ -98,6 +100,8 @@ class RequestPath:
             self._completes, self._releases, self._unknowns,
         )  # fmt: skip
         self._cleanups: set[asyncio.Task[bool]] = set()
+        self._answers = RecentAnswers(pools.operator, options)
+        pools.primary.on_change.append(self._answers.failed_over)
 
     async def close(self) -> None:
         """End the batchers: the claims first, then the settles of claims nobody waited for,
@@ -108,6 +112,7 @@ class RequestPath:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         for batcher in self._settling:
             await batcher.close()
+        await self._answers.close()
 
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
@@ -236,7 +241,14 @@ class RequestPath:
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         completing = Completing(claim.record_id, claim.token, status, answer)
         with tracing.store_operation("complete"):
-            return await self._completes.run(completing)
+            try:
+                stored = await self._completes.run(completing)
+            except DRIVER_ERRORS:
+                self._answers.unstored(claim)
+                raise
+        if stored:
+            self._answers.stored(claim)
+        return stored
 
     async def _complete_batch(self, batch: Sequence[Completing]) -> list[bool]:
         sent = to_send(batch)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import importlib.metadata
 import json
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import profiling
 import quick
 
 BENCH = Path(__file__).resolve().parent
@@ -167,6 +169,8 @@ class Sample:
     # CPU (in cores) that processes outside the benchmark used during the run: another job on
     # the machine makes every figure of that run pessimistic.
     foreign_cores: float = 0.0
+    # py-spy's samples of the proxy during the run, per part of the request path (`--profile`).
+    profile: collections.Counter[str] | None = None
 
     @property
     def per_second(self) -> float:
@@ -648,6 +652,10 @@ def measure(
     cpu_before = cpu_seconds(groups)
     machine_before, own_before = machine_busy_seconds(), own_seconds()
     wall_before = time.monotonic()
+    spy, spied = None, None
+    if arguments.profile is not None and target != "upstream":
+        spied = arguments.profile / f"{tag}.txt"
+        spy = profiling.start(servers.pids[target], arguments.duration, spied)
     report = run_wrk(
         port,
         connections,
@@ -659,6 +667,7 @@ def measure(
         pool_size,
     )
     cpu_after = cpu_seconds(groups)
+    profile = profiling.finish(spy, spied) if spy is not None and spied is not None else None
     cpu_by_group = {name: cpu_after[name] - cpu_before[name] for name in groups}
     cpu_used = sum(cpu_by_group.values())
     foreign = (
@@ -700,6 +709,7 @@ def measure(
         complete_ms=_mean_ms(metrics_before, metrics_after, "complete"),
         batch_sizes=_batch_delta(batch_sizes(page_before), batch_sizes(page_after)),
         foreign_cores=foreign if servers.postmaster is not None else math.nan,
+        profile=profile,
     )
 
 
@@ -1074,6 +1084,25 @@ def targets(results: Results, connections: int) -> list[str]:
     return lines
 
 
+def profile_table(
+    results: Results, connections: int, configurations: Sequence[Configuration]
+) -> str | None:
+    """Where each proxy's CPU went per request (`--profile`): py-spy's samples of all the runs
+    of a row added up, each part's share times the row's median proxy CPU per request."""
+    rows: dict[str, tuple[collections.Counter[str], float]] = {}
+    for configuration in configurations:
+        samples = results.get(configuration, connections)
+        counted: collections.Counter[str] = collections.Counter()
+        for sample in samples:
+            counted += sample.profile or collections.Counter()
+        if counted:
+            cpu = results.median(configuration, connections, lambda s: s.proxy_ms_per_request)
+            rows[configuration.label] = (counted, cpu)
+    if not rows:
+        return None
+    return profiling.table(rows, baseline=BARE.label if BARE.label in rows else None)
+
+
 def foreign_line(results: Results) -> str:
     """How busy the machine was with other work during the measured runs."""
     values = [
@@ -1289,6 +1318,13 @@ def parse_arguments() -> argparse.Namespace:
         "(-: to stdout, after the tables)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample every proxy with py-spy during its measured runs, keep the raw stacks in "
+        "DIR, and print where each proxy's CPU went per request (bench/profiling.py)",
+    )
     arguments = parser.parse_args()
     for name in ("duration", "repeats", "connections", "threads", "pool", "workers"):
         if getattr(arguments, name) < 1:
@@ -1306,6 +1342,11 @@ def main() -> int:
     if shutil.which("wrk") is None:
         print("bench/run.py needs wrk: apt-get install -y wrk", file=sys.stderr)
         return 2
+    if arguments.profile is not None:
+        if not profiling.available():
+            print("--profile needs py-spy: pip install -e '.[bench]'", file=sys.stderr)
+            return 2
+        arguments.profile.mkdir(parents=True, exist_ok=True)
     ensure_idemkit()
     budget = budget_seconds(arguments)
 
@@ -1337,6 +1378,15 @@ def main() -> int:
                 print("\n1 connection (the latency target):\n")
                 print(latency_table(results))
                 print_batch_lines(results, LATENCY, [1])
+                if arguments.profile is not None:
+                    for level, profiled in (
+                        (arguments.connections, (BARE, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD)),
+                        (1, LATENCY),
+                    ):
+                        text = profile_table(results, level, profiled)
+                        if text is not None:
+                            print(f"\nwhere the proxy's CPU went, {level} connections (py-spy):\n")
+                            print(text)
                 print("\ntargets (printed, not asserted):")
                 target_lines = targets(results, arguments.connections)
                 for text in target_lines:

@@ -119,6 +119,7 @@ class Configuration:
     label: str
     target: str  # which server: upstream | bare | gateway | idemkit
     retry_percent: int  # 0: every request a new key; 100: every request a retry of a stored key
+    path: str = PATH  # where on the target the requests go
 
     @property
     def slug(self) -> str:
@@ -128,6 +129,10 @@ class Configuration:
 DIRECT = Configuration("upstream direct", "upstream", 0)
 BARE = Configuration("bare proxy", "bare", 0)
 FORWARD = Configuration("oncegate forward", "gateway", 0)
+# The same forwards through a route with `wait` (WAITED_ROUTE): nobody waits, so it should cost
+# what FORWARD costs.
+WAITED_ROUTE = "/waited"
+WAIT_FORWARD = Configuration("oncegate forward, route wait", "gateway", 0, WAITED_ROUTE + PATH)
 REPLAY = Configuration("oncegate replay", "gateway", 100)
 MIX = Configuration("oncegate mix 80/20", "gateway", 20)
 # The same gateway with ONCEGATE_ENCRYPTION_KEYS: what sealing every stored answer costs.
@@ -137,7 +142,7 @@ IDEMKIT_FORWARD = Configuration("idemkit forward", "idemkit", 0)
 IDEMKIT_REPLAY = Configuration("idemkit replay", "idemkit", 100)
 IDEMKIT_MIX = Configuration("idemkit mix 80/20", "idemkit", 20)
 MAIN = (
-    DIRECT, BARE, FORWARD, REPLAY, MIX, SEALED_FORWARD, SEALED_REPLAY,
+    DIRECT, BARE, FORWARD, WAIT_FORWARD, REPLAY, MIX, SEALED_FORWARD, SEALED_REPLAY,
     IDEMKIT_FORWARD, IDEMKIT_REPLAY, IDEMKIT_MIX,
 )  # fmt: skip
 LATENCY = (BARE, FORWARD, REPLAY, MIX)
@@ -339,12 +344,20 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             if migrate.returncode != 0:
                 raise RuntimeError(f"oncegate migrate failed:\n{migrate.stderr.decode()}")
 
+        # Beside the catch-all route, one with `wait` (WAIT_FORWARD) to the same upstream.
+        waited = work / "routes.yaml"
+        waited.write_text(
+            f"routes: [{{name: waited, match: {WAITED_ROUTE}, strip_prefix: true, wait: 10s,"
+            f" upstream: 'http://{HOST}:{ports['upstream']}'}}]\n"
+        )
+
         def serve(target: str) -> list[str]:
             """`oncegate serve` for `target` (the plain or the sealed gateway) in front of the
             demo upstream, on the target's own ports."""
             return quick.oncegate(
-                "serve", "--upstream", f"http://{HOST}:{ports['upstream']}", "--host", HOST,
-                "--port", str(ports[target]), "--admin-port", str(admin_ports[target]), *workers,
+                "serve", "--upstream", f"http://{HOST}:{ports['upstream']}", "--config",
+                str(waited), "--host", HOST, "--port", str(ports[target]), "--admin-port",
+                str(admin_ports[target]), *workers,
             )  # fmt: skip
 
         upstream = _start(
@@ -447,6 +460,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
 
 def run_wrk(
     port: int,
+    path: str,
     connections: int,
     seconds: int,
     threads: int,
@@ -462,13 +476,13 @@ def run_wrk(
         f"--duration={seconds}s",
         f"--timeout={WRK_TIMEOUT}",
         f"--script={LOAD_SCRIPT}",
-        f"http://{HOST}:{port}{PATH}",
+        f"http://{HOST}:{port}{path}",
         "--",
         prefix,
         str(retry_percent),
         pool_prefix,
         str(pool_size),
-        PATH,
+        path,
         BODY.decode(),
     ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=seconds + WRK_GRACE)
@@ -637,6 +651,7 @@ def measure(
     if arguments.warmup:
         run_wrk(
             port,
+            configuration.path,
             connections,
             arguments.warmup,
             arguments.threads,
@@ -658,6 +673,7 @@ def measure(
         spy = profiling.start(servers.pids[target], arguments.duration, spied)
     report = run_wrk(
         port,
+        configuration.path,
         connections,
         arguments.duration,
         arguments.threads,
@@ -908,6 +924,22 @@ def main_table(results: Results, connections: int, configurations: Sequence[Conf
             f"| {_errors(samples)} |"
         )
     return "\n".join(rows)
+
+
+def wait_line(results: Results, connections: int) -> str:
+    """What a route's `wait` costs a forward nobody waits for: its req/s and CPU per request
+    against the same forward without it (1.0x is nothing)."""
+    speed = ratio(
+        results.median(WAIT_FORWARD, connections, _per_second),
+        results.median(FORWARD, connections, _per_second),
+    )
+    cpu = ratio(
+        results.median(WAIT_FORWARD, connections, lambda sample: sample.cpu_ms_per_request),
+        results.median(FORWARD, connections, lambda sample: sample.cpu_ms_per_request),
+    )
+    return (
+        f"\nroute wait, nobody waiting: req/s {speed}, CPU per request {cpu} of the forward without"
+    )
 
 
 def latency_table(results: Results) -> str:
@@ -1375,6 +1407,7 @@ def main() -> int:
                 print(f"{arguments.connections} connections:\n")
                 print(main_table(results, arguments.connections, MAIN))
                 print_batch_lines(results, MAIN, [arguments.connections])
+                print(wait_line(results, arguments.connections))
                 print("\n1 connection (the latency target):\n")
                 print(latency_table(results))
                 print_batch_lines(results, LATENCY, [1])

@@ -11,11 +11,13 @@ chose, and a route with `wait` holds the retry until the first answer exists.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import gocardless_pro
 import httpx
 import increase
@@ -24,6 +26,7 @@ import requests
 import stripe
 from gocardless_pro import errors as gocardless_errors
 
+from oncegate import fingerprint, keys
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key, total
 
@@ -32,6 +35,7 @@ from tests.helpers import new_key, total
 SDK_TIMEOUT = 2.0
 UPSTREAM_DELAY = {"X-Demo-Delay": "3"}
 WAIT = "10s"
+FORM = "application/x-www-form-urlencoded"
 
 
 def routes(upstream: str, wait: str) -> list[dict[str, Any]]:
@@ -325,3 +329,40 @@ async def test_a_paypal_route_names_its_header_and_ignores_idempotency_key(
     assert "PayPal-Request-Id" in missing.json()["detail"]
     assert twice.status_code == 400 and problem_name(twice) == "invalid-key"
     assert missing.headers["x-should-retry"] == "false"
+
+
+# -- keys stored before form bodies were canonicalised ----------------------------------------
+
+
+async def test_a_form_key_stored_under_the_byte_rule_replays_its_bytes_and_refuses_a_reorder(
+    gateway: GatewayProcess, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    """A key a gateway of the previous release completed for a form body holds the digest of
+    the body's bytes: a retry with the same bytes is replayed, a reordered one is 422, as it
+    was then; neither reaches the upstream."""
+    key, marker = new_key(), uuid.uuid4().hex
+    body = f"amount=900&currency=usd&description={marker}"
+    authorization = "Bearer sk_test_oncegate"
+    path = "/stripe/v1/charges"
+    old_digest = fingerprint.before_forms("POST", path, "", FORM, body.encode())
+    assert old_digest != fingerprint.compute("POST", path, "", FORM, body.encode())
+    await db.execute(
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+        " response_status, response_headers, response_body, response_stored, expires_at)"
+        " VALUES ('stripe', $1, $2, $3, 'completed', 1, 201,"
+        " $4::jsonb, $5, true, now() + interval '1 day')",
+        keys.scope("stripe", [[authorization]]),
+        key,
+        old_digest,
+        json.dumps([["content-type", "application/json"]]),
+        b'{"id": "ch_before"}',
+    )
+    sent = {"Idempotency-Key": key, "Authorization": authorization, "Content-Type": FORM}
+    reordered = f"description={marker}&currency=usd&amount=900"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        same = await client.post(path, content=body, headers=sent)
+        other = await client.post(path, content=reordered, headers=sent)
+    assert same.status_code == 201 and same.json() == {"id": "ch_before"}
+    assert same.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422 and problem_name(other) == "key-reused"
+    assert performed(upstream, marker) == []

@@ -280,9 +280,15 @@ class Route(BaseModel):
         return self
 
     @property
+    def key_header_shown(self) -> str:
+        """The header the key is in, as the route spells it (`key_header`, else
+        `Idempotency-Key`): for messages."""
+        return self.key_header or KEY_HEADER
+
+    @functools.cached_property
     def key_header_name(self) -> str:
-        """The header the key is in, lower case (`key_header`, else `Idempotency-Key`)."""
-        return (self.key_header or KEY_HEADER).lower()
+        """The header the key is in, lower case, as requests' header names are."""
+        return self.key_header_shown.lower()
 
     @functools.cached_property
     def key_pointer(self) -> tuple[str, ...] | None:

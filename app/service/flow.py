@@ -283,9 +283,7 @@ async def _key(route: Route, request: ProxyRequest) -> str | None:
     """The request's key, where its route says it is; None when it has none."""
     pointer = route.key_pointer
     if pointer is None:
-        return keys.parse(
-            request.header_values(route.key_header_name), route.key_header or "Idempotency-Key"
-        )
+        return keys.parse(request.header_values(route.key_header_name), route.key_header_shown)
     arguments = (request.body, pointer, route.key_from_body or "")
     if len(request.body) <= OFF_LOOP_JSON:
         return keys.from_body(*arguments)
@@ -298,7 +296,7 @@ def _missing_key(route: Route, method: str) -> str:
             f"{method} requests on route {route.name!r} carry their key in the JSON body, as "
             f"the string at {route.key_from_body}; this body has none there, or is not JSON"
         )
-    header = route.key_header or "Idempotency-Key"
+    header = route.key_header_shown
     return (
         f"{method} requests on route {route.name!r} need an {header} header, e.g. "
         f'{header}: "{EXAMPLE_KEY}"'

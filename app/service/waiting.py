@@ -137,9 +137,12 @@ class Wait:
             self._room.leave(record.id)
             self._spent += loop.time() - started
 
-    async def _woken(self, watch: Watch, timeout: float) -> bool:  # noqa: ASYNC109 - a poll
+    async def _woken(self, watch: Watch, timeout: float) -> None:  # noqa: ASYNC109 - a poll
+        """Return when the row is said to settle or `timeout` seconds have passed; raise
+        ClientGone when the client hangs up first."""
         if self._client_gone is None:
-            return await watch.wait(timeout)
+            await watch.wait(timeout)
+            return
         if self._gone is None:
             self._gone = asyncio.ensure_future(self._client_gone())
         gone = self._gone
@@ -149,7 +152,6 @@ class Wait:
         if gone.done():
             woken.cancel()
             raise ClientGone
-        return woken.result()
 
     def end(self, route: Route) -> None:
         if self._gone is not None:

@@ -26,6 +26,9 @@ def routes(upstream: str) -> list[dict[str, object]]:
         {"name": "mail", "match": "/", "upstream": upstream},
         {"name": "short", "match": "/short", "upstream": upstream, "strip_prefix": True,
          "max_wait": "1s"},
+        # A route's `wait` (contract section 10): duplicates wait without asking.
+        {"name": "waiting", "match": "/waiting", "upstream": upstream, "strip_prefix": True,
+         "wait": "10s"},
     ]  # fmt: skip
 
 
@@ -198,4 +201,48 @@ async def test_waiters_on_a_gateway_killed_mid_flight_get_409(
     # Its lease (2 x the 30 s timeout) still runs: still in flight, as far as anyone can know.
     assert waited.status_code == 409 and problem_name(waited) == "request-in-progress"
     assert waited.headers["preference-applied"] == "wait=1"
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_a_route_with_wait_holds_unasked_duplicates_on_every_gateway(
+    clients: list[httpx.AsyncClient], upstream: DemoUpstream
+) -> None:
+    """The same mechanism as `Prefer: wait`, across gateways: the settle on one gateway's
+    forward wakes duplicates waiting on the others. Nobody asked, so nothing says it applied."""
+    key = new_key()
+    first = asyncio.create_task(
+        clients[0].post(
+            "/waiting/emails", json={"n": 4}, headers=headers(key, None, **{"X-Demo-Delay": "1"})
+        )
+    )
+    await asyncio.sleep(0.2)
+    copies = await asyncio.gather(
+        *(clients[index % 3].post("/waiting/emails", json={"n": 4}, headers=headers(key, None))
+          for index in range(9))
+    )  # fmt: skip
+    original = await first
+    assert original.status_code == 201
+    for copy in copies:
+        assert copy.status_code == 201, copy.text
+        assert copy.content == original.content
+        assert copy.headers["idempotent-replayed"] == "true"
+        assert "preference-applied" not in copy.headers
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_prefer_wait_asks_for_its_own_time_on_a_route_with_wait(
+    clients: list[httpx.AsyncClient], upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    first = asyncio.create_task(
+        clients[0].post(
+            "/waiting/emails", json={}, headers=headers(key, None, **{"X-Demo-Delay": "3"})
+        )
+    )
+    await asyncio.sleep(0.2)
+    at_once = await clients[1].post("/waiting/emails", json={}, headers=headers(key, wait=0))
+    briefly = await clients[2].post("/waiting/emails", json={}, headers=headers(key, wait=1))
+    assert at_once.status_code == 409 and "preference-applied" not in at_once.headers
+    assert briefly.status_code == 409 and briefly.headers["preference-applied"] == "wait=1"
+    assert (await first).status_code == 201
     assert len(upstream.actions(key)) == 1

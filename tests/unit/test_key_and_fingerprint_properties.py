@@ -299,3 +299,51 @@ def test_a_retry_of_a_key_stored_under_the_byte_rule_matches_its_own_bytes_only(
     assert fingerprint.of_request("POST", "/p", "", FORM, shuffled).matches(stored) == (
         shuffled == body
     )
+
+
+# -- keys in JSON bodies (RFC 6901 pointers) ---------------------------------------------------
+
+tokens = st.lists(st.text(max_size=6), min_size=1, max_size=4)
+
+
+def escaped(token: str) -> str:
+    """A reference token as a pointer spells it (RFC 6901 §3): `~` first, then `/`."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+@settings(max_examples=300)
+@given(names=tokens)
+@example(["~1"])
+@example(["a/b", "m~n"])
+def test_any_member_names_round_trip_through_a_pointer(names: list[str]) -> None:
+    assert keys.parse_pointer("".join("/" + escaped(name) for name in names)) == tuple(names)
+
+
+@settings(max_examples=300)
+@given(names=tokens, key=keys_text, noise=st.dictionaries(st.text(max_size=4), json_scalars))
+def test_the_key_is_found_wherever_the_pointer_names_it(
+    names: list[str], key: str, noise: dict[str, object]
+) -> None:
+    document: object = key
+    for name in reversed(names):
+        document = {**noise, name: document}
+    pointer = "".join("/" + escaped(name) for name in names)
+    body = json.dumps(document).encode()
+    assert keys.from_body(body, keys.parse_pointer(pointer), pointer) == key
+
+
+@settings(max_examples=300)
+@given(
+    body=st.binary(max_size=80) | json_documents.map(lambda d: json.dumps(d).encode()),
+    names=tokens,
+)
+def test_any_body_gives_a_key_nothing_or_invalid_key_never_another_error(
+    body: bytes, names: list[str]
+) -> None:
+    pointer = "".join("/" + escaped(name) for name in names)
+    try:
+        key = keys.from_body(body, keys.parse_pointer(pointer), pointer)
+    except errors.InvalidKey as error:
+        assert error.status_code == 400 and pointer in error.detail
+        return
+    assert key is None or (1 <= len(key) <= keys.MAX_KEY_LENGTH and key.isprintable())

@@ -101,6 +101,10 @@ class Server:
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w",
                   "-t", str(int(START_TIMEOUT)), "start")  # fmt: skip
 
+    def stop_with(self, mode: str) -> None:
+        """`pg_ctl stop -m mode`: `fast` (clients cut, a clean shutdown) or `immediate`."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
     def stop(self) -> None:
         if self.postmaster() is not None:
             with contextlib.suppress(subprocess.SubprocessError):

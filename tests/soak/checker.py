@@ -68,8 +68,9 @@ FORWARDED_PROBLEM = ("outcome-unknown", frozenset({502, 504}))
 RELEASE_STATUSES = frozenset({429, 503})
 ROWS_READ = "key-table-read"  # the event that says when the key table was read
 # The faults that can lose an answer PostgreSQL acknowledged without flushing it (the store
-# commits answers with synchronous_commit off); a clean `stop -m fast` flushes everything first.
-CRASHES = frozenset({"postgres-kill", "postgres-immediate"})
+# commits answers with synchronous_commit off by default): a crash, or a failover to a standby
+# the answer had not reached; a clean `stop -m fast` flushes everything first.
+CRASHES = frozenset({"postgres-kill", "postgres-immediate", "postgres-failover"})
 RULES = (
     "duplicate",
     "sent-twice",

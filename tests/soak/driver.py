@@ -36,10 +36,11 @@ import asyncpg
 import yaml
 
 from oncegate import keys, schema
+from tests.faults import replication
 from tests.helpers import free_port
 from tests.soak import checker, history
 from tests.soak.history import ATTEMPT_HEADER, Attempt, Event, Performed, Row
-from tests.soak.postgres import Postgres
+from tests.soak.postgres import Postgres, ReplicatedPostgres
 
 ROUTES = {"mail": "reject", "charge": "reject", "ticket": "forward"}  # name: on_unknown
 FORWARD_ROUTES = frozenset(name for name, policy in ROUTES.items() if policy == "forward")
@@ -74,6 +75,9 @@ class Options:
     postgres_outages: int = 6
     probes: int = 2000
     fault_rate: float = 0.1
+    # One PostgreSQL outage is a failover to a synchronous standby, when one can be started here
+    # (Debian's postgresql-15, tests/faults/replication.py); None: whenever it can.
+    failover: bool | None = None
 
 
 @dataclass
@@ -362,14 +366,16 @@ async def gateway_chaos(
 
 
 def postgres_plan(
-    dice: random.Random, seconds: float, outages: int
+    dice: random.Random, seconds: float, outages: int, failover: bool = False
 ) -> list[tuple[float, str, float]]:
     """When (seconds into the chaos), how and for how long PostgreSQL goes down. One outage is
-    always a `kill -9`; the others are drawn."""
+    always a `kill -9`, and with a standby one more is a failover; the others are drawn."""
     if outages <= 0:
         return []
-    slot = seconds / (outages + 1)
     kinds = ["kill"] + [dice.choice(["fast", "immediate", "kill"]) for _ in range(outages - 1)]
+    if failover:
+        kinds.append("failover")
+    slot = seconds / (len(kinds) + 1)
     dice.shuffle(kinds)
     return [
         (slot * (index + 1) + dice.uniform(-0.2, 0.2) * slot, kind, dice.uniform(1.0, 3.0))
@@ -378,11 +384,21 @@ def postgres_plan(
 
 
 async def postgres_chaos(
-    postgres: Postgres, plan: list[tuple[float, str, float]], start: float, events: list[Event]
+    postgres: Postgres | ReplicatedPostgres,
+    plan: list[tuple[float, str, float]],
+    start: float,
+    events: list[Event],
 ) -> None:
     for at, kind, down in plan:
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         events.append(Event(time.time(), f"postgres-{kind}"))
+        if kind == "failover":
+            assert isinstance(postgres, ReplicatedPostgres)
+            await asyncio.to_thread(postgres.fail_over)
+            await asyncio.sleep(down)
+            await asyncio.to_thread(postgres.promote)
+            events.append(Event(time.time(), "postgres-promoted"))
+            continue
         if kind == "kill":
             await asyncio.to_thread(postgres.kill)
         else:
@@ -478,7 +494,14 @@ async def run(options: Options) -> Summary:
     # Not under `out`, which may be pytest's temporary tree: pytest makes its directories
     # private as it goes, and PostgreSQL runs as pgserver's own user when we are root.
     postgres_directory = Path(tempfile.mkdtemp(prefix="oncegate-soak-pg-"))
-    postgres = await asyncio.to_thread(Postgres, postgres_directory / "data")
+    failover = options.failover
+    if failover is None:
+        failover = replication.unavailable() is None
+    postgres: Postgres | ReplicatedPostgres
+    if failover:
+        postgres = await asyncio.to_thread(ReplicatedPostgres)
+    else:
+        postgres = await asyncio.to_thread(Postgres, postgres_directory / "data")
     children: list[Child] = []
     gateways: list[GatewayProcess] = []
     fuzz_gateway: GatewayProcess | None = None
@@ -525,7 +548,7 @@ async def run(options: Options) -> Summary:
             ),
             asyncio.create_task(
                 postgres_chaos(postgres, postgres_plan(random.Random(dice.random()),
-                               options.seconds, options.postgres_outages), start, events)
+                               options.seconds, options.postgres_outages, failover), start, events)
             ),
         ]  # fmt: skip
         await asyncio.gather(
@@ -639,7 +662,8 @@ def tally(
         "gateway_pauses": happened["gateway-pause"],
         "postgres_restarts": happened["postgres-start"],
         "postgres_outages": {
-            kind: happened[f"postgres-{kind}"] for kind in ("fast", "immediate", "kill")
+            kind: happened[f"postgres-{kind}"]
+            for kind in ("fast", "immediate", "kill", "failover")
         },
         "upstream_requests": len(soak_records),
         "upstream_performed": sum(1 for record in soak_records if record.performed),
@@ -669,7 +693,8 @@ def render(figures: dict[str, Any]) -> str:
         ("gateway kills", f"{figures['gateway_kills']} SIGKILL, {figures['gateway_terms']} "
          f"SIGTERM, {figures['gateway_pauses']} SIGSTOP for {PAUSE:g} s"),
         ("PostgreSQL restarts", f"{figures['postgres_restarts']} (stop fast {outages['fast']}, "
-         f"stop immediate {outages['immediate']}, kill -9 {outages['kill']})"),
+         f"stop immediate {outages['immediate']}, kill -9 {outages['kill']}; failovers to "
+         f"a synchronous standby {outages['failover']})"),
         ("upstream requests", f"{figures['upstream_requests']:,} "
          f"({figures['upstream_performed']:,} performed)"),
         ("upstream faults", ", ".join(f"{name} {count:,}" for name, count in faults.items())

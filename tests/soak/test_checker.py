@@ -167,8 +167,10 @@ def test_a_stored_answer_that_changes_between_two_replays_is_caught() -> None:
 @pytest.mark.parametrize(
     ("fault", "at", "allowed"),
     [("postgres-kill", 105.0, True), ("postgres-immediate", 108.0, True),
+     ("postgres-failover", 105.0, True),
      ("postgres-fast", 105.0, False), ("postgres-kill", 100.0, False)],
-    ids=["kill-between", "immediate-between", "clean-stop", "kill-before-the-first-replay"],
+    ids=["kill-between", "immediate-between", "failover-between", "clean-stop",
+         "kill-before-the-first-replay"],
 )  # fmt: skip
 def test_only_a_postgres_crash_between_two_replays_may_change_the_answer(
     fault: str, at: float, allowed: bool

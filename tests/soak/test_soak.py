@@ -4,9 +4,9 @@ Three gateways SIGKILLed and SIGTERMed at random under 16 clients, PostgreSQL `k
 an upstream that answers slow, 429/503/500 or resets, and 1,000 fuzzed requests at a fourth
 gateway meanwhile; where a standby can be started (tests/faults/replication.py), PostgreSQL is a
 primary and a synchronous standby, and one more outage is a failover to it. The assertions are
-the checker's: zero violations of any rule, and zero from the fuzzer. The volume is printed (`pytest -s`), and asserted only as minimums a loaded machine
-still reaches: the faults were injected (one PostgreSQL crash, at least one gateway kill) and
-the fuzzer sent all its requests.
+the checker's: zero violations of any rule, and zero from the fuzzer. The volume is printed
+(`pytest -s`), and asserted only as minimums a loaded machine still reaches: the faults were
+injected (one PostgreSQL crash, at least one gateway kill) and the fuzzer sent all its requests.
 """
 
 from __future__ import annotations

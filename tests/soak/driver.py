@@ -662,8 +662,7 @@ def tally(
         "gateway_pauses": happened["gateway-pause"],
         "postgres_restarts": happened["postgres-start"],
         "postgres_outages": {
-            kind: happened[f"postgres-{kind}"]
-            for kind in ("fast", "immediate", "kill", "failover")
+            kind: happened[f"postgres-{kind}"] for kind in ("fast", "immediate", "kill", "failover")
         },
         "upstream_requests": len(soak_records),
         "upstream_performed": sum(1 for record in soak_records if record.performed),

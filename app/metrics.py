@@ -177,9 +177,15 @@ INFLIGHT = Gauge(
 )
 WAIT_DURATION = Histogram(
     "oncegate_wait_duration_seconds",
-    "Time a request with Prefer: wait spent waiting for its key to settle.",
+    "Time a request spent waiting for its key to settle (Prefer: wait, or the route's wait).",
     ["route"],
     buckets=_REQUEST_BUCKETS,
+)
+WAITS_REFUSED = Counter(
+    "oncegate_waits_refused_total",
+    "Duplicates of a key in flight answered 409 at once instead of waiting, because "
+    "max_waiters or max_waiters_per_key was reached.",
+    ["route"],
 )
 KEYS_PURGED = Counter(
     "oncegate_keys_purged_total",

@@ -78,11 +78,13 @@ class Wait:
     def __init__(
         self,
         seconds: float,
+        route_name: str,
         store: Store,
         room: WaitingRoom,
         client_gone: ClientGoneProbe | None,
         applied: str | None,
     ) -> None:
+        self._route_name = route_name
         self._store = store
         self._room = room
         # `Preference-Applied`'s value, for a request that asked (`Prefer: wait=N`).
@@ -103,11 +105,11 @@ class Wait:
         if requested is None:
             if not route.wait:
                 return None
-            return cls(route.wait, store, room, request.client_gone, applied=None)
+            return cls(route.wait, route.name, store, room, request.client_gone, applied=None)
         if not requested:
             return None  # `Prefer: wait=0`: answer at once, whatever the route's `wait`
         seconds = min(requested, math.ceil(route.max_wait))
-        return cls(seconds, store, room, request.client_gone, applied=f"wait={seconds}")
+        return cls(seconds, route.name, store, room, request.client_gone, applied=f"wait={seconds}")
 
     async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
         """Wait for `record`'s claim to settle: True when it did (or changed), False when the
@@ -116,7 +118,9 @@ class Wait:
         if self._deadline <= loop.time():
             return False
         if not self._room.enter(record.id):
-            return False  # too many wait already: answered as if it had not asked
+            # Too many wait already: answered as if it had not asked.
+            metrics.WAITS_REFUSED.labels(self._route_name).inc()
+            return False
         self.used = True
         started = loop.time()
         watch = self._store.watch(record.id)

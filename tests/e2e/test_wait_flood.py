@@ -148,6 +148,7 @@ async def test_a_flood_of_duplicates_is_bounded_and_every_one_is_answered(
         assert answer.headers["idempotent-replayed"] == "true"
         assert "preference-applied" not in answer.headers  # nobody asked
     assert total(metrics, "oncegate_wait_duration_seconds_count", route="flood") == PER_KEY
+    assert total(metrics, "oncegate_waits_refused_total", route="flood") == FLOOD - PER_KEY
     assert len(upstream.actions(key)) == 1
     # Bounded: no PostgreSQL connection per waiter; one socket per client and a few more; a
     # few kilobytes per connection.

@@ -353,11 +353,15 @@ def _serve(arguments: argparse.Namespace) -> int:
 
 def _migrate(arguments: argparse.Namespace) -> int:
     from . import schema
+    from .store import citus
 
     logs.configure("text", "info")
     with _database(settings.load_part(settings.DatabaseSettings)) as database:
         schema.upgrade(database.url)
+        distribution = asyncio.run(citus.describe(database.url))
     print(f"database is at schema revision {schema.head()}")
+    if distribution is not None:
+        print(distribution)
     return 0
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .outcomes import BlockReason, Outcome
+
 PROBLEM_TYPE_PREFIX = "urn:oncegate:problem:"
 
 
@@ -23,10 +25,10 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     name: ClassVar[str] = "internal-error"
     title: ClassVar[str] = "Internal gateway error"
-    outcome: ClassVar[str] = "error"
+    outcome: ClassVar[Outcome] = Outcome.ERROR
     # Set on errors that answer a retry of a known key without calling the upstream: the
     # `reason` of oncegate_duplicates_blocked_total.
-    blocked: ClassVar[str | None] = None
+    blocked: ClassVar[BlockReason | None] = None
     # Whether a retry of the same request with the same key can be answered otherwise.
     should_retry: ClassVar[bool | None] = None
 
@@ -55,7 +57,7 @@ class GatewayError(Exception):
         return self.status if self._status is None else self._status
 
     @property
-    def blocked_reason(self) -> str | None:
+    def blocked_reason(self) -> BlockReason | None:
         return self.blocked
 
     @property
@@ -75,7 +77,7 @@ class RouteNotFound(GatewayError):
     status = 404
     name = "route-not-found"
     title = "No route matches this path"
-    outcome = "no_route"
+    outcome = Outcome.NO_ROUTE
     should_retry = False
 
 
@@ -83,7 +85,7 @@ class InvalidPath(GatewayError):
     status = 400
     name = "invalid-path"
     title = "The request path is not a valid path"
-    outcome = "invalid_path"
+    outcome = Outcome.INVALID_PATH
     should_retry = False
 
 
@@ -91,7 +93,7 @@ class InvalidHeader(GatewayError):
     status = 400
     name = "invalid-header"
     title = "A header value cannot be forwarded unchanged"
-    outcome = "invalid_header"
+    outcome = Outcome.INVALID_HEADER
     should_retry = False
 
 
@@ -101,7 +103,7 @@ class RequestTimeout(GatewayError):
     status = 408
     name = "request-timeout"
     title = "The request's head did not arrive in time"
-    outcome = "request_timeout"
+    outcome = Outcome.REQUEST_TIMEOUT
 
 
 class UnsupportedTransferCoding(GatewayError):
@@ -111,7 +113,7 @@ class UnsupportedTransferCoding(GatewayError):
     status = 501
     name = "unsupported-transfer-coding"
     title = "The request's transfer coding is not supported"
-    outcome = "unsupported_transfer_coding"
+    outcome = Outcome.UNSUPPORTED_TRANSFER_CODING
     should_retry = False
 
 
@@ -119,7 +121,7 @@ class MissingKey(GatewayError):
     status = 400
     name = "missing-key"
     title = "The idempotency key is missing"
-    outcome = "missing_key"
+    outcome = Outcome.MISSING_KEY
     should_retry = False
 
 
@@ -127,7 +129,7 @@ class InvalidKey(GatewayError):
     status = 400
     name = "invalid-key"
     title = "The idempotency key is malformed"
-    outcome = "invalid_key"
+    outcome = Outcome.INVALID_KEY
     should_retry = False
 
 
@@ -135,7 +137,7 @@ class BodyTooLarge(GatewayError):
     status = 413
     name = "body-too-large"
     title = "Request body is too large"
-    outcome = "body_too_large"
+    outcome = Outcome.BODY_TOO_LARGE
     should_retry = False
 
 
@@ -143,7 +145,7 @@ class KeyReused(GatewayError):
     status = 422
     name = "key-reused"
     title = "The idempotency key was already used for a different request"
-    outcome = "mismatch"
+    outcome = Outcome.MISMATCH
     should_retry = False
 
 
@@ -151,7 +153,7 @@ class RequestInProgress(GatewayError):
     status = 409
     name = "request-in-progress"
     title = "A request with this idempotency key is still in progress"
-    outcome = "in_progress"
+    outcome = Outcome.IN_PROGRESS
     should_retry = True
     blocked = "in_progress"
 
@@ -166,7 +168,7 @@ class ResponseNotStored(GatewayError):
     status = 409
     name = "response-not-stored"
     title = "The original response was too large to store"
-    outcome = "replayed"
+    outcome = Outcome.REPLAYED
     should_retry = False
     blocked = "replayed"
 
@@ -181,11 +183,11 @@ class OutcomeUnknown(GatewayError):
     status = 409
     name = "outcome-unknown"
     title = "The outcome of the original request is unknown"
-    outcome = "unknown"
+    outcome = Outcome.UNKNOWN
     should_retry = False
 
     @property
-    def blocked_reason(self) -> str | None:
+    def blocked_reason(self) -> BlockReason | None:
         # The first caller's 504/502 did reach the upstream; only the 409 to a retry is a block.
         return "unknown" if self.status_code == 409 else None
 
@@ -194,7 +196,7 @@ class UpstreamUnavailable(GatewayError):
     status = 502
     name = "upstream-unavailable"
     title = "The upstream could not be reached"
-    outcome = "upstream_unavailable"
+    outcome = Outcome.UPSTREAM_UNAVAILABLE
     should_retry = True
 
 
@@ -206,7 +208,7 @@ class AnswerSealed(GatewayError):
     status = 503
     name = "answer-sealed"
     title = "The stored answer cannot be opened"
-    outcome = "answer_sealed"
+    outcome = Outcome.ANSWER_SEALED
     should_retry = False
 
     def __init__(self, detail: str, *, key_name: str, reason: str) -> None:
@@ -219,7 +221,7 @@ class StoreUnavailable(GatewayError):
     status = 503
     name = "store-unavailable"
     title = "The idempotency store is unavailable"
-    outcome = "store_unavailable"
+    outcome = Outcome.STORE_UNAVAILABLE
     should_retry = True
 
 
@@ -263,7 +265,12 @@ class InvalidRequest(GatewayError):
     status = 400
     name = "invalid-request"
     title = "The request is not valid"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
+
+
+class StoreRefusedValue(InvalidRequest):
+    """A value PostgreSQL cannot hold or the driver cannot send (a moment outside the years 1 to
+    9999 in UTC, ...): the input's doing, answered 400, never taken for an outage."""
 
 
 class ConfigError(Exception):

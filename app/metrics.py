@@ -32,6 +32,8 @@ from prometheus_client import (
     values,
 )
 
+from . import outcomes
+
 # prometheus_client's own choice, kept for processes that never call `setup`.
 _UNCHOSEN: Any = values.ValueClass
 # The class chosen by `setup`, and the multiprocess directory ("" for one process).
@@ -110,8 +112,8 @@ def require_setup() -> None:
         )
 
 
-# Why a request with a known key did not reach the upstream.
-BLOCK_REASONS = ("replayed", "in_progress", "unknown")
+# Why a request with a known key did not reach the upstream (`outcomes.BlockReason`).
+BLOCK_REASONS = outcomes.BLOCK_REASONS
 
 # A store round trip on loopback takes well under a millisecond; an upstream call milliseconds
 # to the route's timeout. The buckets cover both ends.

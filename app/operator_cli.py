@@ -153,9 +153,20 @@ def _since(text: str) -> str:
                 f"--since {text!r}: give an ISO 8601 time (2026-12-03T06:00:00Z) or a duration "
                 "ago (90s, 15m, 24h, 7d)"
             ) from None
-        moment = datetime.now(UTC) - timedelta(seconds=seconds)
+        try:
+            moment = datetime.now(UTC) - timedelta(seconds=seconds)
+        except OverflowError:
+            raise errors.ConfigError(
+                f"--since {text!r}: that reaches before the year 1; give a shorter duration"
+            ) from None
     if moment.tzinfo is None:
         raise errors.ConfigError(f"--since {text!r}: give a time zone (Z or +01:00)")
+    try:
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise errors.ConfigError(
+            f"--since {text!r}: that is outside the years 1 to 9999 in UTC"
+        ) from None
     return moment.isoformat()
 
 

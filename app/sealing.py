@@ -11,9 +11,10 @@ its status:
   stored beside it, and the row's id, its scope and which part it is (headers or body) are bound
   as associated data: a sealed answer moved to another row, another scope or the other column
   does not open.
-- A value that does not open (its key is not configured, or it was changed) raises `Unopenable`:
-  the gateway answers 503 `answer-sealed` and never forwards the request again, since it was
-  performed.
+- A value that does not open (its key is not configured, it was changed, or cut short below a
+  nonce and a tag; stored headers that are not their JSON) raises `Unopenable`: the gateway
+  answers 503 `answer-sealed` and never forwards the request again, since it was performed, and
+  `oncegate rekey` names the row and goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from . import errors
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 _NONCE_BYTES = 12  # the size GCM is designed for; random per value, never reused in practice
+_TAG_BYTES = 16  # GCM's tag, after the ciphertext
 KEY_BYTES = 32
 
 
@@ -173,6 +175,11 @@ def _seal(cipher: AESGCM, data: bytes, associated: bytes) -> bytes:
 
 
 def _open(cipher: AESGCM, stored: SealedAnswer, data: bytes, associated: bytes) -> bytes:
+    if len(data) < _NONCE_BYTES + _TAG_BYTES:
+        # AES-GCM refuses a short nonce with a ValueError, not InvalidTag: checked here.
+        raise Unopenable(
+            f"is cut short: {len(data)} bytes, less than a nonce and a tag", stored.key_name or ""
+        )
     try:
         return cipher.decrypt(data[:_NONCE_BYTES], data[_NONCE_BYTES:], associated)
     except InvalidTag:
@@ -186,5 +193,12 @@ def _headers_json(headers: Sequence[tuple[str, str]]) -> bytes:
 
 
 def header_pairs(data: bytes) -> list[tuple[str, str]]:
-    """Header pairs from their stored JSON."""
-    return [(name, value) for name, value in json.loads(data)]
+    """Header pairs from their stored JSON; `Unopenable` when it is not that (cut short or
+    changed in the database: only a plaintext row can be, a sealed one does not open)."""
+    try:
+        pairs = [(name, value) for name, value in json.loads(data)]
+    except (ValueError, TypeError):
+        raise Unopenable("its stored headers are not the JSON the gateway wrote", "") from None
+    if not all(isinstance(name, str) and isinstance(value, str) for name, value in pairs):
+        raise Unopenable("its stored headers are not the JSON the gateway wrote", "")
+    return pairs

@@ -4,6 +4,12 @@ The session starts an embedded PostgreSQL (pgserver) of its own, or uses the ser
 `ONCEGATE_TEST_DATABASE_URL`. It migrates a template database once; every module that asks for
 `database_url` gets its own copy (`CREATE DATABASE ... TEMPLATE`), so modules never see each
 other's keys.
+
+A module marked `pytest.mark.citus` runs twice: on that PostgreSQL and on a real Citus cluster
+(a coordinator and two workers, tests/citus.py) started once for the session, its database
+migrated by `oncegate migrate`'s own code, so distributed. One fixture, `backend`, parametrised:
+`database_url` and everything built on it follow it. Where Citus cannot run (not installed, no
+user to run it as) the Citus half is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import pytest
 
 from oncegate import schema
 from oncegate.store.postgres import PostgresStore
+from tests import citus
 
 TEMPLATE = "oncegate_test_template"
 _databases = itertools.count(1)
@@ -84,9 +91,13 @@ def template_url(postgres_url: str) -> str:
     return url
 
 
-def create_database(postgres_url: str, template: str, label: str) -> str:
+def database_name(label: str) -> str:
     suffix = re.sub(r"\W", "_", label)[-30:].lower()
-    name = f"oncegate_test_{os.getpid()}_{next(_databases)}_{suffix}"
+    return f"oncegate_test_{os.getpid()}_{next(_databases)}_{suffix}"
+
+
+def create_database(postgres_url: str, template: str, label: str) -> str:
+    name = database_name(label)
     asyncio.run(
         _admin(
             postgres_url,
@@ -97,11 +108,47 @@ def create_database(postgres_url: str, template: str, label: str) -> str:
     return with_database(postgres_url, name)
 
 
+BACKENDS = ("postgresql", "citus")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Modules marked `citus` run on both backends (module-scoped: one database each)."""
+    if metafunc.definition.get_closest_marker("citus") and "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def database_url(
-    postgres_url: str, template_url: str, request: pytest.FixtureRequest
-) -> Iterator[str]:
-    """A migrated database of this module's own."""
+def backend(request: pytest.FixtureRequest) -> str:
+    """What `database_url` is on: `postgresql` (the session's server) or `citus`."""
+    return getattr(request, "param", "postgresql")
+
+
+@pytest.fixture(scope="session")
+def citus_cluster() -> Iterator[citus.Cluster]:
+    """A Citus coordinator and two workers for the session; skipped where Citus cannot run."""
+    why = citus.unavailable()
+    if why is not None:
+        pytest.skip(f"no Citus cluster: {why}")
+    cluster = citus.Cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def database_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A migrated database of this module's own, on the module's backend."""
+    name = database_name(request.module.__name__)
+    if backend == "citus":
+        cluster: citus.Cluster = request.getfixturevalue("citus_cluster")
+        url = cluster.create_database(name)
+        schema.upgrade(url)
+        yield url
+        cluster.drop_database(name)
+        return
+    postgres_url: str = request.getfixturevalue("postgres_url")
+    request.getfixturevalue("template_url")
     url = create_database(postgres_url, TEMPLATE, request.module.__name__)
     yield url
     name = urlsplit(url).path.lstrip("/")

@@ -9,6 +9,10 @@ Recovery needs two parts (see the lab, `oncegate lab`):
   `run-81:step-10:charge`), sent through the gateway (`client.ActionClient`), so the one action
   that was sent but not yet checkpointed when the process died is replayed, not performed again.
 
+On LangGraph (the extra `oncegate[langgraph]`), LangGraph's own checkpointer does the first part
+and `langgraph.task_key` / `langgraph.Gateway` the second: the key comes from the task LangGraph
+runs, the same on every resume of it. Nothing else in oncegate imports LangGraph.
+
 This package does no I/O of its own on PostgreSQL: it talks to it through the `CheckpointStore`
 Protocol, and only `oncegate.store` imports the driver.
 """

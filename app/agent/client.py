@@ -141,6 +141,105 @@ class KeyLifetime:
         return self.ttl - self.margin
 
 
+class Attempts:
+    """The decisions of one action's attempts, kept apart from the I/O so the async and the sync
+    client share them: after each attempt (`after`), the final answer, a wait before the next
+    attempt, or the error that ends the action (raised)."""
+
+    def __init__(
+        self, policy: RetryPolicy, rng: random.Random, url: str, path: str, key: str | None
+    ) -> None:
+        self._policy = policy
+        self._random = rng
+        self._url = url
+        self._path = path
+        self._key = key
+        self._deadline = time.monotonic() + policy.deadline
+        self._attempt = 0
+
+    def after(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response | float:
+        """What follows an attempt that answered `outcome` (or broke with it): the answer, or
+        the seconds to wait before the next attempt. Raises `ActionError` when it is final."""
+        self._attempt += 1
+        key, url, path = self._key, self._url, self._path
+        if isinstance(outcome, httpx.ConnectError | httpx.ConnectTimeout):
+            # Nothing was sent: always safe to try again.
+            reason = f"cannot connect to {url}: {outcome!r}"
+            wait = self._backoff()
+        elif isinstance(outcome, httpx.TransportError):
+            if key is None:
+                raise ActionOutcomeUnknown(
+                    f"the connection broke after the request was sent and it has no "
+                    f"Idempotency-Key: it may or may not have been performed ({outcome!r})"
+                ) from outcome
+            reason = f"connection to {url} broke: {outcome!r}"
+            wait = self._backoff()
+        else:
+            response = outcome
+            if response.is_success:
+                return response
+            name = problem_name(response)
+            status = response.status_code
+            if name == "outcome-unknown":
+                raise ActionOutcomeUnknown(
+                    f"{key}: the gateway cannot tell whether the upstream performed this "
+                    f"action ({status}); find out and resolve the key, do not resend",
+                    key=key,
+                    response=response,
+                )
+            if status == 422 and name == "key-reused":
+                raise ActionKeyReused(
+                    f"{key} was already used for a different request: the parameters "
+                    "changed between attempts, or two actions share a key",
+                    key=key,
+                    response=response,
+                )
+            if status == 409 and name == "request-in-progress":
+                reason = f"{key} is still in progress"
+                hinted = retry_after(response)
+                wait = (
+                    self._backoff() if hinted is None else min(hinted, self._policy.max_retry_after)
+                )
+            elif status in (502, 503):
+                reason = f"{status} {name or 'from the upstream'}"
+                wait = self._backoff()
+            else:
+                raise ActionRejected(
+                    f"POST {path} answered {status} {name or ''}".rstrip(),
+                    key=key,
+                    response=response,
+                )
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise GaveUp(
+                f"gave up on POST {path} after {self._attempt} attempts "
+                f"({self._policy.deadline:g} s): {reason}",
+                key=key,
+            )
+        # A wait past the deadline is cut short: one last attempt at the deadline, not an
+        # early surrender.
+        return min(wait, remaining)
+
+    def _backoff(self) -> float:
+        ceiling = min(
+            self._policy.backoff_cap, self._policy.backoff_base * 2 ** (self._attempt - 1)
+        )
+        return self._random.uniform(0, ceiling)
+
+
+def request_headers(
+    policy: RetryPolicy, key: str | None, headers: dict[str, str] | None
+) -> dict[str, str]:
+    """The headers of a keyed action: the caller's, the key, and `Prefer: wait=N` (see the rules
+    above)."""
+    merged = dict(headers or {})
+    if key is not None:
+        merged[KEY_HEADER] = key
+        if policy.wait:
+            merged.setdefault("Prefer", f"wait={policy.wait}")
+    return merged
+
+
 class ActionClient:
     """POSTs actions to `base_url` (the gateway) on a caller's `httpx.AsyncClient`.
 
@@ -171,77 +270,57 @@ class ActionClient:
         headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """POST `body` as JSON to `path` with `key`; the final 2xx answer, or raise."""
-        request_headers = dict(headers or {})
-        if key is not None:
-            request_headers[KEY_HEADER] = key
-            if self._policy.wait:
-                request_headers.setdefault("Prefer", f"wait={self._policy.wait}")
         url = self._base_url + path
-        deadline = time.monotonic() + self._policy.deadline
-        attempt = 0
+        sent_headers = request_headers(self._policy, key, headers)
+        attempts = Attempts(self._policy, self._random, url, path, key)
         while True:
-            attempt += 1
+            outcome: httpx.Response | httpx.TransportError
             try:
-                response = await self._http.post(url, json=body, headers=request_headers)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing was sent: always safe to try again.
-                reason = f"cannot connect to {url}: {exc!r}"
-                wait = self._backoff(attempt)
+                outcome = await self._http.post(url, json=body, headers=sent_headers)
             except httpx.TransportError as exc:
-                if key is None:
-                    raise ActionOutcomeUnknown(
-                        f"the connection broke after the request was sent and it has no "
-                        f"Idempotency-Key: it may or may not have been performed ({exc!r})"
-                    ) from exc
-                reason = f"connection to {url} broke: {exc!r}"
-                wait = self._backoff(attempt)
-            else:
-                if response.is_success:
-                    return response
-                name = problem_name(response)
-                status = response.status_code
-                if name == "outcome-unknown":
-                    raise ActionOutcomeUnknown(
-                        f"{key}: the gateway cannot tell whether the upstream performed this "
-                        f"action ({status}); find out and resolve the key, do not resend",
-                        key=key,
-                        response=response,
-                    )
-                if status == 422 and name == "key-reused":
-                    raise ActionKeyReused(
-                        f"{key} was already used for a different request: the parameters "
-                        "changed between attempts, or two actions share a key",
-                        key=key,
-                        response=response,
-                    )
-                if status == 409 and name == "request-in-progress":
-                    reason = f"{key} is still in progress"
-                    hinted = retry_after(response)
-                    wait = (
-                        self._backoff(attempt)
-                        if hinted is None
-                        else min(hinted, self._policy.max_retry_after)
-                    )
-                elif status in (502, 503):
-                    reason = f"{status} {name or 'from the upstream'}"
-                    wait = self._backoff(attempt)
-                else:
-                    raise ActionRejected(
-                        f"POST {path} answered {status} {name or ''}".rstrip(),
-                        key=key,
-                        response=response,
-                    )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise GaveUp(
-                    f"gave up on POST {path} after {attempt} attempts "
-                    f"({self._policy.deadline:g} s): {reason}",
-                    key=key,
-                )
-            # A wait past the deadline is cut short: one last attempt at the deadline, not an
-            # early surrender.
-            await asyncio.sleep(min(wait, remaining))
+                outcome = exc
+            decision = attempts.after(outcome)
+            if isinstance(decision, httpx.Response):
+                return decision
+            await asyncio.sleep(decision)
 
-    def _backoff(self, attempt: int) -> float:
-        ceiling = min(self._policy.backoff_cap, self._policy.backoff_base * 2 ** (attempt - 1))
-        return self._random.uniform(0, ceiling)
+
+class SyncActionClient:
+    """`ActionClient` on a caller's `httpx.Client`, for code that does not run an event loop
+    (a LangGraph graph run with `invoke`): the same headers, retries and errors."""
+
+    def __init__(
+        self,
+        http: httpx.Client,
+        base_url: str,
+        *,
+        policy: RetryPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._http = http
+        self._base_url = base_url.rstrip("/")
+        self._policy = policy or RetryPolicy()
+        self._random = rng or random.Random()  # noqa: S311 - jitter, not a secret
+
+    def send(
+        self,
+        path: str,
+        body: JSON,
+        key: str | None,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """POST `body` as JSON to `path` with `key`; the final 2xx answer, or raise."""
+        url = self._base_url + path
+        sent_headers = request_headers(self._policy, key, headers)
+        attempts = Attempts(self._policy, self._random, url, path, key)
+        while True:
+            outcome: httpx.Response | httpx.TransportError
+            try:
+                outcome = self._http.post(url, json=body, headers=sent_headers)
+            except httpx.TransportError as exc:
+                outcome = exc
+            decision = attempts.after(outcome)
+            if isinstance(decision, httpx.Response):
+                return decision
+            time.sleep(decision)

@@ -1,4 +1,5 @@
-"""Stable action keys: `run-81:step-10:charge`. Pure.
+"""Stable action keys: `run-81:step-10:charge` for the agent runner, and a LangGraph task's
+(`task_key`). Pure.
 
 A key is derived from the run's persisted identity and the step, never from a random value made
 when the action is (re)tried: the process that resumes a run after a crash must send the same key
@@ -7,6 +8,7 @@ the dead one sent, or the gateway cannot know the two requests are one.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # What the gateway accepts (contract section 4) is 1 to 255 printable ASCII characters; a key
@@ -32,3 +34,50 @@ def action_key(run_id: str, step: int, action: str) -> str:
     if len(key) > MAX_KEY_LENGTH:
         raise ValueError(f"the key {key[:40]}... is {len(key)} characters; at most 255 fit")
     return key
+
+
+# A LangGraph task's key (`oncegate.agent.langgraph`): `case-81:send-email:1f0c...-...:email`.
+# The thread id and the node names are the user's and may hold any character: each is written
+# with anything outside `_TASK_SAFE` percent-encoded (`%` itself included), so the key stays a
+# bare header value and the thread never holds a `:` (which ends it) nor a `|` (which separates
+# a subgraph's levels in the namespace). A key longer than the gateway takes is written as a
+# digest of the same parts instead: as stable, and as distinct.
+_TASK_SAFE = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+;=@/"
+)
+
+
+def _escape(text: str) -> str:
+    return "".join(
+        character
+        if character in _TASK_SAFE
+        else "".join(f"%{byte:02X}" for byte in character.encode())
+        for character in text
+    )
+
+
+def task_key(thread_id: str, checkpoint_ns: str, action: str) -> str:
+    """The key of `action` taken by the LangGraph task whose namespace is `checkpoint_ns`
+    (`node:<task id>`, or `outer:<task id>|inner:<task id>` inside a subgraph) in thread
+    `thread_id`: `f"{thread_id}:{checkpoint_ns}:{action}"`, escaped as above, or
+    `f"sha256-{digest}:{action}"` when that would be longer than 255 characters."""
+    if not thread_id:
+        raise ValueError("a task key needs the thread id of a checkpointed run, not ''")
+    if not checkpoint_ns:
+        raise ValueError("a task key needs the task's checkpoint namespace, not ''")
+    if not _ACTION.fullmatch(action):
+        raise ValueError(f"action {action!r}: lower-case letters, digits, '-' and '_' only")
+    levels = []
+    for level in checkpoint_ns.split("|"):
+        node, separator, task_id = level.rpartition(":")
+        if not separator or not node or not task_id:
+            raise ValueError(
+                f"{checkpoint_ns!r} is not a task's namespace (node:<task id>, levels joined "
+                "by '|'): call it from inside a node"
+            )
+        levels.append(f"{_escape(node)}:{_escape(task_id)}")
+    key = f"{_escape(thread_id)}:{'|'.join(levels)}:{action}"
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha256(f"{thread_id}\0{checkpoint_ns}".encode()).hexdigest()
+    return f"sha256-{digest}:{action}"

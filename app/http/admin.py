@@ -24,27 +24,19 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from .. import errors, headers, schema, service
+from .. import errors, headers, service
 from .. import metrics as app_metrics
 from ..service import Operator
 from ..settings import DEFAULT_BODY_LIMIT, Settings
 from ..store import Cause, KeyRecord, QueuedKey, State
+from .deps import RuntimeDep
 from .proxy import ClientDisconnected, read_body
-from .runtime import Runtime
 
 # Room in a resolution for everything but its body: action, status, headers, JSON punctuation.
 RESOLUTION_OVERHEAD = 64 * 1024
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="ONCEGATE_ADMIN_TOKEN")
-
-
-async def get_runtime(request: Request) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
-
-
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 async def require_admin(
@@ -105,22 +97,13 @@ async def readyz(runtime: RuntimeDep, response: Response) -> dict[str, str]:
     """Ready or not. A PostgreSQL whose failover could lose claims (`store.Replication.risk`)
     is said in the body under `replication`, still 200: the gateway works, and taking every
     gateway out of service over a database setting would turn a risk into an outage."""
-    head = schema.head()
-    try:
-        revision = await runtime.store.schema_revision()
-        risk = (await runtime.store.replication()).risk()
-    except errors.StoreUnavailable:
+    readiness = await runtime.health.readiness()
+    if not readiness.ready:
         response.status_code = 503
-        return {"status": "unavailable", "detail": "PostgreSQL does not answer"}
-    if revision != head:
-        response.status_code = 503
-        return {
-            "status": "unavailable",
-            "detail": f"schema at revision {revision or 'none'}, this gateway needs {head}",
-        }
-    if risk is not None:
-        return {"status": "ok", "revision": head, "replication": risk}
-    return {"status": "ok", "revision": head}
+        return {"status": "unavailable", "detail": readiness.detail}
+    if readiness.replication is not None:
+        return {"status": "ok", "revision": readiness.head, "replication": readiness.replication}
+    return {"status": "ok", "revision": readiness.head}
 
 
 class KeyView(BaseModel):

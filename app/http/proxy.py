@@ -14,12 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from .. import errors, headers, metrics, paths, tracing
 from ..routing import RouteTable
-from ..service import ClientGone, Gateway, ProxyRequest, ProxyResponse
+from ..service import Answer, ClientGone, Gateway, ProxyRequest
 from . import problems
 
 log = logging.getLogger("oncegate.request")
@@ -39,17 +38,8 @@ class ClientDisconnected(Exception):
     """The client went away before its request body was complete."""
 
 
-@dataclass(slots=True)
-class Answer:
-    """What goes back to the client, as bytes, and how it is counted."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    outcome: str
-    blocked: str | None = None  # the reason counted as a blocked duplicate
-    upstream_seconds: float | None = None
-    dropped: list[str] | None = None  # headers no HTTP/1.1 answer may carry, left out
+# What the gateway said to a request: the upstream's answer (relayed), or a problem of its own.
+Said = Answer | errors.GatewayError
 
 
 class ProxyApp:
@@ -65,14 +55,23 @@ class ProxyApp:
                            for name, value in scope["headers"]]  # fmt: skip
         request_id = headers.request_id(request_headers)
         try:
-            route_name, answer = await self._answer(scope, receive, request_headers, request_id)
+            route_name, said = await self._answer(scope, receive, request_headers, request_id)
         except (ClientDisconnected, ClientGone):
             return  # nothing was claimed, and nobody is left to answer
-        answer.headers.append((b"x-request-id", request_id.encode()))
-        await send({"type": "http.response.start", "status": answer.status,
-                    "headers": answer.headers})  # fmt: skip
-        await send({"type": "http.response.body", "body": answer.body})
-        _account(route_name, scope["method"], answer, time.perf_counter() - started, request_id)
+        match said:
+            case Answer():
+                status, response_headers, body, dropped = _relayed(said, scope["method"])
+            case errors.GatewayError():
+                status, response_headers, body = problems.parts(said)
+                dropped = []
+            case _:
+                assert_never(said)
+        response_headers.append((b"x-request-id", request_id.encode()))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": response_headers})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+        elapsed = time.perf_counter() - started
+        _account(route_name, scope["method"], said, status, dropped, elapsed, request_id)
 
     async def _answer(
         self,
@@ -80,8 +79,8 @@ class ProxyApp:
         receive: Receive,
         request_headers: list[tuple[str, str]],
         request_id: str,
-    ) -> tuple[str, Answer]:
-        """The route's name (for metrics and logs) and the answer: the gateway's result, or the
+    ) -> tuple[str, Said]:
+        """The route's name (for metrics and logs) and what the gateway said: its answer, or the
         problem that stopped it."""
         route_name = UNMATCHED
         try:
@@ -112,66 +111,70 @@ class ProxyApp:
                     client_gone=lambda: _hung_up(receive),
                 ),
             )
-            return route_name, _relayed(result, scope["method"])
+            return route_name, result
         except errors.GatewayError as error:
-            return route_name, _problem(error)
+            return route_name, error
         except (ClientDisconnected, ClientGone):
             raise
         except Exception:  # the edge's last resort: logged and answered, not swallowed
             # A bug: the client still gets a problem (with the request id to report), never a
             # bare 500; the key, if one was claimed, was settled by the layers below.
             log.exception("unexpected error while serving request %s", request_id)
-            return route_name, _problem(
-                errors.GatewayError(
-                    f"the gateway failed unexpectedly; report request id {request_id} to its "
-                    "operator"
-                )
+            return route_name, errors.GatewayError(
+                f"the gateway failed unexpectedly; report request id {request_id} to its operator"
             )
 
 
-def _relayed(result: ProxyResponse, method: str) -> Answer:
-    # The request id is added once, by the caller.
-    response_headers, dropped = headers.relayable(result.headers, skip=headers.REQUEST_ID)
-    body = result.body
-    if result.status in _NO_BODY_STATUSES or method == "HEAD":
+def _relayed(
+    answer: Answer, method: str
+) -> tuple[int, list[tuple[bytes, bytes]], bytes, list[str]]:
+    """Status, headers and body to send, and the names of the headers left out (no HTTP/1.1
+    answer may carry them). The request id is added once, by the caller."""
+    response_headers, dropped = headers.relayable(answer.headers, skip=headers.REQUEST_ID)
+    body = answer.body
+    if answer.status in _NO_BODY_STATUSES or method == "HEAD":
         body = b""  # whatever was stored or received, these answers carry none
     else:
         response_headers.append((b"content-length", str(len(body)).encode()))
-    return Answer(result.status, response_headers, body, result.outcome, result.blocked,
-                  result.upstream_seconds, dropped or None)  # fmt: skip
+    return answer.status, response_headers, body, dropped
 
 
-def _problem(error: errors.GatewayError) -> Answer:
-    status, problem_headers, body = problems.parts(error)
-    return Answer(status, problem_headers, body, error.outcome, error.blocked_reason)
-
-
-def _account(route_name: str, method: str, answer: Answer, elapsed: float, request_id: str) -> None:
+def _account(
+    route_name: str,
+    method: str,
+    said: Said,
+    status: int,
+    dropped: list[str],
+    elapsed: float,
+    request_id: str,
+) -> None:
     """Count the request once and log it as one line, never with its body or credentials."""
-    tracing.annotate(route_name, answer.outcome)
-    metrics.REQUESTS.labels(route_name, method, answer.outcome).inc()
-    metrics.REQUEST_DURATION.labels(route_name, answer.outcome).observe(elapsed)
-    if answer.blocked is not None:
-        metrics.DUPLICATES_BLOCKED.labels(route_name, answer.blocked).inc()
-    if answer.dropped:
+    outcome = said.outcome
+    blocked = said.blocked if isinstance(said, Answer) else said.blocked_reason
+    tracing.annotate(route_name, outcome)
+    metrics.REQUESTS.labels(route_name, method, outcome).inc()
+    metrics.REQUEST_DURATION.labels(route_name, outcome).observe(elapsed)
+    if blocked is not None:
+        metrics.DUPLICATES_BLOCKED.labels(route_name, blocked).inc()
+    if dropped:
         log.warning(
             "%s: left out the answer's headers %s: a control byte in a value (or a name that "
             "is not a token) cannot be sent in an HTTP/1.1 answer; the client was told in "
             "Oncegate-Dropped-Headers (request %s)",
-            route_name, ", ".join(repr(name) for name in answer.dropped), request_id,
-            extra={"fields": {"route": route_name, "dropped_headers": answer.dropped,
+            route_name, ", ".join(repr(name) for name in dropped), request_id,
+            extra={"fields": {"route": route_name, "dropped_headers": dropped,
                               "request_id": request_id}},
         )  # fmt: skip
     if log.isEnabledFor(logging.INFO):
-        upstream = answer.upstream_seconds
+        upstream = said.upstream_seconds if isinstance(said, Answer) else None
         log.info(
             "%s %s %s -> %d %s",
-            route_name, method, answer.outcome, answer.status, request_id,
+            route_name, method, outcome, status, request_id,
             extra={"fields": {
                 "route": route_name,
                 "method": method,
-                "outcome": answer.outcome,
-                "status": answer.status,
+                "outcome": outcome,
+                "status": status,
                 "upstream_ms": None if upstream is None else round(upstream * 1000, 3),
                 "total_ms": round(elapsed * 1000, 3),
                 "request_id": request_id,

@@ -4,9 +4,10 @@ client (import-linter holds the rest of the layer to the service).
 
 `running` owns the database pool, the upstream client, the background purger and the key counter
 for as long as the gateway runs; the proxy application is given the service and the route table,
-the admin application reaches the runtime through `app.state.runtime` (an `Annotated`
-dependency in `admin.py`). On the way out it waits for every forward still in flight before
-letting go of anything, so a request whose client hung up is still finished and stored.
+the admin application reaches the runtime through `app.state.runtime` (the `Annotated`
+dependency of `deps.py`, which the route modules import instead of this module). On the way out
+it waits for every forward still in flight before letting go of anything, so a request whose
+client hung up is still finished and stored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -26,18 +26,10 @@ from ..routing import RouteTable
 from ..settings import Settings
 from ..store.postgres import PostgresStore
 from ..upstream import Upstream
-from . import problems, proxy
+from . import admin, problems, proxy, ui
+from .deps import Runtime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Runtime:
-    settings: Settings
-    store: PostgresStore
-    gateway: service.Gateway
-    operator: service.Operator
-    routes: RouteTable
 
 
 @contextlib.asynccontextmanager
@@ -59,9 +51,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     try:
         yield Runtime(
             settings,
-            store,
             gateway,
             service.Operator(store, keyring),
+            service.Health(store),
             RouteTable(settings.routes),
         )
     finally:
@@ -80,12 +72,16 @@ def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:
 
 
 def create_admin_app(runtime: Runtime) -> FastAPI:
-    from . import admin, ui
-
+    # No generated documentation (/docs, /redoc, /openapi.json): Swagger UI would load its script
+    # from a public CDN on the same origin as /admin/ui, unauthenticated; docs/reference.md is
+    # the reference.
     app = FastAPI(
         title="oncegate admin",
         description="Metrics, health, and the keys of the idempotency store.",
         version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.runtime = runtime
     app.include_router(admin.router)

@@ -7,8 +7,10 @@ How the browser carries the admin token, and why:
 - A browser cannot be made to send `Authorization: Bearer` from a plain form or link, so the page
   starts with a login form: the operator pastes `ONCEGATE_ADMIN_TOKEN`, compared in constant
   time, and gets a session cookie. The token itself never goes into the cookie: the cookie is an
-  expiry signed with HMAC-SHA256 under the token, so it stops working when it expires or when the
-  token is changed, and nothing is stored on the server (several gateways, several workers).
+  expiry and a random nonce signed with HMAC-SHA256 under the token, so it stops working when it
+  expires or when the token is changed. A logout ends it for real: its digest is stored in
+  PostgreSQL until its expiry (`oncegate_ended_sessions`), so every gateway and worker refuses
+  it, after restarts too.
 - The cookie is `HttpOnly` (no script could read it, were there one), `SameSite=Strict` (another
   site's page cannot make the browser send it), `Path=/admin/ui`, and `Secure` when the page is
   served over https.
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from html import escape
 from typing import Annotated
 from urllib.parse import parse_qs, urlencode
@@ -36,7 +39,8 @@ from pydantic import ValidationError
 
 from .. import errors, service
 from ..store import QueuedKey
-from .admin import Resolution, RuntimeDep, read_bounded
+from .admin import Resolution, read_bounded
+from .deps import RuntimeDep
 
 router = APIRouter(prefix="/admin/ui", include_in_schema=False)
 
@@ -75,8 +79,10 @@ def _sign(token: str, purpose: str, value: str) -> str:
 
 
 def new_session(token: str, now: float) -> str:
-    expires = str(int(now) + SESSION_SECONDS)
-    return f"{expires}.{_sign(token, 'session', expires)}"
+    """`expiry.nonce.signature`: the nonce makes each login's session its own, so a logout ends
+    that one and not another made in the same second."""
+    value = f"{int(now) + SESSION_SECONDS}.{secrets.token_hex(16)}"
+    return f"{value}.{_sign(token, 'session', value)}"
 
 
 # An expiry is a Unix time in seconds: 10 digits until the year 2286, 12 for ever after.
@@ -86,12 +92,13 @@ EXPIRY_DIGITS = 12
 def session_valid(token: str, cookie: str, now: float) -> bool:
     """Whether `cookie` is a session this token signed that has not expired. A cookie is
     attacker input: anything but ASCII digits, a dot and ASCII is simply not a session."""
-    expires, _, signature = cookie.partition(".")
+    value, _, signature = cookie.rpartition(".")
+    expires = value.partition(".")[0]
     if not (expires.isascii() and expires.isdigit() and len(expires) <= EXPIRY_DIGITS):
         return False  # '²'.isdigit() is true, and int() of 5,000 digits refuses
     if not signature.isascii() or int(expires) <= now:
         return False
-    return hmac.compare_digest(signature.encode(), _sign(token, "session", expires).encode())
+    return hmac.compare_digest(signature.encode(), _sign(token, "session", value).encode())
 
 
 def csrf_token(token: str, cookie: str) -> str:
@@ -108,6 +115,15 @@ class Session:
     @property
     def csrf(self) -> str:
         return csrf_token(self.token, self.cookie)
+
+    @property
+    def digest(self) -> bytes:
+        """What a logout records (the cookie holds no secret; its digest is shorter)."""
+        return hashlib.sha256(self.cookie.encode()).digest()
+
+    @property
+    def expires_at(self) -> datetime:
+        return datetime.fromtimestamp(int(self.cookie.partition(".")[0]), UTC)
 
 
 class LoginNeeded(Exception):
@@ -128,7 +144,10 @@ async def _session(request: Request, runtime: RuntimeDep) -> Session:
     cookie = request.cookies.get(COOKIE, "")
     if not session_valid(token, cookie, time.time()):
         raise LoginNeeded
-    return Session(token, cookie)
+    session = Session(token, cookie)
+    if await runtime.operator.session_ended(session.digest):
+        raise LoginNeeded  # logged out: on any gateway, before any restart
+    return session
 
 
 SessionDep = Annotated[Session, Depends(_session)]
@@ -224,10 +243,13 @@ async def login(request: Request, runtime: RuntimeDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(request: Request, session: SessionDep) -> Response:
+async def logout(request: Request, runtime: RuntimeDep, session: SessionDep) -> Response:
     refused = _forged(session, await _form(request))
     if refused is not None:
         return refused
+    # The browser forgets the cookie, and the store remembers it ended: a copy of it (another
+    # browser, a proxy's log) is refused too, until it would have expired anyway.
+    await runtime.operator.end_session(session.digest, session.expires_at)
     response = RedirectResponse("/admin/ui", status_code=303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path="/admin/ui", httponly=True, samesite="strict")
     return response

@@ -8,6 +8,7 @@ One idea per room, each readable top to bottom:
 - `decision`: `decide`, pure: what to do with a key someone claimed before;
 - `operator`: `Operator`, the operator's queue, its cursors, release and resolve;
 - `maintenance`: the purger and the key count behind `oncegate_keys`;
+- `health`: whether the gateway can serve (`/readyz`);
 - `messages`: what the edge hands the gateway and gets back.
 
 The names others use are imported here, so `from oncegate import service` is all a caller needs.
@@ -16,6 +17,7 @@ The names others use are imported here, so `from oncegate import service` is all
 from .decision import (
     IN_PROGRESS_RETRY_AFTER,
     Decision,
+    InFlight,
     Reclaim,
     Refuse,
     Replay,
@@ -23,6 +25,7 @@ from .decision import (
     decide,
 )
 from .flow import CLAIM_ATTEMPTS, Gateway
+from .health import Health, Readiness
 from .maintenance import (
     KEY_COUNT_PAGE_SIZE,
     PURGE_BATCH_SIZE,
@@ -30,7 +33,7 @@ from .maintenance import (
     count_keys,
     purge_expired,
 )
-from .messages import ClientGoneProbe, ProxyRequest, ProxyResponse
+from .messages import Answer, ClientGoneProbe, ProxyRequest
 from .operator import QUEUE_PAGE_SIZE, Operator, QueuePage, decode_cursor, encode_cursor
 from .waiting import ClientGone
 
@@ -41,14 +44,17 @@ __all__ = [
     "PURGE_BATCH_SIZE",
     "PURGE_PAUSE",
     "QUEUE_PAGE_SIZE",
+    "Answer",
     "ClientGone",
     "ClientGoneProbe",
     "Decision",
     "Gateway",
+    "Health",
+    "InFlight",
     "Operator",
     "ProxyRequest",
-    "ProxyResponse",
     "QueuePage",
+    "Readiness",
     "Reclaim",
     "Refuse",
     "Replay",

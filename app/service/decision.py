@@ -5,13 +5,15 @@ SQL function `oncegate_key_state`) already says whether its lease or TTL ran out
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import assert_never
 
 from .. import errors, headers, sealing
 from ..fingerprint import Fingerprint
+from ..outcomes import Outcome
 from ..sealing import Sealer
 from ..settings import Route
 from ..store import Record
-from .messages import ProxyResponse
+from .messages import Answer
 
 # What a client waiting on an in-flight key should wait before asking again. Short, because most
 # upstream calls take well under a second; clients back off further themselves.
@@ -22,7 +24,7 @@ IN_PROGRESS_RETRY_AFTER = 1
 class Replay:
     """Answer with the stored response."""
 
-    response: ProxyResponse
+    answer: Answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,14 @@ class Refuse:
     """Answer with this problem; nothing is forwarded."""
 
     error: errors.GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """Another request holds the key now: wait for it to settle when the request asked to
+    (`Prefer: wait`) and look again, else answer with `error` (409 request-in-progress)."""
+
+    error: errors.RequestInProgress
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +53,9 @@ class TakeOver:
     a new fencing token, then forward again."""
 
 
-Decision = Replay | Refuse | Reclaim | TakeOver
+# Closed: `Gateway` applies a decision with `match` and `assert_never`, so a new variant is a
+# type error until every place that applies one says what it does.
+Decision = Replay | Refuse | InFlight | Reclaim | TakeOver
 
 
 def decide(
@@ -56,32 +68,36 @@ def decide(
     """What to do with a request whose key someone claimed before (contract sections 4 and 5).
     Pure: `Gateway.handle` applies the decision through the store. A sealed answer is opened
     by `sealer`, bound to the row's id and `scope`."""
-    if record.state == "expired":
-        return Reclaim()  # a new key, whatever was sent under it before
-    if not fingerprint.matches(record.fingerprint):
-        return Refuse(
-            errors.KeyReused(
-                "this idempotency key was first used with a different request (method, path, "
-                "query or body); use a new key for a new request"
+    match record.state:
+        case "expired":
+            return Reclaim()  # a new key, whatever was sent under it before
+        case _ if not fingerprint.matches(record.fingerprint):
+            return Refuse(
+                errors.KeyReused(
+                    "this idempotency key was first used with a different request (method, "
+                    "path, query or body); use a new key for a new request"
+                )
             )
-        )
-    if record.state == "completed":
-        return _replay(record, sealer, scope)
-    if record.state == "in_progress":
-        return Refuse(
-            errors.RequestInProgress(
-                "a request with this idempotency key is still being processed; retry later",
-                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+        case "completed":
+            return _replay(record, sealer, scope)
+        case "in_progress":
+            return InFlight(
+                errors.RequestInProgress(
+                    "a request with this idempotency key is still being processed; retry later",
+                    headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
+                )
             )
-        )
-    if route.on_unknown == "forward":
-        return TakeOver()
-    return Refuse(
-        errors.OutcomeUnknown(
-            "the request with this idempotency key may have been performed, but its answer was "
-            "lost; an operator must resolve the key before it can be answered"
-        )
-    )
+        case "unknown" if route.on_unknown == "forward":
+            return TakeOver()
+        case "unknown":
+            return Refuse(
+                errors.OutcomeUnknown(
+                    "the request with this idempotency key may have been performed, but its "
+                    "answer was lost; an operator must resolve the key before it can be answered"
+                )
+            )
+        case _:
+            assert_never(record.state)
 
 
 def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
@@ -112,11 +128,11 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
                 )
             )
     return Replay(
-        ProxyResponse(
+        Answer(
             status=record.status,
             headers=[*answer_headers, headers.REPLAYED],
             body=body or b"",
-            outcome="replayed",
+            outcome=Outcome.REPLAYED,
             blocked="replayed",
         )
     )

@@ -38,15 +38,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from typing import assert_never
 
 from .. import errors, fingerprint, headers, keys, metrics
+from ..outcomes import Outcome
 from ..routing import upstream_url
 from ..sealing import Keyring, Sealer
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
-from .decision import IN_PROGRESS_RETRY_AFTER, Reclaim, Refuse, Replay, decide
-from .messages import ProxyRequest, ProxyResponse
+from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
+from .messages import Answer, ProxyRequest
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
 log = logging.getLogger("oncegate.service")
@@ -77,18 +79,18 @@ class Gateway:
         self._upstream = upstream
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
-        self._inflight: set[asyncio.Task[ProxyResponse]] = set()
+        self._inflight: set[asyncio.Task[Answer]] = set()
         self._unopenable_logged: set[str] = set()
         # Who waits for a key in flight, at most `waiters` (in all, on one key).
         self._waiting = WaitingRoom(*waiters)
 
-    async def handle(self, route: Route, request: ProxyRequest) -> ProxyResponse:
+    async def handle(self, route: Route, request: ProxyRequest) -> Answer:
         if request.method not in route.methods:
-            return await self._forward_unprotected(route, request, "passthrough")
+            return await self._forward_unprotected(route, request, Outcome.PASSTHROUGH)
         key = await _key(route, request)
         if key is None:
             if route.key == "optional":
-                return await self._forward_unprotected(route, request, "unprotected")
+                return await self._forward_unprotected(route, request, Outcome.UNPROTECTED)
             raise errors.MissingKey(_missing_key(route, request.method))
         scope = keys.scope(
             route.name, [request.header_values(name) for name in route.scope_headers]
@@ -96,7 +98,7 @@ class Gateway:
         digest = await _fingerprint(request)
         wait = Wait.asked(request, route, self._store, self._waiting)
         try:
-            response = await self._claim_or_answer(route, request, scope, key, digest, wait)
+            answer = await self._claim_or_answer(route, request, scope, key, digest, wait)
         except errors.GatewayError as error:
             if wait is not None and wait.used and wait.applied:
                 error.headers[PREFERENCE_APPLIED] = wait.applied
@@ -105,8 +107,8 @@ class Gateway:
             if wait is not None:
                 wait.end(route)
         if wait is not None and wait.used and wait.applied:
-            response.headers = [*response.headers, (PREFERENCE_APPLIED, wait.applied)]
-        return response
+            answer.headers = [*answer.headers, (PREFERENCE_APPLIED, wait.applied)]
+        return answer
 
     async def _claim_or_answer(
         self,
@@ -116,7 +118,7 @@ class Gateway:
         key: str,
         digest: fingerprint.Fingerprint,
         wait: Wait | None,
-    ) -> ProxyResponse:
+    ) -> Answer:
         laps = 0
         while laps < CLAIM_ATTEMPTS:
             found = await self._store.claim(
@@ -125,34 +127,38 @@ class Gateway:
             if found is None:
                 # Held by a claim that committed while ours ran: read it now.
                 found = await self._store.get(scope, key)
-                if found is None:
+            match found:
+                case None:
                     laps += 1
                     continue  # and already released: claim again
-            if isinstance(found, Record):
-                decision = decide(found, digest, route, self._sealer, scope)
-                if isinstance(decision, Replay):
-                    return decision.response
-                if isinstance(decision, Refuse):
-                    self._log_sealed(decision.error)
-                    in_flight = isinstance(decision.error, errors.RequestInProgress)
-                    if (
-                        in_flight
-                        and wait is not None
-                        and await wait.until_settled(found, scope, key)
-                    ):
+                case Claim():
+                    return await self._forward_protected(route, request, found, scope)
+                case Record():
+                    decision = decide(found, digest, route, self._sealer, scope)
+                case _:
+                    assert_never(found)
+            match decision:
+                case Replay(answer):
+                    return answer
+                case Refuse(error):
+                    self._log_sealed(error)
+                    raise error
+                case InFlight(error):
+                    if wait is not None and await wait.until_settled(found, scope, key):
                         continue  # it settled (or changed): answer as if we came after it
-                    raise decision.error
-                if isinstance(decision, Reclaim):
+                    raise error
+                case Reclaim():
                     claimed = await self._store.reclaim_expired(
                         found, route.name, digest.digest, route.lease_seconds, route.ttl
                     )
-                else:
+                case TakeOver():
                     claimed = await self._store.take_over(found, route.lease_seconds)
-                if claimed is None:
-                    laps += 1
-                    continue  # it changed since we read it: look again
-                found = claimed
-            return await self._forward_protected(route, request, found, scope)
+                case _:
+                    assert_never(decision)
+            if claimed is None:
+                laps += 1
+                continue  # it changed since we read it: look again
+            return await self._forward_protected(route, request, claimed, scope)
         raise errors.RequestInProgress(
             "this idempotency key changed hands several times while we looked at it; retry",
             headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
@@ -168,13 +174,13 @@ class Gateway:
 
     async def _forward_protected(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
-    ) -> ProxyResponse:
+    ) -> Answer:
         task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
         self._inflight.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)
 
-    def _forget(self, task: asyncio.Task[ProxyResponse]) -> None:
+    def _forget(self, task: asyncio.Task[Answer]) -> None:
         self._inflight.discard(task)
         if not task.cancelled():
             # Retrieve the result so an answer nobody waits for (the client hung up) is not
@@ -188,7 +194,7 @@ class Gateway:
 
     async def _forward_and_settle(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
-    ) -> ProxyResponse:
+    ) -> Answer:
         try:
             response = await self._send(route, request)
         except NotSent as exc:
@@ -212,19 +218,19 @@ class Gateway:
             ) from exc
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
-            return _answer(response, "released")
-        answer = None  # too large to store: the status alone
+            return _answer(response, Outcome.RELEASED)
+        stored = None  # too large to store: the status alone
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            answer = self._sealer.seal(
+            stored = self._sealer.seal(
                 claim.record_id, scope, headers.storable(response.headers), body
             )
-        await self._settle("complete", self._store.complete(claim, response.status, answer))
-        return _answer(response, "forwarded")
+        await self._settle("complete", self._store.complete(claim, response.status, stored))
+        return _answer(response, Outcome.FORWARDED)
 
     async def _forward_unprotected(
-        self, route: Route, request: ProxyRequest, outcome: str
-    ) -> ProxyResponse:
+        self, route: Route, request: ProxyRequest, outcome: Outcome
+    ) -> Answer:
         try:
             response = await self._send(route, request)
         except NotSent as exc:
@@ -270,6 +276,14 @@ class Gateway:
                 "could not %s a key after the upstream answered: the store is unavailable; "
                 "the key turns unknown when its lease runs out",
                 operation,
+            )
+            return
+        except errors.StoreRefusedValue as exc:
+            log.error(
+                "could not %s a key after the upstream answered: the store refused a value of "
+                "the answer (%s); the key turns unknown when its lease runs out",
+                operation,
+                exc.detail,
             )
             return
         if not settled:
@@ -318,8 +332,8 @@ async def _fingerprint(request: ProxyRequest) -> fingerprint.Fingerprint:
     return await asyncio.to_thread(fingerprint.of_request, *arguments)
 
 
-def _answer(response: UpstreamResponse, outcome: str) -> ProxyResponse:
-    return ProxyResponse(
+def _answer(response: UpstreamResponse, outcome: Outcome) -> Answer:
+    return Answer(
         status=response.status,
         headers=response.headers,
         body=response.body,

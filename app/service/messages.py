@@ -1,9 +1,13 @@
-"""What the edge hands the gateway (`ProxyRequest`) and what it gets back (`ProxyResponse`)."""
+"""What the edge hands the gateway (`ProxyRequest`) and what it gets back (`Answer`): the one
+answer type from the service to the edge, which relays it as it is (or renders the
+`errors.GatewayError` the gateway raised instead)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..outcomes import BlockReason, Outcome
 
 # Resolves when the client has hung up (the proxy port watches its connection).
 ClientGoneProbe = Callable[[], Awaitable[None]]
@@ -23,11 +27,13 @@ class ProxyRequest:
 
 
 @dataclass(slots=True)
-class ProxyResponse:
+class Answer:
+    """The upstream's answer, just received or stored, and how the request is counted."""
+
     status: int
     headers: list[tuple[str, str]]
     body: bytes
-    outcome: str
+    outcome: Outcome
     # Set when the answer came from the store: the reason counted as a blocked duplicate.
-    blocked: str | None = None
-    upstream_seconds: float | None = field(default=None)
+    blocked: BlockReason | None = None
+    upstream_seconds: float | None = None  # the upstream call's time, when one was made

@@ -7,7 +7,7 @@ import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from .. import errors, headers, keys, sealing
 from ..sealing import Keyring, Sealer
@@ -53,10 +53,12 @@ class Operator:
         is never shifted by keys settled or added while an operator reads the one before."""
         listed = _listed(state)
         _check_route(route)
-        if since is not None and since.tzinfo is None:
-            raise errors.InvalidRequest(
-                "since needs a time zone, e.g. 2026-12-03T06:00:00Z, so it names one moment"
-            )
+        if since is not None:
+            if since.tzinfo is None:
+                raise errors.InvalidRequest(
+                    "since needs a time zone, e.g. 2026-12-03T06:00:00Z, so it names one moment"
+                )
+            since = in_utc(since, "since")
         if not 0 < limit <= QUEUE_MAX_PAGE_SIZE:
             raise errors.InvalidRequest(f"limit must be 1 to {QUEUE_MAX_PAGE_SIZE}")
         after = decode_cursor(cursor) if cursor is not None else None
@@ -64,6 +66,14 @@ class Operator:
         found = await self._store.queue(listed, route, since, after, limit + 1)
         records = found[:limit]
         return QueuePage(records, encode_cursor(records[-1]) if len(found) > limit else None)
+
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        """A logout of the operator's page: its session is refused until it expires, by every
+        gateway, after a restart too."""
+        await self._store.end_session(session, expires_at)
+
+    async def session_ended(self, session: bytes) -> bool:
+        return await self._store.session_ended(session)
 
     async def describe(self, record_id: int) -> QueuedKey:
         found = await self._store.describe(_existing_id(record_id))
@@ -147,7 +157,18 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         ) from None
     if after[0].tzinfo is None or not 0 < after[1] < 2**63:
         raise errors.InvalidRequest("cursor is not one this gateway gave out")
-    return after
+    return in_utc(after[0], "cursor"), after[1]
+
+
+def in_utc(moment: datetime, what: str) -> datetime:
+    """`moment` in UTC, or 400 when it has none: a time within a day of the years 1 or 9999
+    (`0001-01-01T00:00:00+05:00`) falls outside them in UTC, and nothing can hold it."""
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise errors.InvalidRequest(
+            f"{what} {moment.isoformat()} is outside the years 1 to 9999 in UTC"
+        ) from None
 
 
 def _existing_id(record_id: int) -> int:

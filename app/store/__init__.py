@@ -246,3 +246,9 @@ class AdminStore(Protocol):
         """Count by state the first `limit` rows whose id is above `after`, in id order."""
 
     async def schema_revision(self) -> str | None: ...
+
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        """Refuse the operator page's session `session` (a digest) until `expires_at`."""
+
+    async def session_ended(self, session: bytes) -> bool:
+        """Whether `end_session` was called for `session` (and it has not expired)."""

@@ -1,4 +1,6 @@
-"""Driver errors end here: `translated` turns them into `errors.StoreUnavailable`.
+"""Driver errors end here: `translated` turns them into `errors.StoreUnavailable`, but for a
+value the database or the driver refused (`refused_value`), which is `errors.StoreRefusedValue`:
+bad input is a 400, never an outage, and it neither logs one nor marks the store down.
 
 Every method of a store that talks to PostgreSQL wears it (a test checks that each public
 method does), so nothing above `store/` ever sees an asyncpg exception, and each operation's
@@ -36,6 +38,16 @@ _WHOLE_SERVER = (
     asyncpg.exceptions.InsufficientResourcesError,  # class 53
     asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, cancelled
 )
+
+
+def refused_value(exc: BaseException) -> bool:
+    """A value refused, not a database gone: PostgreSQL's data exceptions (SQLSTATE class 22:
+    out of range, invalid format) and the driver's own refusal to encode an argument (asyncpg's
+    client-side DataError, an InterfaceError that is a ValueError: a datetime it cannot turn
+    into UTC)."""
+    return isinstance(exc, asyncpg.DataError) or (
+        isinstance(exc, asyncpg.InterfaceError) and isinstance(exc, ValueError)
+    )
 
 
 def isolable(exc: Exception) -> bool:
@@ -104,6 +116,11 @@ def translated(
             try:
                 result = await method(*args, **kwargs)
             except DRIVER_ERRORS as exc:
+                if refused_value(exc):
+                    log.warning("store %s refused a value: %s", operation, reason(exc))
+                    raise errors.StoreRefusedValue(
+                        f"the store cannot hold a value of this request: {exc}"
+                    ) from exc
                 if isinstance(outage, Outage):
                     outage.failed(operation, exc)
                 else:

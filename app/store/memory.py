@@ -77,6 +77,7 @@ class MemoryStore:
         self._rows: dict[tuple[bytes, str], _Row] = {}
         self._ids = itertools.count(1)
         self._watchers = Watchers()
+        self._ended_sessions: dict[bytes, float] = {}
 
     def watch(self, record_id: int) -> Watch:
         return self._watchers.watch(record_id)
@@ -202,6 +203,17 @@ class MemoryStore:
     async def replication(self) -> Replication:
         return Replication(standbys=0, synchronous=0, synchronous_standby_names="",
                            synchronous_commit="on")  # fmt: skip
+
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        await self._yield()
+        now = self._clock()
+        for ended in [name for name, ends in self._ended_sessions.items() if ends < now]:
+            del self._ended_sessions[ended]
+        self._ended_sessions.setdefault(session, expires_at.timestamp())
+
+    async def session_ended(self, session: bytes) -> bool:
+        await self._yield()
+        return session in self._ended_sessions
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         await self._yield()

@@ -335,3 +335,14 @@ SELECT count(*) FILTER (WHERE state IS DISTINCT FROM 'startup') AS standbys,
        current_setting('synchronous_standby_names') AS synchronous_standby_names,
        current_setting('synchronous_commit') AS synchronous_commit
 FROM pg_stat_replication;
+
+-- name: end_session
+-- A logout: the session is refused until its own expiry (migration 0009). Sessions already past
+-- theirs are deleted on the way, so the table holds only live ones.
+WITH expired AS (DELETE FROM oncegate_ended_sessions WHERE expires_at < now())
+INSERT INTO oncegate_ended_sessions (session, expires_at)
+VALUES (:session, :expires_at)
+ON CONFLICT (session) DO NOTHING;
+
+-- name: session_ended
+SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS ended;

@@ -10,6 +10,7 @@ so the queue it reads holds its own keys only.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -115,6 +116,15 @@ async def test_the_queue_lists_unknown_keys_oldest_first_page_by_page(
     assert (found["key"], found["state"]) == (made[0], "unknown")
 
 
+# Within the years 1 to 9999 where they are, outside them in UTC.
+EARLIEST, LATEST = "0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00"
+
+
+def edge_cursor(moment: str) -> str:
+    """A cursor as the gateway spells them, for a moment at the edge of the calendar."""
+    return base64.urlsafe_b64encode(f"{moment}|1".encode()).decode().rstrip("=")
+
+
 @pytest.mark.parametrize(
     ("path", "params", "status"),
     [
@@ -122,6 +132,11 @@ async def test_the_queue_lists_unknown_keys_oldest_first_page_by_page(
         ("/admin/keys", {"state": "unknown", "cursor": "not-a-cursor"}, 400),
         ("/admin/keys", {"state": "unknown", "since": "2026-12-03T06:00:00"}, 400),  # no zone
         ("/admin/keys", {"state": "unknown", "since": "yesterday"}, 400),
+        # Moments whose UTC falls outside the years 1 to 9999: bad input, not an outage.
+        ("/admin/keys", {"state": "unknown", "since": EARLIEST}, 400),
+        ("/admin/keys", {"state": "unknown", "since": LATEST}, 400),
+        ("/admin/keys", {"state": "unknown", "cursor": edge_cursor(EARLIEST)}, 400),
+        ("/admin/keys", {"state": "unknown", "cursor": edge_cursor(LATEST)}, 400),
         ("/admin/keys", {"state": "unknown", "limit": "0"}, 400),
         ("/admin/keys", {"state": "unknown", "route": "no such route!"}, 400),
         ("/admin/keys", {"state": "unknown", "key": "k"}, 400),
@@ -140,6 +155,22 @@ async def test_bad_queue_input_is_a_named_problem(
     assert response.status_code == status, response.text
     assert problem_name(response) == ("not-found" if status == 404 else "invalid-request")
     assert " failed: " not in gateway.process.output()  # nothing reached the store as an error
+    assert "unavailable" not in gateway.process.output()
+
+
+@pytest.mark.parametrize("since", [EARLIEST, LATEST, "800000d", "99999999999d"])
+async def test_an_edge_date_is_refused_with_a_message_by_the_page_and_the_cli(
+    gateway: GatewayProcess, since: str
+) -> None:
+    async with httpx.AsyncClient(base_url=gateway.admin_url) as browser_like:
+        await browser_like.post("/admin/ui/login", data={"token": TOKEN})
+        if not since.endswith("d"):
+            page = await browser_like.get("/admin/ui", params={"since": since})
+            assert page.status_code == 400 and "outside the years 1 to 9999" in page.text
+    status, out, error = await oncegate_keys(gateway, "list", "--since", since)
+    assert status == 2 and out == "", error
+    assert f"--since {since!r}" in error and "Traceback" not in error
+    assert "unavailable" not in gateway.process.output()
 
 
 async def test_the_queue_needs_the_token(gateway: GatewayProcess) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from tests.helpers import new_key
 OLD = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 NEW = f"k2:{base64.b64encode(os.urandom(32)).decode()}"
 SECRET = "card-4242-4242"
+ADMIN_TOKEN = "sealed-admin-token"
 
 
 def routes(upstream: str) -> list[dict[str, object]]:
@@ -38,6 +40,7 @@ def sealed_gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
     with GatewayProcess(module_dir, database_url, routes(upstream.url), name="sealed",
+                 admin_token=ADMIN_TOKEN,
                  env={"ONCEGATE_ENCRYPTION_KEYS": OLD}) as gateway:  # fmt: skip
         yield gateway
 
@@ -94,6 +97,58 @@ async def test_a_changed_byte_is_refused_never_replayed_as_garbage_nor_forwarded
     assert len(upstream.actions(key)) == 1
 
 
+def rekey(database_url: str) -> subprocess.CompletedProcess[str]:
+    """`oncegate rekey` onto NEW, OLD still there to open what it sealed."""
+    return subprocess.run(
+        [sys.executable, "-m", "oncegate.cli", "rekey", "--batch-size", "2"],
+        env={**os.environ, "ONCEGATE_DATABASE_URL": database_url,
+             "ONCEGATE_ENCRYPTION_KEYS": f"{NEW},{OLD}"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("column", "kept"),
+    [("response_body", 0), ("response_body", 5), ("sealed_headers", 11), ("sealed_headers", 27)],
+)
+async def test_a_sealed_value_cut_short_is_answer_sealed_and_rekey_names_it(
+    sealed_gateway: GatewayProcess,
+    db: asyncpg.Connection,
+    upstream: DemoUpstream,
+    database_url: str,
+    column: str,
+    kept: int,
+) -> None:
+    # Below a nonce (12 bytes) AES-GCM raises ValueError, below a nonce and a tag InvalidTag.
+    key = new_key()
+    assert (await charge(sealed_gateway.url, key)).status_code == 201
+    await db.execute(
+        f"UPDATE oncegate_keys SET {column} = substring({column} FROM 1 FOR $2) WHERE key = $1",
+        key,
+        kept,
+    )
+    refused = await charge(sealed_gateway.url, key)
+    assert refused.status_code == 503 and problem_name(refused) == "answer-sealed"
+    assert len(upstream.actions(key)) == 1
+    async with sealed_gateway.admin_client() as admin:
+        shown = await admin.get("/admin/keys", params={"key": key, "body": "1"})
+    assert shown.status_code == 200
+    (record,) = shown.json()["records"]
+    assert (record["status"], record["body"], record["headers"]) == (201, None, None)
+    record_id = (await stored(db, key))["id"]
+    rekeyed = await asyncio.to_thread(rekey, database_url)
+    assert rekeyed.returncode == 1 and "Traceback" not in rekeyed.stderr
+    assert f"key id {record_id}: " in rekeyed.stderr and "cut short" in rekeyed.stderr
+    assert "under key 'k2'" in rekeyed.stdout
+    # It went on past the row: what is left under the old key is what it could not open.
+    left = await db.fetch(
+        "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2'"
+    )
+    named = {int(found) for found in re.findall(r"key id (\d+): ", rekeyed.stderr)}
+    assert named == {row["id"] for row in left}
+    await db.execute("DELETE FROM oncegate_keys WHERE key = $1", key)  # for the next test
+
+
 async def test_status_only_keeps_status_and_headers_but_no_body(
     sealed_gateway: GatewayProcess, db: asyncpg.Connection, upstream: DemoUpstream
 ) -> None:
@@ -138,13 +193,7 @@ async def test_rotation_and_rekey_retire_the_old_key(
         " get_byte(sealed_headers, 20) # 1) WHERE key = $1",
         broken,
     )
-    rekeyed = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "oncegate.cli", "rekey", "--batch-size", "2"],
-        env={**os.environ, "ONCEGATE_DATABASE_URL": database_url,
-             "ONCEGATE_ENCRYPTION_KEYS": f"{NEW},{OLD}"},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    rekeyed = await asyncio.to_thread(rekey, database_url)
     assert rekeyed.returncode == 1 and "under key 'k2'" in rekeyed.stdout
     left = await db.fetch(
         "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2'"

@@ -5,6 +5,8 @@ make the gateway do there, which shares its process with the proxy.
   413) comes while the client still has most of its body to send, so the gateway never held it.
 - The page's resolve form knows two actions; any other (or none) is a 400 and changes nothing.
 - A session cookie is attacker input: whatever its bytes, a 401 and the login form, never a 500.
+- A logout ends the session: a copy of the cookie is refused after it, by another gateway on the
+  same database (as after a restart) too.
 """
 
 from __future__ import annotations
@@ -193,3 +195,34 @@ def test_an_odd_session_cookie_is_a_401_never_a_500(gateway: GatewayProcess, coo
     assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
     assert b'name="token"' in answer  # the login form
     assert "Traceback" not in gateway.process.output()
+
+
+async def test_a_logout_ends_the_session_everywhere_and_after_a_restart(
+    gateway: GatewayProcess,
+    module_dir: Path,
+    database_url: str,
+    upstream: DemoUpstream,
+    operator: httpx.AsyncClient,
+) -> None:
+    # Each login is its own session, two in one second too: a logout ends that one alone.
+    assert ui.new_session(ADMIN_TOKEN, 1e9) != ui.new_session(ADMIN_TOKEN, 1e9)
+    cookie = operator.cookies["oncegate_session"]
+    queue = await operator.get("/admin/ui")
+    assert queue.status_code == 200
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', queue.text)
+    assert found, queue.text
+    logged_out = await operator.post("/admin/ui/logout", data={"csrf": found.group(1)})
+    assert logged_out.status_code == 303
+
+    routes = [prefix_route("pay", upstream.url)]
+    with GatewayProcess(module_dir, database_url, routes, name="restarted",
+                        admin_token=ADMIN_TOKEN) as restarted:  # fmt: skip
+        for admin_url in (gateway.admin_url, restarted.admin_url):
+            async with httpx.AsyncClient(base_url=admin_url) as copy:
+                copy.cookies.set("oncegate_session", cookie, path="/admin/ui")
+                refused = await copy.get("/admin/ui")
+                assert refused.status_code == 401 and 'name="token"' in refused.text
+                # A new login still works: only that session ended.
+                again = await copy.post("/admin/ui/login", data={"token": ADMIN_TOKEN})
+                assert again.status_code == 303
+                assert (await copy.get("/admin/ui")).status_code == 200

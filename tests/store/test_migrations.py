@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import asyncpg
 
 from oncegate import schema
+from oncegate.store import Claim
+from oncegate.store.postgres import PostgresStore
 
 
 async def _tables(url: str) -> set[str]:
@@ -81,3 +84,127 @@ def test_the_package_imports_beside_a_project_whose_own_package_is_app(tmp_path:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["the user", schema.head()]
+
+
+# Keys in every state, written straight into a 0007 table: (key, state column, lease end,
+# expiry) as SQL, and the state each must read after the upgrade.
+ROWS_OF_EVERY_STATE = [
+    ("in-flight", "in_progress", "now() + interval '1 minute'", "now() + interval '1 day'",
+     "in_progress"),
+    ("lease-ran-out", "in_progress", "now() - interval '1 minute'", "now() + interval '1 day'",
+     "unknown"),
+    ("answer-lost", "unknown", "NULL", "now() + interval '1 day'", "unknown"),
+    ("answered", "completed", "NULL", "now() + interval '1 day'", "completed"),
+    ("past-ttl", "completed", "NULL", "now() - interval '1 second'", "expired"),
+    ("in-flight-past-ttl", "in_progress", "now() + interval '1 minute'",
+     "now() - interval '1 second'", "in_progress"),
+]  # fmt: skip
+
+
+async def _write_rows_of_every_state(url: str) -> None:
+    connection = await asyncpg.connect(url)
+    try:
+        for key, state, lease, expires, _ in ROWS_OF_EVERY_STATE:
+            await connection.execute(
+                "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+                " lease_expires_at, response_status, response_headers, response_body,"
+                " response_stored, created_at, expires_at)"
+                " VALUES ('r', sha256(convert_to($1, 'UTF8')), $1, sha256(''::bytea), $2, 3,"
+                f"  {lease},"
+                "  CASE WHEN $2 = 'completed' THEN 201 END,"
+                "  CASE WHEN $2 = 'completed' THEN '[]'::jsonb END,"
+                "  CASE WHEN $2 = 'completed' THEN 'receipt'::bytea END, $2 = 'completed',"
+                f"  now() - interval '2 days', {expires})",
+                key,
+                state,
+            )
+    finally:
+        await connection.close()
+
+
+async def _states(url: str) -> dict[str, tuple[str, int, bytes | None]]:
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            "SELECT key, oncegate_key_state(state, lease_expires_at, expires_at) AS state,"
+            " fencing_token, response_body FROM oncegate_keys"
+        )
+    finally:
+        await connection.close()
+    return {row["key"]: (row["state"], row["fencing_token"], row["response_body"]) for row in rows}
+
+
+async def _primary_key(url: str) -> str:
+    connection = await asyncpg.connect(url)
+    try:
+        definition: str = await connection.fetchval(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = 'oncegate_keys'::regclass AND contype = 'p'"
+        )
+    finally:
+        await connection.close()
+    return definition
+
+
+async def test_an_upgrade_keeps_keys_of_every_state_and_adds_key_to_the_primary_key(
+    empty_database_url: str,
+) -> None:
+    await _upgrade(empty_database_url, "0007")
+    await _write_rows_of_every_state(empty_database_url)
+    before = await _states(empty_database_url)
+    assert await _primary_key(empty_database_url) == "PRIMARY KEY (id)"
+    await _upgrade(empty_database_url)
+    assert await _primary_key(empty_database_url) == "PRIMARY KEY (id, key)"
+    after = await _states(empty_database_url)
+    assert after == before
+    assert {key: state for key, (state, _, _) in after.items()} == {
+        key: expected for key, *_, expected in ROWS_OF_EVERY_STATE
+    }
+    # And the store works on the upgraded table: the old rows as they were, new keys claimed.
+    store = await PostgresStore.connect(empty_database_url)
+    try:
+        answered = await store.get(hashlib.sha256(b"answered").digest(), "answered")
+        assert answered is not None and (answered.state, answered.body) == ("completed", b"receipt")
+        claimed = await store.claim("r", hashlib.sha256(b"s").digest(), "new", bytes(32), 60, 600)
+        assert isinstance(claimed, Claim)
+        assert await store.release(claimed)
+    finally:
+        await store.close()
+    await asyncio.to_thread(schema.downgrade, empty_database_url, "0007")
+    assert await _primary_key(empty_database_url) == "PRIMARY KEY (id)"
+    assert await _states(empty_database_url) == before
+
+
+async def test_the_state_rule_reads_as_it_did_before_it_was_written_as_a_condition(
+    database_url: str,
+) -> None:
+    # Migration 0008 rewrote `oncegate_key_state` on top of `oncegate_key_is`: every state
+    # column, with or without a lease, before or after it and the TTL, reads as before.
+    connection = await asyncpg.connect(database_url)
+    try:
+        differing = await connection.fetch(
+            """
+            WITH cases AS (
+                SELECT state, now() + lease AS lease_expires_at, now() + ttl AS expires_at
+                FROM unnest(ARRAY['in_progress', 'completed', 'unknown']) AS state,
+                     unnest(ARRAY[NULL, interval '-1 minute', interval '0', interval '1 minute'])
+                         AS lease,
+                     unnest(ARRAY[interval '-1 minute', interval '0', interval '1 minute'])
+                         AS ttl
+            )
+            SELECT *, oncegate_key_state(state, lease_expires_at, expires_at) AS now_reads
+            FROM cases
+            WHERE oncegate_key_state(state, lease_expires_at, expires_at) IS DISTINCT FROM
+                CASE
+                    WHEN state = 'in_progress' AND lease_expires_at > now() THEN 'in_progress'
+                    WHEN expires_at <= now() THEN 'expired'
+                    WHEN state = 'in_progress' THEN 'unknown'
+                    ELSE state
+                END
+               OR NOT oncegate_key_is(oncegate_key_state(state, lease_expires_at, expires_at),
+                                      state, lease_expires_at, expires_at, now())
+            """
+        )
+    finally:
+        await connection.close()
+    assert differing == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from datetime import datetime, timedelta, timezone
 
 import asyncpg
 import pytest
@@ -210,6 +211,23 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
 async def test_store_errors_become_store_unavailable() -> None:
     with pytest.raises(errors.StoreUnavailable):
         await PostgresStore.connect("postgresql://nobody@127.0.0.1:1/none")
+
+
+@pytest.mark.parametrize("refused", ["moment", "nul"])
+async def test_a_value_the_store_refuses_is_bad_input_never_an_outage(
+    store: PostgresStore, refused: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What the layers above check first, sent straight to the store: the driver cannot put
+    # 0001-01-01T00:00:00+05:00 in UTC (its DataError), PostgreSQL refuses a NUL (class 22).
+    with pytest.raises(errors.StoreRefusedValue):
+        if refused == "moment":
+            edge = datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5)))
+            await store.queue("unknown", None, edge, None, 10)
+        else:
+            await store.find("a\x00b", None)
+    assert not store.outage.down
+    assert "unavailable" not in caplog.text
+    assert await store.find(new_key(), None) == []  # and the store goes on
 
 
 async def test_constraints_refuse_what_the_gateway_never_writes(

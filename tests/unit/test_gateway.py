@@ -15,7 +15,16 @@ import pytest
 
 from oncegate import errors, fingerprint, headers, keys, service, settings
 from oncegate.sealing import Sealer, plaintext
-from oncegate.service import Gateway, ProxyRequest, Reclaim, Refuse, Replay, TakeOver, decide
+from oncegate.service import (
+    Gateway,
+    InFlight,
+    ProxyRequest,
+    Reclaim,
+    Refuse,
+    Replay,
+    TakeOver,
+    decide,
+)
 from oncegate.service.waiting import WaitingRoom
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
@@ -54,9 +63,9 @@ def test_a_different_request_under_a_known_key_is_refused_as_reused(state: State
 def test_a_completed_key_is_replayed() -> None:
     decision = decide(record("completed"), REQUEST, route(), PLAIN, SCOPE)
     assert isinstance(decision, Replay)
-    assert decision.response.status == 201
-    assert ("idempotent-replayed", "true") in decision.response.headers
-    assert (decision.response.outcome, decision.response.blocked) == ("replayed", "replayed")
+    assert decision.answer.status == 201
+    assert ("idempotent-replayed", "true") in decision.answer.headers
+    assert (decision.answer.outcome, decision.answer.blocked) == ("replayed", "replayed")
 
 
 def test_a_completed_key_whose_answer_was_too_large_is_refused_with_its_status() -> None:
@@ -68,7 +77,7 @@ def test_a_completed_key_whose_answer_was_too_large_is_refused_with_its_status()
 
 def test_a_key_in_flight_is_409_with_retry_after() -> None:
     decision = decide(record("in_progress"), REQUEST, route(), PLAIN, SCOPE)
-    assert isinstance(decision, Refuse) and isinstance(decision.error, errors.RequestInProgress)
+    assert isinstance(decision, InFlight) and isinstance(decision.error, errors.RequestInProgress)
     assert decision.error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
     assert decision.error.blocked_reason == "in_progress"
 

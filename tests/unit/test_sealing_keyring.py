@@ -89,3 +89,25 @@ def test_a_bad_keyring_is_refused_without_showing_key_material(text: str, messag
         Keyring.parse(text)
     secret = text.rpartition(":")[2]
     assert len(secret) < 8 or secret not in str(refused.value)
+
+
+@pytest.mark.parametrize("kept", [0, 5, 11, 12, 27])
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_sealed_value_cut_short_is_unopenable_whatever_its_length(part: str, kept: int) -> None:
+    ring = keyring("k1")
+    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
+    assert sealed.body is not None
+    if part == "headers":
+        cut = SealedAnswer(sealed.key_name, sealed.headers[:kept], sealed.body)
+    else:
+        cut = SealedAnswer(sealed.key_name, sealed.headers, sealed.body[:kept])
+    with pytest.raises(Unopenable):
+        ring.open(7, SCOPE, cut)
+    with pytest.raises(Unopenable):
+        ring.reseal(7, SCOPE, cut)
+
+
+@pytest.mark.parametrize("stored", [b'[["a", "b"', b"[1]", b'[["a", "b", "c"]]', b'[["a", 1]]'])
+def test_plaintext_headers_that_are_not_their_json_are_unopenable(stored: bytes) -> None:
+    with pytest.raises(Unopenable):
+        sealing.open_plain(SealedAnswer(None, stored, b"body"))

@@ -152,6 +152,12 @@ class PostgresStore:
     async def schema_revision(self) -> str | None:
         return await self._operator.schema_revision()
 
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        await self._operator.end_session(session, expires_at)
+
+    async def session_ended(self, session: bytes) -> bool:
+        return await self._operator.session_ended(session)
+
     # Re-sealing (`rekey`).
 
     async def rekey(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:

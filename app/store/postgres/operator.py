@@ -160,6 +160,20 @@ class OperatorQueries:
         metrics.FAILOVER_UNSAFE.set(1 if found.risk() else 0)
         return found
 
+    @translated("end_session")
+    async def end_session(self, session: bytes, expires_at: datetime) -> None:
+        query = QUERIES["end_session"]
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            await connection.execute(
+                query.sql, *query.arguments({"session": session, "expires_at": expires_at})
+            )
+
+    @translated("session_ended")
+    async def session_ended(self, session: bytes) -> bool:
+        row = await fetchrow(self._pool, "session_ended", session=session)
+        ended: bool = row["ended"]
+        return ended
+
     @translated("schema_revision")
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at, or None before the first migration."""

@@ -1,0 +1,179 @@
+"""A LangGraph graph that tests run in a process of their own, kill with SIGKILL and resume.
+
+    python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
+        [--api sync|async] [--freeze-at N] [--durability sync|async]
+        [--hold-checkpoint-of-step N] [--observe]
+
+The graph loops `LOOPS` times through `draft` then `send`; `send` POSTs an email through the
+gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by LangGraph's
+`PostgresSaver` on the given database. Each `send` prints one JSON line: its iteration, the task
+id, the task's namespace, the key and whether the gateway replayed the answer. A run with no
+checkpoint yet starts the thread; otherwise it resumes it (`invoke(None, ...)`).
+
+- `--freeze-at N`: after the N-th iteration's email was answered, print `{"event": "frozen"}`
+  and wait for the SIGKILL: the kill lands between the action and LangGraph's write of the step.
+- `--hold-checkpoint-of-step N`: the saver never finishes saving the checkpoint of step N, as if
+  the kill came while that save was still on its way.
+- `--observe`: the first `send` prints its task id and the key it would send (`event`
+  `observed`), sends nothing and waits for the SIGKILL: for a `--durability async` run, where
+  `task_key` refuses to make a key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import operator
+import sys
+import time
+from typing import Annotated, Any, TypedDict
+
+import psycopg
+from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import get_runtime
+
+from oncegate.agent import keys
+from oncegate.agent.langgraph import AsyncGateway, Gateway
+
+LOOPS = 3
+
+
+class State(TypedDict):
+    iteration: int
+    receipts: Annotated[list[dict[str, Any]], operator.add]
+
+
+def report(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)  # noqa: T201 - the test reads these lines
+
+
+def freeze() -> None:
+    report(event="frozen")
+    while True:  # until the SIGKILL
+        time.sleep(60)
+
+
+def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> StateGraph[Any]:
+    def draft(state: State) -> dict[str, Any]:
+        return {"iteration": state["iteration"] + 1}
+
+    def body(state: State) -> dict[str, Any]:
+        return {"to": "ana@example.com", "thread": arguments.thread, "n": state["iteration"]}
+
+    def sent(state: State, response: Any) -> dict[str, Any]:
+        execution = get_runtime().execution_info
+        assert execution is not None
+        report(
+            event="sent",
+            iteration=state["iteration"],
+            task_id=execution.task_id,
+            checkpoint_ns=execution.checkpoint_ns,
+            key=response.request.headers["Idempotency-Key"],
+            replayed=response.headers.get("Idempotent-Replayed") == "true",
+        )
+        if state["iteration"] == arguments.freeze_at:
+            freeze()
+        return {"receipts": [response.json()]}
+
+    def observe(state: State) -> dict[str, Any]:
+        execution = get_runtime().execution_info
+        assert execution is not None and execution.thread_id is not None
+        key = keys.task_key(execution.thread_id, execution.checkpoint_ns, "email")
+        report(event="observed", iteration=state["iteration"], task_id=execution.task_id, key=key)
+        freeze()
+        return {}
+
+    def send(state: State) -> dict[str, Any]:
+        assert isinstance(gateway, Gateway)
+        if arguments.observe:
+            return observe(state)
+        return sent(state, gateway.post("/emails", body(state), action="email"))
+
+    async def send_async(state: State) -> dict[str, Any]:
+        assert isinstance(gateway, AsyncGateway)
+        return sent(state, await gateway.post("/emails", body(state), action="email"))
+
+    def again(state: State) -> str:
+        return "draft" if state["iteration"] < LOOPS else END
+
+    builder = StateGraph(State)
+    builder.add_node("draft", draft)
+    builder.add_node("send", send if arguments.api == "sync" else send_async)
+    builder.add_edge(START, "draft")
+    builder.add_edge("draft", "send")
+    builder.add_conditional_edges("send", again)
+    return builder
+
+
+class HeldSaver(PostgresSaver):
+    """Never finishes saving the checkpoint of one step (the others are saved as usual)."""
+
+    step: int
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        if metadata.get("step") == self.step:
+            while True:  # the save "on its way" when the SIGKILL comes
+                time.sleep(60)
+        return super().put(config, checkpoint, metadata, new_versions)
+
+
+def run_sync(arguments: argparse.Namespace) -> None:
+    config: Any = {"configurable": {"thread_id": arguments.thread}}
+    with (
+        psycopg.Connection.connect(
+            arguments.database_url, autocommit=True, prepare_threshold=0
+        ) as connection,
+        Gateway(arguments.gateway) as gateway,
+    ):
+        saver: PostgresSaver
+        if arguments.hold_checkpoint_of_step is not None:
+            saver = HeldSaver(connection)  # type: ignore[arg-type]
+            saver.step = arguments.hold_checkpoint_of_step  # type: ignore[attr-defined]
+        else:
+            saver = PostgresSaver(connection)  # type: ignore[arg-type]
+        saver.setup()
+        graph = build(arguments, gateway).compile(checkpointer=saver)
+        start = None if saver.get_tuple(config) is not None else {"iteration": 0, "receipts": []}
+        final = graph.invoke(start, config, durability=arguments.durability)
+    report(event="finished", receipts=len(final["receipts"]))
+
+
+async def run_async(arguments: argparse.Namespace) -> None:
+    config: Any = {"configurable": {"thread_id": arguments.thread}}
+    async with (
+        await psycopg.AsyncConnection.connect(
+            arguments.database_url, autocommit=True, prepare_threshold=0
+        ) as connection,
+        AsyncGateway(arguments.gateway) as gateway,
+    ):
+        saver = AsyncPostgresSaver(connection)  # type: ignore[arg-type]
+        await saver.setup()
+        graph = build(arguments, gateway).compile(checkpointer=saver)
+        known = await saver.aget_tuple(config)
+        start = None if known is not None else {"iteration": 0, "receipts": []}
+        final = await graph.ainvoke(start, config, durability=arguments.durability)
+    report(event="finished", receipts=len(final["receipts"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--thread", required=True)
+    parser.add_argument("--api", choices=["sync", "async"], default="sync")
+    parser.add_argument("--durability", choices=["sync", "async"], default="sync")
+    parser.add_argument("--freeze-at", type=int)
+    parser.add_argument("--hold-checkpoint-of-step", type=int)
+    parser.add_argument("--observe", action="store_true")
+    arguments = parser.parse_args()
+    if arguments.api == "sync":
+        run_sync(arguments)
+    else:
+        asyncio.run(run_async(arguments))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

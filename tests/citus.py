@@ -1,0 +1,206 @@
+"""A real Citus cluster for the tests and the bench: a coordinator and two workers.
+
+Each node is Debian's PostgreSQL 15 with the Citus extension (installed by CI before the tests),
+started with its own `initdb`/`pg_ctl` on a free port of 127.0.0.1, in a temporary directory,
+as a user that is not root (`postgres` when the tests run as root). Nothing here pretends:
+where Citus is not installed, `unavailable()` says why and the tests that need it are skipped.
+
+What a Citus database needs, learned on this cluster: `shared_preload_libraries = 'citus'` on
+every node; `citus.node_conninfo = 'sslmode=disable'` (these servers have no TLS, and Citus asks
+for it between nodes by default); the database on every node, with `CREATE EXTENSION citus` in
+it, before the coordinator adds the workers (`CREATE DATABASE` is not propagated, and Citus keeps
+its metadata per database).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+
+from tests.helpers import free_port
+
+BIN = Path("/usr/lib/postgresql/15/bin")
+LIB = Path("/usr/lib/postgresql/15/lib")
+USER = "postgres"  # the servers' user when the tests run as root (Debian's package makes it)
+WORKERS = 2
+# Shards per distributed table: Citus's default is 32; 8 keep a test database's migration to a
+# second while still putting several shards on each worker.
+SHARD_COUNT = 8
+START_TIMEOUT = 60
+
+
+def unavailable() -> str | None:
+    """Why no Citus cluster can start here, or None when one can."""
+    if not (BIN / "pg_ctl").exists():
+        return f"PostgreSQL 15 is not installed ({BIN}); CI installs it with Citus before the tests"
+    if not (LIB / "citus.so").exists():
+        return f"the Citus extension is not installed in {LIB}; CI installs it before the tests"
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam(USER)
+        except KeyError:
+            return f"running as root, and there is no user {USER!r} to run PostgreSQL as"
+    return None
+
+
+@dataclass
+class Node:
+    name: str
+    port: int
+    data: Path
+    log: Path
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{USER}@127.0.0.1:{self.port}/{database}"
+
+
+@dataclass
+class Cluster:
+    """A coordinator and its workers, each a PostgreSQL server of its own."""
+
+    directory: Path
+    coordinator: Node
+    workers: list[Node] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.coordinator, *self.workers]
+
+    def url(self, database: str = "postgres") -> str:
+        """The coordinator: what `ONCEGATE_DATABASE_URL` names."""
+        return self.coordinator.url(database)
+
+    @classmethod
+    def start(cls, directory: Path | None = None) -> Cluster:
+        directory = directory or Path(tempfile.mkdtemp(prefix="oncegate-citus-"))
+        _give_to_server_user(directory)
+        nodes = [
+            Node(name, free_port(), directory / name, directory / f"{name}.log")
+            for name in ["coordinator", *(f"worker{number}" for number in range(1, WORKERS + 1))]
+        ]
+        cluster = cls(directory, nodes[0], nodes[1:])
+        try:
+            for node in nodes:
+                _run([BIN / "initdb", "-D", node.data, "-U", USER, "-A", "trust", "--no-sync"])
+                with (node.data / "postgresql.conf").open("a") as conf:
+                    conf.write(
+                        f"port = {node.port}\n"
+                        "listen_addresses = '127.0.0.1'\n"
+                        f"unix_socket_directories = '{directory}'\n"
+                        "shared_preload_libraries = 'citus'\n"
+                        "citus.node_conninfo = 'sslmode=disable'\n"
+                        f"citus.shard_count = {SHARD_COUNT}\n"
+                        "max_connections = 200\n"
+                        "fsync = off\n"
+                        "full_page_writes = off\n"
+                    )
+                cluster.start_node(node)
+            asyncio.run(cluster._add_nodes("postgres"))
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def start_node(self, node: Node) -> None:
+        _run(
+            [
+                BIN / "pg_ctl",
+                "-D",
+                node.data,
+                "-l",
+                node.log,
+                "-w",
+                "-t",
+                str(START_TIMEOUT),
+                "start",
+            ]
+        )
+
+    def stop_node(self, node: Node, mode: str = "fast") -> None:
+        """`mode` as pg_ctl's `-m`: `immediate` is a crash (no shutdown checkpoint)."""
+        _run([BIN / "pg_ctl", "-D", node.data, "-m", mode, "-w", "stop"])
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if (node.data / "postmaster.pid").exists():
+                with contextlib.suppress(subprocess.CalledProcessError):
+                    self.stop_node(node, "immediate")
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def create_database(self, name: str) -> str:
+        """A new Citus database `name` on every node, its workers added; its coordinator URL."""
+        asyncio.run(self._create_database(name))
+        return self.url(name)
+
+    def drop_database(self, name: str) -> None:
+        asyncio.run(self._on_every_node("postgres", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+    async def _create_database(self, name: str) -> None:
+        await self._on_every_node(
+            "postgres",
+            f"DROP DATABASE IF EXISTS {name} WITH (FORCE)",
+            f"CREATE DATABASE {name}",
+        )
+        await self._add_nodes(name)
+
+    async def _add_nodes(self, database: str) -> None:
+        await self._on_every_node(database, "CREATE EXTENSION IF NOT EXISTS citus")
+        connection = await asyncpg.connect(self.url(database))
+        try:
+            await connection.execute(
+                "SELECT citus_set_coordinator_host('127.0.0.1', $1)", self.coordinator.port
+            )
+            for worker in self.workers:
+                await connection.execute("SELECT citus_add_node('127.0.0.1', $1)", worker.port)
+        finally:
+            await connection.close()
+
+    async def _on_every_node(self, database: str, *statements: str) -> None:
+        for node in self.nodes:
+            connection = await asyncpg.connect(node.url(database))
+            try:
+                for statement in statements:
+                    await connection.execute(statement)
+            finally:
+                await connection.close()
+
+
+def _give_to_server_user(directory: Path) -> None:
+    """PostgreSQL refuses to run as root: as root, its directory belongs to `postgres`."""
+    if os.geteuid() == 0:
+        entry = pwd.getpwnam(USER)
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
+
+
+def _run(command: list[object]) -> None:
+    arguments = [str(part) for part in command]
+    if os.geteuid() == 0:
+        arguments = ["runuser", "-u", USER, "--", *arguments]
+    result = subprocess.run(arguments, capture_output=True, text=True, timeout=START_TIMEOUT + 30)
+    if result.returncode != 0:
+        raise subprocess.CalledProcessError(
+            result.returncode, arguments, result.stdout, result.stderr
+        )
+
+
+def wait_accepting(node: Node, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = subprocess.run(
+            [str(BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(node.port)],
+            capture_output=True,
+        )
+        if ready.returncode == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{node.name} is not accepting connections on {node.port}")

@@ -1,0 +1,138 @@
+"""`oncegate migrate` on a real Citus cluster (tests/citus.py): the key table distributed by
+`key`, the claim function beside its shards, and an existing database's keys kept."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+
+from oncegate import schema
+from tests import citus
+from tests.store.test_migrations import ROWS_OF_EVERY_STATE, _states, _write_rows_of_every_state
+
+
+@pytest.fixture
+def citus_database(citus_cluster: citus.Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """An empty Citus database (the extension on every node, the workers added)."""
+    name = f"oncegate_citus_{os.getpid()}_{request.node.name[-30:].lower()}"
+    url = citus_cluster.create_database(name)
+    yield url
+    citus_cluster.drop_database(name)
+
+
+async def _fetch(url: str, query: str) -> list[asyncpg.Record]:
+    connection = await asyncpg.connect(url)
+    try:
+        rows: list[asyncpg.Record] = await connection.fetch(query)
+    finally:
+        await connection.close()
+    return rows
+
+
+def test_migrate_distributes_the_key_table_by_key_and_says_over_what(citus_database: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "oncegate.cli", "migrate"],
+        env={**os.environ, "ONCEGATE_DATABASE_URL": citus_database},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"oncegate_keys is distributed by key over {citus.WORKERS} Citus workers"
+        f" in {citus.SHARD_COUNT} shards"
+    )
+    tables = asyncio.run(
+        _fetch(
+            citus_database,
+            "SELECT table_name::text AS name, distribution_column, colocation_id, shard_count"
+            " FROM citus_tables ORDER BY 1",
+        )
+    )
+    assert [(row["name"], row["distribution_column"]) for row in tables] == [
+        ("oncegate_checkpoints", "run_id"),
+        ("oncegate_keys", "key"),
+    ]
+    # Nothing joins the agent's checkpoints with the keys: a colocation group of their own.
+    assert tables[0]["colocation_id"] != tables[1]["colocation_id"]
+    functions = asyncio.run(
+        _fetch(
+            citus_database,
+            "SELECT objid::regprocedure::text AS function, distribution_argument_index,"
+            " colocationid FROM pg_dist_object WHERE classid = 'pg_proc'::regclass ORDER BY 1",
+        )
+    )
+    by_name = {row["function"].split("(")[0]: row for row in functions}
+    assert {"oncegate_claim", "oncegate_key_is", "oncegate_key_state", "oncegate_after"} <= set(
+        by_name
+    )
+    # The claim runs on the worker of its first argument's shard, beside the key table's rows.
+    assert by_name["oncegate_claim"]["distribution_argument_index"] == 0
+    assert by_name["oncegate_claim"]["colocationid"] == tables[1]["colocation_id"]
+    # Run again: nothing to do, the same answer.
+    again = subprocess.run(
+        [sys.executable, "-m", "oncegate.cli", "migrate"],
+        env={**os.environ, "ONCEGATE_DATABASE_URL": citus_database},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and again.stdout == result.stdout
+
+
+async def test_a_database_that_gained_citus_is_distributed_with_its_keys(
+    citus_database: str,
+) -> None:
+    # Migrated before Citus mattered (its tables are plain ones on the coordinator), with keys.
+    await asyncio.to_thread(schema.upgrade, citus_database, "0007")
+    await _write_rows_of_every_state(citus_database)
+    before = await _states(citus_database)
+    await asyncio.to_thread(schema.upgrade, citus_database)
+    assert await _states(citus_database) == before
+    assert {key: state for key, (state, _, _) in before.items()} == {
+        key: expected for key, *_, expected in ROWS_OF_EVERY_STATE
+    }
+    # The rows now live in the shards, on the workers.
+    shards = await _fetch(
+        citus_database,
+        "SELECT result::int AS rows, nodeport FROM run_command_on_shards("
+        "  'oncegate_keys', 'SELECT count(*) FROM %s') AS counted"
+        " JOIN citus_shards USING (shardid)",
+    )
+    assert sum(shard["rows"] for shard in shards) == len(ROWS_OF_EVERY_STATE)
+    assert len({shard["nodeport"] for shard in shards}) == citus.WORKERS
+    with pytest.raises(RuntimeError, match="cannot downgrade below revision 0008 on Citus"):
+        await asyncio.to_thread(schema.downgrade, citus_database, "0007")
+
+
+async def test_migrate_on_citus_without_workers_says_to_add_them(
+    citus_cluster: citus.Cluster,
+) -> None:
+    name = f"oncegate_citus_{os.getpid()}_no_workers"
+    connection = await asyncpg.connect(citus_cluster.url())
+    try:
+        await connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await connection.execute(f"CREATE DATABASE {name}")
+    finally:
+        await connection.close()
+    url = citus_cluster.url(name)
+    connection = await asyncpg.connect(url)
+    try:
+        await connection.execute("CREATE EXTENSION citus")
+    finally:
+        await connection.close()
+    try:
+        with pytest.raises(RuntimeError, match=r"no worker to put shards on.*citus_add_node"):
+            await asyncio.to_thread(schema.upgrade, url)
+    finally:
+        connection = await asyncpg.connect(citus_cluster.url())
+        try:
+            await connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        finally:
+            await connection.close()

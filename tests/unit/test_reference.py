@@ -1,19 +1,36 @@
-"""docs/reference.md stays true: every command, flag, variable, problem, outcome and metric the
-code has is named there. (A name the code lost is found by reading; a name the doc lacks, here.)"""
+"""docs/reference.md stays true: every command, flag, variable, problem, outcome, metric and admin
+path the code has is named there; and docs/operations.md's tables (section 2: settings and route
+options) list every setting and route option where they list them. (A name the code lost is
+found by reading; a name the doc lacks, here.)"""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from pathlib import Path
 
+from fastapi.routing import APIRoute
 from prometheus_client.metrics import MetricWrapperBase
 
 from oncegate import cli, errors, metrics, settings
+from oncegate.http import admin, ui
 from oncegate.outcomes import Outcome
 
 ROOT = Path(__file__).parents[2]
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+
+
+def section(text: str, heading: str) -> str:
+    """The part of a page under `heading` (a `## ` line), to the next `## `."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ")]
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -38,6 +55,42 @@ def test_every_setting_has_its_variable_in_the_reference() -> None:
         assert f"`{field}`" in REFERENCE, field
     for field in settings.Route.model_fields:
         assert f"`{field}`" in REFERENCE, field
+
+
+def test_every_setting_and_route_option_is_in_the_operations_tables() -> None:
+    configuration = table_rows(section(OPERATIONS, "2. Configuration reference"))
+    for field in set(settings.Settings.model_fields) - {"routes"}:
+        variable = f"`{settings.ENV_PREFIX}{field.upper()}`"
+        assert any(variable in row and f"`{field}`" in row for row in configuration), field
+    for field in settings.Route.model_fields:
+        assert any(row.startswith(f"| `{field}` |") for row in configuration), field
+    # And the reference's sentence that names every route option, with the sections it sends to.
+    routes = section(REFERENCE, "Routes (YAML)")
+    for field in settings.Route.model_fields:
+        assert f"`{field}`" in routes, field
+
+
+def admin_paths() -> list[tuple[str, str]]:
+    """Every (method, path) the admin port serves, `{id}` for the path's key id."""
+    found = []
+    for route in [*admin.router.routes, *ui.router.routes]:
+        assert isinstance(route, APIRoute)
+        for method in route.methods:
+            found.append((method, route.path.replace("{record_id}", "{id}")))
+    return found
+
+
+def test_every_admin_path_is_in_the_reference_s_admin_table() -> None:
+    rows = table_rows(section(REFERENCE, "The admin port"))
+    listed = [row.split("|")[1].strip().strip("`") for row in rows]
+    for method, path in admin_paths():
+        assert any(
+            entry == f"{method} {path}" or entry.startswith(f"{method} {path}?") for entry in listed
+        ), (method, path)
+    # The queue's and the look-up's query parameters, each spelled in the table.
+    parameters = inspect.signature(admin.find_keys).parameters
+    for name in set(parameters) - {"runtime"}:
+        assert any(f"{name}=" in entry for entry in listed), name
 
 
 def problems() -> list[type[errors.GatewayError]]:

@@ -25,6 +25,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -461,6 +462,10 @@ def load(
     merged.update({name: value for name, value in flags.items() if name in fields})
     merged.setdefault("data_dir", default_data_dir(environ))
     default_ttl = merged.get("ttl", DEFAULT_TTL)
+    try:
+        TypeAdapter(Duration).validate_python(default_ttl)
+    except ValidationError:
+        default_ttl = DEFAULT_TTL  # its mistake is said once, as `ttl`'s, not again per route
     routes = merged.get("routes") or []
     if not isinstance(routes, list):
         raise errors.ConfigError(f"{path}: routes: must be a list of routes")
@@ -542,13 +547,22 @@ def _describe(exc: ValidationError, path: object, added: int | None = None) -> s
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown field (a typo?)"
+        prefix = ""
         if added is not None and parts[:2] == ["routes", added]:
             if parts[2:] == ["upstream"]:
                 continue  # the same mistake as `upstream` itself, said there
-            parts = ["the route 'default' that upstream (--upstream) adds", *parts[2:]]
+            prefix, parts = "the route 'default' that upstream (--upstream) adds", parts[2:]
+            if "must exceed lease" in message:
+                message += (
+                    f"; that route has the default timeout ({DEFAULT_TIMEOUT:g}s) and lease "
+                    f"(twice it), which only a config file can change (routes: with its own "
+                    "timeout or lease): give a longer ttl, or write the route in a file"
+                )
         location = "".join(
             f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts
         ).lstrip(".")
+        if prefix:
+            location = f"{prefix} ({location})" if location else prefix
         lines.append(f"  {location or 'settings'}: {message}")
     source = f" in {path}" if path else ""
     return f"invalid configuration{source}:\n" + "\n".join(lines)

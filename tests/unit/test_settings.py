@@ -652,11 +652,28 @@ def test_a_bad_upstream_flag_is_said_once() -> None:
     )
 
 
-def test_a_short_ttl_flag_blames_the_route_the_flag_adds_not_routes_0() -> None:
+def test_a_short_ttl_flag_blames_the_route_the_flag_adds_and_says_only_a_file_changes_it() -> None:
     assert _config_error({"upstream": UPSTREAM, "ttl": "30s"}) == (
         "invalid configuration:\n"
         "  the route 'default' that upstream (--upstream) adds: ttl (30s) must exceed lease "
-        "(60s, twice the timeout): a key cannot expire while its request is still in flight"
+        "(60s, twice the timeout): a key cannot expire while its request is still in flight; "
+        "that route has the default timeout (30s) and lease (twice it), which only a config "
+        "file can change (routes: with its own timeout or lease): give a longer ttl, or write "
+        "the route in a file"
+    )
+
+
+def test_a_bad_ttl_flag_is_said_once(tmp_path: Path) -> None:
+    assert _config_error({"upstream": UPSTREAM, "ttl": "1week"}) == (
+        "invalid configuration:\n"
+        "  ttl: '1week' is not a duration: use a number of seconds or 90s, 15m, 24h, 7d"
+    )
+    # Nor again for each route of a file that takes it.
+    path = tmp_path / "oncegate.yaml"
+    path.write_text("ttl: 1week\nroutes:\n  - {name: a, match: /, upstream: 'http://x'}\n")
+    assert _config_error({}, path) == (
+        f"invalid configuration in {path}:\n"
+        "  ttl: '1week' is not a duration: use a number of seconds or 90s, 15m, 24h, 7d"
     )
 
 

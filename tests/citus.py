@@ -101,6 +101,7 @@ class Cluster:
                         "citus.node_conninfo = 'sslmode=disable'\n"
                         f"citus.shard_count = {SHARD_COUNT}\n"
                         "max_connections = 200\n"
+                        "citus.enable_stat_counters = on\n"
                         "fsync = off\n"
                         "full_page_writes = off\n"
                     )

@@ -24,10 +24,13 @@ Headers = Sequence[tuple[str, str]]
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """Ownership of a key: only the holder of the current fencing token may settle it."""
+    """Ownership of a key: only the holder of the current fencing token may settle it. A settle
+    names the row by (key, id, token): `key` is the key table's distribution column on Citus,
+    so the statement reaches the one shard that holds the row."""
 
     record_id: int
     token: int
+    key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,7 @@ class Record:
 
     id: int
     token: int
+    key: str
     fingerprint: bytes
     state: State
     status: int | None

@@ -184,3 +184,32 @@ class Batcher(Generic[Item, Outcome]):
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
+
+
+class PerShard(Generic[Item, Outcome]):
+    """A `Batcher` per shard, made when the shard's first operation arrives: on Citus, a batch
+    whose keys span shards would be one statement on several workers, committed with two-phase
+    commit; a batch per shard is one worker's, sent to it alone. (On plain PostgreSQL the store
+    uses one `Batcher`: one shard.)"""
+
+    def __init__(
+        self, shard_of: Callable[[Item], int], make: Callable[[], Batcher[Item, Outcome]]
+    ) -> None:
+        self._shard_of = shard_of
+        self._make = make
+        self._batchers: dict[int, Batcher[Item, Outcome]] = {}
+        self._closed = False
+
+    async def run(self, item: Item) -> Outcome:
+        shard = self._shard_of(item)
+        batcher = self._batchers.get(shard)
+        if batcher is None:
+            if self._closed:
+                raise RuntimeError("the batchers are closed")
+            batcher = self._batchers[shard] = self._make()
+        return await batcher.run(item)
+
+    async def close(self) -> None:
+        self._closed = True
+        for batcher in list(self._batchers.values()):
+            await batcher.close()

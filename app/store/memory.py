@@ -113,7 +113,7 @@ class MemoryStore:
             created_at=now,
         )  # fmt: skip
         self._rows[(scope, key)] = row
-        return Claim(row.id, row.token)
+        return Claim(row.id, row.token, row.key)
 
     async def get(self, scope: bytes, key: str) -> Record | None:
         await self._yield()
@@ -134,7 +134,7 @@ class MemoryStore:
             expires_at=now + ttl, created_at=now,
         )  # fmt: skip
         self._rows[(row.scope, row.key)] = fresh
-        return Claim(fresh.id, fresh.token)
+        return Claim(fresh.id, fresh.token, fresh.key)
 
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         await self._yield()
@@ -150,7 +150,7 @@ class MemoryStore:
             expires_at=max(row.expires_at, now + lease + 1),
         )
         self._rows[(row.scope, row.key)] = taken
-        return Claim(taken.id, taken.token)
+        return Claim(taken.id, taken.token, taken.key)
 
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
         await self._yield()
@@ -348,7 +348,11 @@ class MemoryStore:
 
     def _held(self, claim: Claim, states: tuple[str, ...]) -> _Row | None:
         row = self._by_id(claim.record_id)
-        if row is None or row.token != claim.token or row.state not in states:
+        if (
+            row is None
+            or (row.key, row.token) != (claim.key, claim.token)
+            or row.state not in states
+        ):
             return None
         return row
 
@@ -356,6 +360,7 @@ class MemoryStore:
         return Record(
             id=row.id,
             token=row.token,
+            key=row.key,
             fingerprint=row.fingerprint,
             state=state_of(row, self._clock()),
             status=row.status,

@@ -346,3 +346,163 @@ ON CONFLICT (session) DO NOTHING;
 
 -- name: session_ended
 SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS ended;
+
+-- On Citus ----------------------------------------------------------------------------------
+-- On a Citus coordinator (store/citus.py) the key table is distributed by `key` (migration
+-- 0008), and the request path sends the statements below in place of the ones named alike
+-- above, which Citus would send to every shard or refuse:
+-- - each names the keys it touches (`k.key = ANY(:keys)`): the store batches per shard, so a
+--   batch's keys share one shard and Citus sends the statement there alone (router executor, no
+--   two-phase commit). The request pools plan them per call on Citus (plan_cache_mode
+--   force_custom_plan): a generic plan cannot prune `key = ANY($1)` and goes to every shard;
+-- - a state is tested with `oncegate_key_is(..., now())` and a lease's end computed with
+--   `oncegate_after(now(), seconds)`: Citus refuses a CASE around now(), or a STABLE function of
+--   a column, in a write; it evaluates now() once, on the coordinator, and sends the value;
+-- - a settle returns `waited` instead of notifying: a pg_notify on a worker never reaches the
+--   coordinator connection the gateways LISTEN on, so the store sends `citus_notify` there
+--   for the rows someone waits on, after the settle committed (waiters also poll their row).
+
+-- name: citus_claim
+-- The batch's keys share the shard of `anchor` (one of them): Citus runs the function on the
+-- worker that holds it, one round trip, and the function's statements stay on that worker.
+SELECT * FROM oncegate_claim(:anchor, :routes, :scopes, :keys, :fingerprints, :leases, :ttls);
+
+-- name: citus_reclaim_expired
+UPDATE oncegate_keys AS k
+SET route = given.route,
+    fingerprint = given.fingerprint,
+    state = 'in_progress',
+    fencing_token = k.fencing_token + 1,
+    lease_expires_at = oncegate_after(now(), given.lease),
+    created_at = now(),
+    completed_at = NULL,
+    expires_at = oncegate_after(now(), given.ttl),
+    response_status = NULL,
+    response_headers = NULL,
+    response_body = NULL,
+    response_stored = false,
+    sealed_with = NULL,
+    sealed_headers = NULL,
+    waited = false
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
+            :fingerprints::bytea[], :leases::float8[], :ttls::float8[])
+     AS given(key, id, token, route, fingerprint, lease, ttl)
+WHERE k.key = ANY(:keys)
+  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
+  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now())
+RETURNING k.id, k.fencing_token;
+
+-- name: citus_take_over
+UPDATE oncegate_keys AS k
+SET state = 'in_progress',
+    fencing_token = k.fencing_token + 1,
+    lease_expires_at = oncegate_after(now(), given.lease),
+    expires_at = greatest(k.expires_at, oncegate_after(now(), given.lease + 1))
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[])
+     AS given(key, id, token, lease)
+WHERE k.key = ANY(:keys)
+  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
+  AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
+RETURNING k.id, k.fencing_token;
+
+-- name: citus_complete
+UPDATE oncegate_keys AS k
+SET state = 'completed',
+    response_status = given.status,
+    response_headers = given.headers::jsonb,
+    response_body = given.body,
+    response_stored = given.stored,
+    sealed_with = given.sealed_with,
+    sealed_headers = given.sealed_headers,
+    completed_at = now(),
+    lease_expires_at = NULL
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
+            :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
+            :sealed_headers::bytea[])
+     AS given(key, id, token, status, headers, body, stored, sealed_with, sealed_headers)
+WHERE k.key = ANY(:keys)
+  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
+  AND k.state IN ('in_progress', 'unknown')
+RETURNING k.id, k.fencing_token, k.waited;
+
+-- name: citus_release
+DELETE FROM oncegate_keys AS k
+USING unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
+WHERE k.key = ANY(:keys)
+  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
+  AND k.state = 'in_progress'
+RETURNING k.id, k.fencing_token, k.waited;
+
+-- name: citus_mark_unknown
+UPDATE oncegate_keys AS k
+SET state = 'unknown',
+    lease_expires_at = NULL
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
+WHERE k.key = ANY(:keys)
+  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
+  AND k.state = 'in_progress'
+RETURNING k.id, k.fencing_token, k.waited;
+
+-- name: citus_mark_waited
+UPDATE oncegate_keys
+SET waited = true
+WHERE key = :key
+  AND id = :id
+  AND fencing_token = :token
+  AND oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
+RETURNING id;
+
+-- name: citus_notify
+-- Runs on the coordinator (it reads no table), where the gateways LISTEN.
+SELECT pg_notify('oncegate_settled', id::text) FROM unnest(:ids::bigint[]) AS id;
+
+-- The operator's writes on Citus: a key is found by its id on every shard (`citus_key_of`, a
+-- read), then written on its own shard, named by (key, id) as the request path does; the purge
+-- deletes the rows it found per shard. No ctid subquery, no FOR UPDATE across shards: Citus
+-- refuses both on a distributed table.
+
+-- name: citus_key_of
+SELECT key FROM oncegate_keys WHERE id = :id;
+
+-- name: citus_purge_candidates
+SELECT key, id
+FROM oncegate_keys
+WHERE expires_at <= now()
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
+LIMIT :batch_size;
+
+-- name: citus_purge
+-- Checked again as it deletes: a row reclaimed since it was found is a new key, and stays.
+DELETE FROM oncegate_keys AS k
+USING unnest(:keys::text[], :ids::bigint[]) AS doomed(key, id)
+WHERE k.key = ANY(:keys)
+  AND k.key = doomed.key AND k.id = doomed.id
+  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now());
+
+-- name: citus_admin_delete
+DELETE FROM oncegate_keys
+WHERE key = :key AND id = :id
+  AND NOT oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
+RETURNING id;
+
+-- name: citus_admin_resolve_completed
+UPDATE oncegate_keys
+SET state = 'completed',
+    fencing_token = fencing_token + 1,
+    lease_expires_at = NULL,
+    response_status = :status,
+    response_headers = :headers::jsonb,
+    response_body = :body,
+    response_stored = true,
+    sealed_with = :sealed_with,
+    sealed_headers = :sealed_headers,
+    completed_at = now()
+WHERE key = :key AND id = :id
+  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
+RETURNING id;
+
+-- name: citus_admin_resolve_released
+DELETE FROM oncegate_keys
+WHERE key = :key AND id = :id
+  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
+RETURNING id;

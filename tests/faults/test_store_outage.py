@@ -186,7 +186,7 @@ async def test_a_driver_state_error_is_a_store_error_not_a_500(
             if operation == "claim":
                 await store.claim("r", b"s" * 32, "key", b"f" * 32, 60, 3600)
             else:
-                await store.complete(Claim(1, 1), 201, plaintext([], b"{}"))
+                await store.complete(Claim(1, 1, "k"), 201, plaintext([], b"{}"))
     finally:
         monkeypatch.undo()
         await store.close()

@@ -187,8 +187,8 @@ async def test_copies_of_one_take_over_in_a_batch_one_wins(store: PostgresStore)
         )
     )
     assert batches("take_over") == (before[0] + 2, before[1] + 4)
-    assert results[0] == Claim(other.id, other.token + 1)
-    assert results[1:] == [Claim(unknown.id, unknown.token + 1), None, None]
+    assert results[0] == Claim(other.id, other.token + 1, other.key)
+    assert results[1:] == [Claim(unknown.id, unknown.token + 1, unknown.key), None, None]
 
 
 async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
@@ -219,8 +219,8 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
     )
     assert batches("reclaim_expired") == (before[0] + 2, before[1] + 4)
     assert results == [
-        Claim(other.id, other.token + 1),
-        Claim(row.id, row.token + 1),
+        Claim(other.id, other.token + 1, other.key),
+        Claim(row.id, row.token + 1, row.key),
         None,
         None,
     ]

@@ -82,7 +82,7 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    stale = Claim(owner.record_id, owner.token - 1)
+    stale = Claim(owner.record_id, owner.token - 1, owner.key)
     assert not await store.complete(stale, 500, plaintext([], b"wrong"))
     headers = [("content-type", "application/json"), ("location", "/charges/1")]
     assert await store.complete(owner, 201, plaintext(headers, b'{"id": 1}'))
@@ -111,7 +111,7 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert not await store.release(Claim(owner.record_id, owner.token + 1))
+    assert not await store.release(Claim(owner.record_id, owner.token + 1, owner.key))
     assert await store.release(owner)
     assert await store.get(SCOPE, key) is None
     again = await claim(store, key)

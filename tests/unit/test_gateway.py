@@ -45,7 +45,7 @@ def route(**options: object) -> settings.Route:
 def record(state: State, fingerprint: bytes = FINGERPRINT, stored: bool = True) -> Record:
     completed = state == "completed"
     return Record(
-        id=1, token=1, fingerprint=fingerprint, state=state,
+        id=1, token=1, key="k", fingerprint=fingerprint, state=state,
         status=201 if completed else None,
         headers=[("location", "/a/1")] if completed and stored else None,
         body=b"{}" if completed and stored else None,

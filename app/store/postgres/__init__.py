@@ -26,6 +26,7 @@ from ... import database_url
 from ...sealing import Keyring, SealedAnswer
 from ...settings import StoreOptions
 from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
+from ..citus import ShardMap
 from ..errors import Outage, translated
 from ..notify import Watch
 from .connections import Listener, Pools
@@ -43,14 +44,16 @@ class PostgresStore:
         url: str,
         where: str = "",
         options: StoreOptions | None = None,
+        shards: ShardMap | None = None,
     ) -> None:
         options = options or StoreOptions()
         self._pools = pools
         # With several hosts, the outage lines name the primary: which host failed, which took over.
         primary = pools.primary if pools.primary.several_hosts else None
         self.outage = Outage(where or "(unnamed)", primary)
-        self._requests = RequestPath(pools, options, self.outage)
-        self._operator = OperatorQueries(pools.operator, options, self.outage)
+        self._shards = shards
+        self._requests = RequestPath(pools, options, self.outage, shards)
+        self._operator = OperatorQueries(pools.operator, options, self.outage, shards)
         self._rekeying = Rekeying(pools.operator, options, self.outage)
         self._listener = Listener(url, options)
 
@@ -62,11 +65,18 @@ class PostgresStore:
         """A store on new pools. Fails with `StoreUnavailable` if PostgreSQL cannot be reached."""
         options = options or StoreOptions()
         pools = await Pools.open(url, options, min_size)
-        return cls(pools, url, database_url.describe(url), options)
+        try:
+            shards = await ShardMap.load(pools.operator) if pools.citus else None
+        except BaseException:
+            await pools.close()
+            raise
+        return cls(pools, url, database_url.describe(url), options, shards)
 
     async def close(self) -> None:
         await self._requests.close()
         await self._listener.close()
+        if self._shards is not None:
+            await self._shards.close()
         await self._pools.close()
 
     # The request path (`requests`).

@@ -27,6 +27,7 @@ import asyncpg
 from ... import database_url
 from ...database_url import Host
 from ...settings import StoreOptions
+from .. import citus
 from ..errors import DRIVER_ERRORS
 from ..notify import Watch, Watchers
 
@@ -91,12 +92,15 @@ class Pools:
     (`off` by default: without waiting for the WAL flush; `store.postgres.requests`);
     `operator`: everything else. The request pools plan each statement once per connection
     (`plan_cache_mode = force_generic_plan`): left to choose, PostgreSQL re-plans the batched
-    statements on every call (about 0.25 ms of its CPU, half a lone claim's round trip)."""
+    statements on every call (about 0.25 ms of its CPU, half a lone claim's round trip). On a
+    Citus coordinator (`citus`) they plan each call (`force_custom_plan`): Citus finds the one
+    shard a statement goes to from its values, which a generic plan does not have."""
 
     requests: asyncpg.Pool
     answers: asyncpg.Pool
     operator: asyncpg.Pool
     primary: Primary
+    citus: bool = False
 
     @classmethod
     async def open(cls, url: str, options: StoreOptions, min_size: int) -> Pools:
@@ -107,7 +111,13 @@ class Pools:
             "timeout": options.connect_timeout,
             "command_timeout": options.command_timeout,
         }
-        generic = {"plan_cache_mode": "force_generic_plan"}
+        connection = await asyncpg.connect(url, timeout=options.connect_timeout)
+        try:
+            on_citus = await citus.has_citus(connection)
+        finally:
+            await connection.close()
+        mode = "force_custom_plan" if on_citus else "force_generic_plan"
+        generic = {"plan_cache_mode": mode}
         opened: list[asyncpg.Pool] = []
         try:
             for size, settings in (
@@ -131,7 +141,7 @@ class Pools:
                 await pool.close()
             raise
         requests, answers, operator = opened
-        return cls(requests, answers, operator, primary)
+        return cls(requests, answers, operator, primary, citus=on_citus)
 
     async def close(self) -> None:
         await self.operator.close()

@@ -32,6 +32,7 @@ class Claiming:
 class Reclaiming:
     id: int
     token: int
+    key: str
     route: str
     fingerprint: bytes
     lease: float
@@ -42,6 +43,7 @@ class Reclaiming:
 class TakingOver:
     id: int
     token: int
+    key: str
     lease: float
 
 
@@ -49,6 +51,7 @@ class TakingOver:
 class Completing:
     id: int
     token: int
+    key: str
     status: int
     answer: SealedAnswer | None
 
@@ -57,6 +60,14 @@ class Completing:
 class Settling:
     id: int
     token: int
+    key: str
+
+
+class OnKey(Protocol):
+    """An operation on one key (on Citus, the key says which shard it goes to)."""
+
+    @property
+    def key(self) -> str: ...
 
 
 class OnRow(Protocol):
@@ -64,6 +75,8 @@ class OnRow(Protocol):
     def id(self) -> int: ...
     @property
     def token(self) -> int: ...
+    @property
+    def key(self) -> str: ...
 
 
 Operation = TypeVar("Operation", bound=OnRow)
@@ -101,7 +114,8 @@ def taken_by_rows(
     for operation in batch:
         token = taken.get((operation.id, operation.token))
         won = token is not None and id(operation) in firsts
-        outcomes.append(Claim(operation.id, token) if won and token is not None else None)
+        won_claim = Claim(operation.id, token, operation.key) if won and token is not None else None
+        outcomes.append(won_claim)
     return outcomes
 
 
@@ -117,6 +131,7 @@ def claimed_row(claim: Claim, wanted: Claiming) -> Record:
     return Record(
         id=claim.record_id,
         token=claim.token,
+        key=wanted.key,
         fingerprint=wanted.fingerprint,
         state="in_progress",
         status=None,

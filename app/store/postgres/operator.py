@@ -1,6 +1,9 @@
 """The operator's queries: finding, listing, releasing and resolving keys (the admin API and
 `oncegate keys`), the purger's batches, the key count, and the schema's revision. They run on
 the operator's pool, never on a connection a request waits for, one autocommitted statement each.
+
+On Citus (`shards` given) the writes are their `citus_` twins of queries.sql: a key is found by
+id, then written on its own shard; the purge deletes what it found shard by shard.
 """
 
 from __future__ import annotations
@@ -13,25 +16,54 @@ from ... import metrics
 from ...sealing import SealedAnswer
 from ...settings import StoreOptions
 from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
+from ..citus import ShardMap
 from ..errors import Outage, translated
 from ..queries import QUERIES
 from .rows import answer_columns, fetchrow, headers_of
 
 
 class OperatorQueries:
-    def __init__(self, pool: asyncpg.Pool, options: StoreOptions, outage: Outage) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: StoreOptions,
+        outage: Outage,
+        shards: ShardMap | None = None,
+    ) -> None:
         self._pool = pool
         self._options = options
         self.outage = outage
+        self._shards = shards
 
     @translated("purge")
     async def purge(self, batch_size: int) -> int:
+        if self._shards is not None:
+            return await self._purge_by_shard(self._shards, batch_size)
         query = QUERIES["purge"]
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             status: str = await connection.execute(
                 query.sql, *query.arguments({"batch_size": batch_size})
             )
         return int(status.rsplit(" ", 1)[1])
+
+    async def _purge_by_shard(self, shards: ShardMap, batch_size: int) -> int:
+        found, delete = QUERIES["citus_purge_candidates"], QUERIES["citus_purge"]
+        deleted = 0
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows = await connection.fetch(found.sql, *found.arguments({"batch_size": batch_size}))
+            by_shard: dict[int, list[asyncpg.Record]] = {}
+            for row in rows:
+                by_shard.setdefault(shards.shard_of(row["key"]), []).append(row)
+            for doomed in by_shard.values():
+                arguments = {"keys": [row["key"] for row in doomed],
+                             "ids": [row["id"] for row in doomed]}  # fmt: skip
+                status: str = await connection.execute(delete.sql, *delete.arguments(arguments))
+                deleted += int(status.rsplit(" ", 1)[1])
+        return deleted
+
+    async def _key_of(self, record_id: int) -> str | None:
+        row = await fetchrow(self._pool, "citus_key_of", id=record_id)
+        return None if row is None else str(row["key"])
 
     @translated("admin_find")
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
@@ -59,6 +91,13 @@ class OperatorQueries:
 
     @translated("admin_delete")
     async def delete(self, record_id: int) -> bool | None:
+        if self._shards is not None:
+            key = await self._key_of(record_id)
+            if key is None:
+                return None
+            if await fetchrow(self._pool, "citus_admin_delete", key=key, id=record_id):
+                return True
+            return False if await self._key_of(record_id) is not None else None
         row = await fetchrow(self._pool, "admin_delete", id=record_id)
         if row["deleted"]:
             return True
@@ -66,6 +105,19 @@ class OperatorQueries:
 
     @translated("admin_resolve_completed")
     async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
+        if self._shards is not None:
+            key = await self._key_of(record_id)
+            if key is None:
+                return False
+            row = await fetchrow(
+                self._pool,
+                "citus_admin_resolve_completed",
+                key=key,
+                id=record_id,
+                status=status,
+                **answer_columns(answer),
+            )
+            return row is not None
         row = await fetchrow(
             self._pool,
             "admin_resolve_completed",
@@ -82,6 +134,12 @@ class OperatorQueries:
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:
+        if self._shards is not None:
+            key = await self._key_of(record_id)
+            if key is None:
+                return False
+            row = await fetchrow(self._pool, "citus_admin_resolve_released", key=key, id=record_id)
+            return row is not None
         return await fetchrow(self._pool, "admin_resolve_released", id=record_id) is not None
 
     @translated("total_keys")

@@ -14,6 +14,10 @@ Design rules:
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
+- On Citus (`shards` given) every batch is one shard's (`batching.PerShard`), its statement the
+  `citus_` one of queries.sql, which names the batch's keys so Citus sends it to that shard
+  alone; a settle of a row someone waits on is announced on the coordinator (`citus_notify`).
+  On plain PostgreSQL: one batcher per operation, the plain statements, nothing more sent.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -30,7 +34,8 @@ from ... import tracing
 from ...sealing import SealedAnswer
 from ...settings import StoreOptions
 from .. import Claim, Record
-from ..batching import Batcher
+from ..batching import Batcher, PerShard
+from ..citus import ShardMap
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated
 from ..queries import QUERIES
 from .connections import Pools
@@ -38,6 +43,7 @@ from .failover import RecentAnswers
 from .operations import (
     Claiming,
     Completing,
+    OnKey,
     Reclaiming,
     Settling,
     TakingOver,
@@ -51,6 +57,11 @@ from .rows import answer_columns, fetchrow, record_of
 
 log = logging.getLogger("oncegate.store.postgres")
 
+Keyed = TypeVar("Keyed", bound=OnKey)
+Outcome = TypeVar("Outcome")
+# The statements that settle a row, and so may have to wake whoever waits on it.
+SETTLES = frozenset({"complete", "release", "mark_unknown"})
+
 # Answers are sent to PostgreSQL as one array per batch: a batch holds at most this many bytes
 # of them (one larger answer goes alone), so 64 large answers never make one huge parameter.
 COMPLETE_BATCH_BYTES = 4 * 1024 * 1024
@@ -60,48 +71,63 @@ class RequestPath:
     """The store's request-path operations (the `Store` Protocol but `watch`, `purge` and
     `schema_revision`), each batched with its concurrent twins."""
 
-    def __init__(self, pools: Pools, options: StoreOptions, outage: Outage) -> None:
+    def __init__(
+        self, pools: Pools, options: StoreOptions, outage: Outage, shards: ShardMap | None = None
+    ) -> None:
         self._pool = pools.requests
         self._answer_pool = pools.answers
         self._options = options
         self.outage = outage
-        size, isolate = options.batch_size, isolable
-        self._claims = Batcher(
-            "claim", self._claim_batch, size, self._claimed_for_nobody, isolate=isolate
+        self._shards = shards
+        self._claims = self._batcher(
+            "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
         )
-        self._reclaims = Batcher(
-            "reclaim_expired", self._reclaim_batch, size, self._claimed_for_nobody, isolate=isolate
+        self._reclaims = self._batcher(
+            "reclaim_expired", self._reclaim_batch, on_abandoned=self._claimed_for_nobody
         )
-        self._take_overs = Batcher(
-            "take_over", self._take_over_batch, size, self._taken_for_nobody, isolate=isolate
+        self._take_overs = self._batcher(
+            "take_over", self._take_over_batch, on_abandoned=self._taken_for_nobody
         )
-        self._completes = Batcher(
-            "complete",
-            self._complete_batch,
-            size,
-            weight=answer_size,
-            max_weight=COMPLETE_BATCH_BYTES,
-            isolate=isolate,
+        self._completes = self._batcher(
+            "complete", self._complete_batch, weight=answer_size, max_weight=COMPLETE_BATCH_BYTES
         )
-        self._releases = Batcher(
-            "release", functools.partial(self._settle_batch, "release"), size, isolate=isolate
-        )
-        self._unknowns = Batcher(
-            "mark_unknown",
-            functools.partial(self._settle_batch, "mark_unknown"),
-            size,
-            isolate=isolate,
+        self._releases = self._batcher("release", functools.partial(self._settle_batch, "release"))
+        self._unknowns = self._batcher(
+            "mark_unknown", functools.partial(self._settle_batch, "mark_unknown")
         )
         # Closed in two steps: the claims, whose orphans are settled, before the settles.
-        self._claiming: tuple[Batcher[Any, Any], ...] = (
+        self._claiming: tuple[Batcher[Any, Any] | PerShard[Any, Any], ...] = (
             self._claims, self._reclaims, self._take_overs,
         )  # fmt: skip
-        self._settling: tuple[Batcher[Any, Any], ...] = (
+        self._settling: tuple[Batcher[Any, Any] | PerShard[Any, Any], ...] = (
             self._completes, self._releases, self._unknowns,
         )  # fmt: skip
         self._cleanups: set[asyncio.Task[bool]] = set()
         self._answers = RecentAnswers(pools.operator, options)
         pools.primary.on_change.append(self._answers.failed_over)
+
+    def _batcher(
+        self,
+        operation: str,
+        send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
+        **options: Any,
+    ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
+        """The operation's batcher: one, or on Citus one per shard of the key table."""
+
+        def make() -> Batcher[Keyed, Outcome]:
+            size = self._options.batch_size
+            return Batcher(operation, send, size, isolate=isolable, **options)
+
+        shards = self._shards
+        if shards is None:
+            return make()
+        return PerShard(lambda operation: shards.shard_of(operation.key), make)
+
+    def _query(self, operation: str) -> str:
+        """The statement of queries.sql to send: on Citus, its `citus_` twin where it has one."""
+        if self._shards is not None and f"citus_{operation}" in QUERIES:
+            return f"citus_{operation}"
+        return operation
 
     async def close(self) -> None:
         """End the batchers: the claims first, then the settles of claims nobody waited for,
@@ -116,16 +142,30 @@ class RequestPath:
 
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
-        row = await fetchrow(self._pool, "mark_waited", id=record.id, token=record.token)
+        if self._shards is None:
+            row = await fetchrow(self._pool, "mark_waited", id=record.id, token=record.token)
+        else:
+            row = await fetchrow(
+                self._pool, "citus_mark_waited", key=record.key, id=record.id, token=record.token
+            )
         return row is not None
 
     async def _fetch_batch(
-        self, operation: str, pool: asyncpg.Pool, **arrays: Sequence[object]
+        self, operation: str, pool: asyncpg.Pool, sent: Sequence[Keyed], **arrays: object
     ) -> list[asyncpg.Record]:
-        """One batched statement: its parameters are arrays, one element per operation."""
-        query = QUERIES[operation]
+        """One batched statement: its parameters are arrays, one element per operation (and on
+        Citus the keys, which name the shard)."""
+        name = self._query(operation)
+        if self._shards is not None:
+            arrays["keys"] = [each.key for each in sent]
+        query = QUERIES[name]
         async with pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
+            if self._shards is not None and operation in SETTLES:
+                waited = [row["id"] for row in rows if row["waited"]]
+                if waited:  # announced where the gateways LISTEN: the coordinator
+                    notify = QUERIES["citus_notify"]
+                    await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
         return rows
 
     @translated("claim")
@@ -143,9 +183,16 @@ class RequestPath:
         for index, wanted in enumerate(batch):
             first.setdefault((wanted.scope, wanted.key), index)
         sent = [batch[index] for index in first.values()]
+        anchor: dict[str, object] = {}
+        if self._shards is not None:
+            # The function writes its keys in turn: in one order, as the plain statement does.
+            sent.sort(key=lambda wanted: (wanted.scope, wanted.key))
+            anchor["anchor"] = sent[0].key
         rows = await self._fetch_batch(
             "claim",
             self._pool,
+            sent,
+            **anchor,
             routes=[wanted.route for wanted in sent],
             scopes=[wanted.scope for wanted in sent],
             keys=[wanted.key for wanted in sent],
@@ -159,9 +206,9 @@ class RequestPath:
             if row["id"] is None:
                 found[wanted.scope, wanted.key] = None
             elif row["claimed"]:
-                found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"])
+                found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"], wanted.key)
             else:
-                found[wanted.scope, wanted.key] = record_of(row)
+                found[wanted.scope, wanted.key] = record_of(row, wanted.key)
         outcomes: list[Claim | Record | None] = []
         for index, wanted in enumerate(batch):
             outcome = found[wanted.scope, wanted.key]
@@ -196,13 +243,13 @@ class RequestPath:
     @translated("get")
     async def get(self, scope: bytes, key: str) -> Record | None:
         row = await fetchrow(self._pool, "get", scope=scope, key=key)
-        return record_of(row) if row is not None else None
+        return record_of(row, key) if row is not None else None
 
     @translated("reclaim_expired")
     async def reclaim_expired(
         self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | None:
-        taking = Reclaiming(record.id, record.token, route, fingerprint, lease, ttl)
+        taking = Reclaiming(record.id, record.token, record.key, route, fingerprint, lease, ttl)
         with tracing.store_operation("reclaim_expired"):
             return await self._reclaims.run(taking)
 
@@ -211,6 +258,7 @@ class RequestPath:
         rows = await self._fetch_batch(
             "reclaim_expired",
             self._pool,
+            sent,
             ids=[taking.id for taking in sent],
             tokens=[taking.token for taking in sent],
             routes=[taking.route for taking in sent],
@@ -222,7 +270,7 @@ class RequestPath:
 
     @translated("take_over")
     async def take_over(self, record: Record, lease: float) -> Claim | None:
-        taking = TakingOver(record.id, record.token, lease)
+        taking = TakingOver(record.id, record.token, record.key, lease)
         with tracing.store_operation("take_over"):
             return await self._take_overs.run(taking)
 
@@ -231,6 +279,7 @@ class RequestPath:
         rows = await self._fetch_batch(
             "take_over",
             self._pool,
+            sent,
             ids=[taking.id for taking in sent],
             tokens=[taking.token for taking in sent],
             leases=[taking.lease for taking in sent],
@@ -239,7 +288,7 @@ class RequestPath:
 
     @translated("complete")
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        completing = Completing(claim.record_id, claim.token, status, answer)
+        completing = Completing(claim.record_id, claim.token, claim.key, status, answer)
         with tracing.store_operation("complete"):
             try:
                 stored = await self._completes.run(completing)
@@ -256,6 +305,7 @@ class RequestPath:
         rows = await self._fetch_batch(
             "complete",
             self._answer_pool,
+            sent,
             ids=[completing.id for completing in sent],
             tokens=[completing.token for completing in sent],
             statuses=[completing.status for completing in sent],
@@ -270,11 +320,11 @@ class RequestPath:
     @translated("release")
     async def release(self, claim: Claim) -> bool:
         with tracing.store_operation("release"):
-            return await self._releases.run(Settling(claim.record_id, claim.token))
+            return await self._releases.run(Settling(claim.record_id, claim.token, claim.key))
 
     @translated("mark_unknown")
     async def mark_unknown(self, claim: Claim) -> bool:
-        settling = Settling(claim.record_id, claim.token)
+        settling = Settling(claim.record_id, claim.token, claim.key)
         with tracing.store_operation("mark_unknown"):
             return await self._unknowns.run(settling)
 
@@ -283,6 +333,7 @@ class RequestPath:
         rows = await self._fetch_batch(
             operation,
             self._pool,
+            sent,
             ids=[settling.id for settling in sent],
             tokens=[settling.token for settling in sent],
         )

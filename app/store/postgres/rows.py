@@ -25,10 +25,12 @@ def headers_of(document: str | None) -> Headers | None:
     return [(name, value) for name, value in json.loads(document)] if document else None
 
 
-def record_of(row: asyncpg.Record) -> Record:
+def record_of(row: asyncpg.Record, key: str) -> Record:
+    """The row that holds `key` (the statements that find it by its key do not return it)."""
     return Record(
         id=row["id"],
         token=row["fencing_token"],
+        key=key,
         fingerprint=row["fingerprint"],
         state=row["state"],
         status=row["response_status"],

@@ -1,0 +1,170 @@
+"""The request path on a real Citus cluster: each statement reaches one shard.
+
+What Citus chose is read from Citus itself: `EXPLAIN` of every request-path statement (one
+task, on one worker: the router executor; the claim function pushed down to its worker), and
+its per-database counters of single- and multi-shard executions under a burst of concurrent
+requests whose keys span every shard (batched per shard: no multi-shard statement at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from oncegate.sealing import plaintext
+from oncegate.store import Claim
+from oncegate.store.citus import ShardMap, hash_text
+from oncegate.store.postgres import PostgresStore
+from oncegate.store.queries import QUERIES
+from tests import citus
+
+pytestmark = pytest.mark.usefixtures("citus_cluster")
+
+SCOPE = hashlib.sha256(b"citus scope").digest()
+FINGERPRINT = hashlib.sha256(b"the request").digest()
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    return "citus"
+
+
+@pytest.fixture
+async def coordinator(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(
+        database_url, server_settings={"plan_cache_mode": "force_custom_plan"}
+    )
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+async def test_the_gateway_places_keys_by_the_same_hash_as_citus(
+    coordinator: asyncpg.Connection,
+) -> None:
+    keys = ["", "a", "é", "key with spaces", "x" * 255] + [str(uuid.uuid4()) for _ in range(500)]
+    rows = await coordinator.fetch(
+        "SELECT key, hashtext(key) AS hash,"
+        " get_shard_id_for_distribution_column('oncegate_keys', key) AS shard"
+        " FROM unnest($1::text[]) AS key",
+        keys,
+    )
+    assert [hash_text(row["key"]) for row in rows] == [row["hash"] for row in rows]
+    shards = await ShardMap.load(_Pool(coordinator))  # type: ignore[arg-type]
+    try:
+        assert [shards.shard_of(row["key"]) for row in rows] == [row["shard"] for row in rows]
+    finally:
+        await shards.close()
+
+
+class _Pool:
+    """What ShardMap reads through: a connection will do."""
+
+    def __init__(self, connection: asyncpg.Connection) -> None:
+        self.fetch = connection.fetch
+
+
+def keys_of_one_shard(shards: ShardMap, count: int) -> list[str]:
+    first = str(uuid.uuid4())
+    found = [first]
+    while len(found) < count:
+        key = str(uuid.uuid4())
+        if shards.shard_of(key) == shards.shard_of(first):
+            found.append(key)
+    return found
+
+
+async def explain(connection: asyncpg.Connection, name: str, **values: object) -> str:
+    query = QUERIES[name]
+    rows = await connection.fetch("EXPLAIN " + query.sql, *query.arguments(values))
+    return "\n".join(row[0] for row in rows)
+
+
+async def test_every_request_path_statement_goes_to_one_shard(
+    coordinator: asyncpg.Connection, database_url: str
+) -> None:
+    store = await PostgresStore.connect(database_url)
+    shards = await ShardMap.load(_Pool(coordinator))  # type: ignore[arg-type]
+    try:
+        keys = keys_of_one_shard(shards, 3)
+        claims = [await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in keys]
+        assert all(isinstance(claim, Claim) for claim in claims)
+        ids = [claim.record_id for claim in claims if isinstance(claim, Claim)]
+        tokens = [1] * len(keys)
+        many = {"keys": keys, "ids": ids, "tokens": tokens}
+        plans = {
+            "citus_claim": await explain(
+                coordinator, "citus_claim", anchor=keys[0], routes=["r"] * 3, scopes=[SCOPE] * 3,
+                keys=keys, fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
+            ),
+            "get": await explain(coordinator, "get", scope=SCOPE, key=keys[0]),
+            "citus_reclaim_expired": await explain(
+                coordinator, "citus_reclaim_expired", **many, routes=["r"] * 3,
+                fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
+            ),
+            "citus_take_over": await explain(
+                coordinator, "citus_take_over", **many, leases=[60.0] * 3
+            ),
+            "citus_complete": await explain(
+                coordinator, "citus_complete", **many, statuses=[201] * 3, headers=["[]"] * 3,
+                bodies=[b""] * 3, stored=[True] * 3, sealed_with=[None] * 3,
+                sealed_headers=[None] * 3,
+            ),
+            "citus_release": await explain(coordinator, "citus_release", **many),
+            "citus_mark_unknown": await explain(coordinator, "citus_mark_unknown", **many),
+            "citus_mark_waited": await explain(
+                coordinator, "citus_mark_waited", key=keys[0], id=ids[0], token=1
+            ),
+        }  # fmt: skip
+        for name, plan in plans.items():
+            shown = f"{name}:\n{plan}"
+            assert "Custom Scan (Citus Adaptive)" in plan, shown
+            assert "Task Count: 1\n" in plan + "\n", shown  # one shard: the router executor
+            assert "Distributed Subplan" not in plan, shown  # nothing pulled to the coordinator
+        # The claim runs whole on the worker that holds the batch's shard.
+        assert "Function Scan on oncegate_claim" in plans["citus_claim"]
+        # The state's rule was evaluated with the coordinator's now(): a value, sent along.
+        assert "now()" not in plans["citus_take_over"].split("Task Count")[1]
+    finally:
+        await shards.close()
+        await store.close()
+
+
+async def counters(connection: asyncpg.Connection) -> asyncpg.Record:
+    row: asyncpg.Record = await connection.fetchrow(
+        "SELECT query_execution_single_shard AS single, query_execution_multi_shard AS multi"
+        " FROM citus_stat_counters WHERE name = current_database()"
+    )
+    return row
+
+
+async def test_concurrent_requests_over_every_shard_run_no_multi_shard_statement(
+    coordinator: asyncpg.Connection, database_url: str
+) -> None:
+    store = await PostgresStore.connect(database_url)
+    try:
+        keys = [str(uuid.uuid4()) for _ in range(200)]  # over all the shards
+        before = await counters(coordinator)
+
+        async def one(key: str) -> None:
+            claimed = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+            assert isinstance(claimed, Claim)
+            assert await store.complete(claimed, 201, plaintext([], b"{}"))
+            replay = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+            assert not isinstance(replay, Claim) and replay is not None
+            assert replay.state == "completed"
+
+        await asyncio.gather(*(one(key) for key in keys))
+        after = await counters(coordinator)
+    finally:
+        await store.close()
+    assert after["multi"] - before["multi"] == 0
+    # Claims, completes and replays were batched: fewer statements than operations.
+    assert 0 < after["single"] - before["single"] < 3 * len(keys)
+    assert citus.SHARD_COUNT > 1

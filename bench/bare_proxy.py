@@ -2,12 +2,12 @@
 
 Same stack as `oncegate serve`: uvicorn (its default loop and HTTP parser, so uvloop and
 httptools when installed) with the same server options, and the gateway's own upstream client
-(`oncegate.upstream.Upstream`, imported, not copied), so the difference between this proxy and the
-gateway's forward path is the idempotency work and nothing else. The application is a plain ASGI
-callable like the gateway's proxy port (`oncegate.http.proxy.ProxyApp`), or with `--stack fastapi`
-one catch-all FastAPI route (the gateway's proxy port before it left FastAPI). When the
-gateway's server stack changes (workers, loop, HTTP parser, framework), change it here too or
-the ratios stop meaning anything.
+(`oncegate.upstream.client.HttpUpstream`, imported, not copied), so the difference between this
+proxy and the gateway's forward path is the idempotency work and nothing else. The application
+is a plain ASGI callable like the gateway's proxy port (`oncegate.http.proxy.ProxyApp`), or with
+`--stack fastapi` one catch-all FastAPI route (the gateway's proxy port before it left
+FastAPI). When the gateway's server stack changes (workers, loop, HTTP parser, framework),
+change it here too or the ratios stop meaning anything.
 
     .venv/bin/python bench/bare_proxy.py --upstream http://127.0.0.1:9000 --port 8090
 
@@ -33,7 +33,8 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from oncegate.upstream import AnswerLost, NotSent, Upstream
+from oncegate.upstream import AnswerLost, NotSent
+from oncegate.upstream.client import HttpUpstream
 
 # What the FastAPI route answers: every method the gateway's proxy port takes.
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -48,7 +49,7 @@ def create_app(upstream_url: str, stack: str = "asgi") -> Any:
     """The bare proxy as a plain ASGI application (`asgi`, like the gateway's proxy port,
     `oncegate.http.proxy.ProxyApp`) or as one catch-all FastAPI route (`fastapi`)."""
     target = upstream_url.rstrip("/")
-    upstream: Upstream | None = None
+    upstream: HttpUpstream | None = None
 
     async def forward(
         method: str, path: str, query: str, headers: list[tuple[bytes, bytes]], body: bytes
@@ -75,7 +76,7 @@ def create_app(upstream_url: str, stack: str = "asgi") -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[None]:
         nonlocal upstream
-        upstream = Upstream()
+        upstream = HttpUpstream()
         try:
             yield
         finally:

@@ -25,7 +25,7 @@ from .. import errors, metrics, service
 from ..routing import RouteTable
 from ..settings import Settings
 from ..store.postgres import PostgresStore
-from ..upstream import Upstream
+from ..upstream.client import HttpUpstream
 from . import admin, problems, proxy, ui
 from .deps import Runtime
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtime]:
     metrics.require_setup()  # where values live is the process's choice, made before this
     store = await PostgresStore.connect(database_url, settings.store_options())
-    upstream = Upstream()
+    upstream = HttpUpstream()
     keyring = settings.keyring()
     gateway = service.Gateway(
         store, upstream, keyring, (settings.max_waiters, settings.max_waiters_per_key)

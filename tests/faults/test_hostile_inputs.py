@@ -22,7 +22,8 @@ from oncegate import errors, settings
 from oncegate.service import Gateway as InProcessGateway
 from oncegate.service import ProxyRequest
 from oncegate.store.postgres import PostgresStore
-from oncegate.upstream import NotSent, Upstream
+from oncegate.upstream import NotSent
+from oncegate.upstream.client import HttpUpstream
 from tests.e2e.conftest import PROBLEM, parse_head
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name, row
 from tests.helpers import free_port, new_key
@@ -260,7 +261,7 @@ async def test_an_unexpected_client_library_error_before_sending_is_not_sent() -
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
-        upstream = Upstream()
+        upstream = HttpUpstream()
         try:
             with pytest.raises(NotSent, match="unexpected ValueError"):
                 await upstream.send("POST", f"http://user:pw@127.0.0.1:{port}/x",
@@ -285,7 +286,7 @@ async def test_a_key_is_released_when_an_unexpected_error_kept_the_request_from_
         headers=[("idempotency-key", key), ("authorization", "Bearer t"),
                  ("content-type", "application/json")],
     )  # fmt: skip
-    upstream = Upstream()
+    upstream = HttpUpstream()
     try:
         with pytest.raises(errors.UpstreamUnavailable):
             await InProcessGateway(store, upstream).handle(route, request)

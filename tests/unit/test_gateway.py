@@ -2,7 +2,8 @@
 and `Gateway.handle`'s laps through the in-memory store, including the races no timing makes
 happen on demand against PostgreSQL (a claim that committed while ours ran, a row that changes
 hands on every look). The in-memory store passes the PostgreSQL store's conformance suite
-(tests/store/test_conformance.py); the upstream is a real HTTP server on a socket.
+(tests/store/test_conformance.py); the upstream is the port's in-process fake
+(tests/fake_upstream.py). Every outcome a client can see is in tests/unit/test_outcomes.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from oncegate.service import (
 from oncegate.service.waiting import WaitingRoom
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
-from oncegate.upstream import Upstream
+from oncegate.upstream.client import HttpUpstream
+from tests.fake_upstream import FakeUpstream
 from tests.faults.conftest import RawUpstream
 
 FINGERPRINT = hashlib.sha256(b"the request").digest()
@@ -110,6 +112,11 @@ def test_an_expired_key_is_a_new_key_whatever_was_sent_under_it(fingerprint: byt
 # Laps of Gateway.handle
 
 
+@pytest.fixture
+def upstream() -> FakeUpstream:
+    return FakeUpstream()
+
+
 @pytest.fixture(scope="module")
 def upstream_server() -> Iterator[RawUpstream]:
     server = RawUpstream()
@@ -120,8 +127,8 @@ def upstream_server() -> Iterator[RawUpstream]:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    client = Upstream()
+async def http_upstream() -> AsyncIterator[HttpUpstream]:
+    client = HttpUpstream()
     try:
         yield client
     finally:
@@ -143,8 +150,8 @@ def request(key: str) -> ProxyRequest:
     )  # fmt: skip
 
 
-def served_route(server: RawUpstream, **options: object) -> settings.Route:
-    return settings.Route(name="r", match="/", upstream=server.url, **options)
+def served_route(**options: object) -> settings.Route:
+    return settings.Route(name="r", match="/", upstream="http://upstream.test", **options)
 
 
 class CountingStore(MemoryStore):
@@ -161,20 +168,18 @@ class CountingStore(MemoryStore):
         return await super().get(scope, key)
 
 
-async def test_a_new_key_is_claimed_forwarded_and_completed(
-    upstream_server: RawUpstream, upstream: Upstream
-) -> None:
+async def test_a_new_key_is_claimed_forwarded_and_completed(upstream: FakeUpstream) -> None:
     store = CountingStore()
-    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k1"))
+    answer = await Gateway(store, upstream).handle(served_route(), request("k1"))
     assert (answer.status, answer.outcome) == (201, "forwarded")
     [found] = await store.find("k1", None)
     assert found.state == "completed" and found.status == 201
     assert store.calls == ["claim"]
-    assert len(upstream_server.requests("k1")) == 1
+    assert len(upstream.requests("k1")) == 1
 
 
 async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     class CommittedMeanwhile(CountingStore):
         # PostgreSQL's claim sees neither its insert nor the row when a concurrent claim
@@ -191,14 +196,14 @@ async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
             return await super().claim(*args, **kwargs)
 
     store = CommittedMeanwhile()
-    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k2"))
+    answer = await Gateway(store, upstream).handle(served_route(), request("k2"))
     assert (answer.status, answer.outcome, answer.body) == (201, "replayed", b'{"first": true}')
     assert store.calls == ["claim", "get"]
-    assert upstream_server.requests("k2") == []
+    assert upstream.requests("k2") == []
 
 
 async def test_a_key_released_between_claim_and_read_is_claimed_again(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     class ReleasedMeanwhile(CountingStore):
         async def claim(self, *args: object, **kwargs: object) -> Claim | Record | None:
@@ -208,14 +213,14 @@ async def test_a_key_released_between_claim_and_read_is_claimed_again(
             return await super().claim(*args, **kwargs)
 
     store = ReleasedMeanwhile()
-    answer = await Gateway(store, upstream).handle(served_route(upstream_server), request("k3"))
+    answer = await Gateway(store, upstream).handle(served_route(), request("k3"))
     assert (answer.status, answer.outcome) == (201, "forwarded")
     assert store.calls == ["claim", "get", "claim"]
-    assert len(upstream_server.requests("k3")) == 1
+    assert len(upstream.requests("k3")) == 1
 
 
 async def test_a_key_that_changes_hands_on_every_look_gives_up_without_forwarding(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     class EverChanging(CountingStore):
         async def take_over(self, record: Record, lease: float) -> Claim | None:
@@ -223,22 +228,22 @@ async def test_a_key_that_changes_hands_on_every_look_gives_up_without_forwardin
             return None  # another gateway took it first, every time
 
     store = EverChanging()
-    forwarding = served_route(upstream_server, on_unknown="forward")
+    forwarding = served_route(on_unknown="forward")
     claimed = await store.claim("r", scope_of(forwarding), "k4", REQUEST_FINGERPRINT, 600, 600)
     assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
     gateway = Gateway(store, upstream)
     with pytest.raises(errors.RequestInProgress, match="changed hands"):
         await gateway.handle(forwarding, request("k4"))
     assert store.calls.count("take_over") == service.CLAIM_ATTEMPTS
-    assert upstream_server.requests("k4") == []
+    assert upstream.requests("k4") == []
 
 
 async def test_an_unknown_key_on_a_forwarding_route_is_taken_over_and_forwarded(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = CountingStore()
     gateway = Gateway(store, upstream)
-    forwarding = served_route(upstream_server, on_unknown="forward")
+    forwarding = served_route(on_unknown="forward")
     first = await store.claim("r", scope_of(forwarding), "k5", REQUEST_FINGERPRINT, 600, 600)
     assert isinstance(first, Claim) and await store.mark_unknown(first)
     answer = await gateway.handle(forwarding, request("k5"))
@@ -264,10 +269,10 @@ def waiting(key: str, gone: asyncio.Event | None = None) -> ProxyRequest:
 
 
 async def test_a_waiting_request_is_woken_by_the_settle_and_replayed(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server)
+    route = served_route()
     first = await store.claim("r", scope_of(route), "w1", REQUEST_FINGERPRINT, 600, 600)
     assert isinstance(first, Claim)
     waiter = asyncio.create_task(Gateway(store, upstream).handle(route, waiting("w1")))
@@ -277,14 +282,14 @@ async def test_a_waiting_request_is_woken_by_the_settle_and_replayed(
     answer = await asyncio.wait_for(waiter, 10)
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert ("preference-applied", "wait=10") in answer.headers
-    assert upstream_server.requests("w1") == []
+    assert upstream.requests("w1") == []
 
 
 async def test_a_waiting_request_whose_client_hangs_up_stops_and_claims_nothing(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server)
+    route = served_route()
     first = await store.claim("r", scope_of(route), "w2", REQUEST_FINGERPRINT, 600, 600)
     assert isinstance(first, Claim)
     gone = asyncio.Event()
@@ -294,7 +299,7 @@ async def test_a_waiting_request_whose_client_hangs_up_stops_and_claims_nothing(
     with pytest.raises(service.ClientGone):
         await asyncio.wait_for(waiter, 10)
     assert await store.release(first)  # the first claim is untouched, still its owner's
-    assert upstream_server.requests("w2") == []
+    assert upstream.requests("w2") == []
 
 
 @pytest.mark.parametrize(
@@ -326,10 +331,10 @@ async def in_flight(store: MemoryStore, route: settings.Route, key: str) -> Clai
 
 
 async def test_a_route_with_wait_holds_a_duplicate_without_being_asked(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, wait="10s")
+    route = served_route(wait="10s")
     first = await in_flight(store, route, "rw1")
     waiter = asyncio.create_task(Gateway(store, upstream).handle(route, request("rw1")))
     await asyncio.sleep(0.05)
@@ -338,14 +343,12 @@ async def test_a_route_with_wait_holds_a_duplicate_without_being_asked(
     answer = await asyncio.wait_for(waiter, 10)
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert not [name for name, _ in answer.headers if name == "preference-applied"]  # not asked
-    assert upstream_server.requests("rw1") == []
+    assert upstream.requests("rw1") == []
 
 
-async def test_prefer_wait_0_answers_at_once_on_a_route_with_wait(
-    upstream_server: RawUpstream, upstream: Upstream
-) -> None:
+async def test_prefer_wait_0_answers_at_once_on_a_route_with_wait(upstream: FakeUpstream) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, wait="10s")
+    route = served_route(wait="10s")
     await in_flight(store, route, "rw2")
     plain = request("rw2")
     asked = ProxyRequest(plain.method, plain.path, plain.query,
@@ -355,10 +358,10 @@ async def test_prefer_wait_0_answers_at_once_on_a_route_with_wait(
 
 
 async def test_past_the_per_key_bound_duplicates_are_answered_409_at_once(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, wait="10s")
+    route = served_route(wait="10s")
     first = await in_flight(store, route, "rw3")
     gateway = Gateway(store, upstream, waiters=(100, 2))
     copies = [asyncio.create_task(gateway.handle(route, request("rw3"))) for _ in range(5)]
@@ -380,10 +383,10 @@ async def test_past_the_per_key_bound_duplicates_are_answered_409_at_once(
 
 
 async def test_past_the_total_bound_a_duplicate_of_any_key_is_answered_409_at_once(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream: FakeUpstream,
 ) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, wait="10s")
+    route = served_route(wait="10s")
     claims = [await in_flight(store, route, key) for key in ("rw5", "rw6")]
     gateway = Gateway(store, upstream, waiters=(3, 100))
     copies = [
@@ -419,11 +422,15 @@ def keyed_request(headers_: list[tuple[str, str]], body: bytes = b"{}") -> Proxy
 
 
 async def test_a_key_header_route_takes_the_key_there_and_passes_it_upstream(
-    upstream_server: RawUpstream, upstream: Upstream
+    upstream_server: RawUpstream, http_upstream: HttpUpstream
 ) -> None:
+    # On a socket: that the client drops what `Connection` names but the key is the real
+    # client's doing (upstream.client), which the fake cannot show.
     store = MemoryStore()
-    route = served_route(upstream_server, key_header="PayPal-Request-Id")
-    gateway = Gateway(store, upstream)
+    route = settings.Route(
+        name="r", match="/", upstream=upstream_server.url, key_header="PayPal-Request-Id"
+    )
+    gateway = Gateway(store, http_upstream)
     with pytest.raises(errors.MissingKey, match="PayPal-Request-Id"):
         await gateway.handle(route, keyed_request([("idempotency-key", "kh1")]))
     sent = [("paypal-request-id", "kh1"), ("connection", "paypal-request-id")]
@@ -440,11 +447,9 @@ async def test_a_key_header_route_takes_the_key_there_and_passes_it_upstream(
     assert again.outcome == "replayed"
 
 
-async def test_a_body_key_route_takes_the_key_from_the_body(
-    upstream_server: RawUpstream, upstream: Upstream
-) -> None:
+async def test_a_body_key_route_takes_the_key_from_the_body(upstream: FakeUpstream) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, key_from_body="/payment/idempotency_key")
+    route = served_route(key_from_body="/payment/idempotency_key")
     gateway = Gateway(store, upstream)
     body = b'{"payment": {"idempotency_key": "kb1", "amount": 1}}'
     assert (await gateway.handle(route, keyed_request([], body))).outcome == "forwarded"
@@ -455,15 +460,13 @@ async def test_a_body_key_route_takes_the_key_from_the_body(
         await gateway.handle(route, keyed_request([("idempotency-key", "kb2")], b'{"a": 1}'))
     with pytest.raises(errors.InvalidKey, match="number"):
         await gateway.handle(route, keyed_request([], b'{"payment": {"idempotency_key": 7}}'))
-    optional = served_route(upstream_server, key_from_body="/k", key="optional")
+    optional = served_route(key_from_body="/k", key="optional")
     assert (await gateway.handle(optional, keyed_request([], b"[]"))).outcome == "unprotected"
 
 
-async def test_a_large_body_key_is_found_off_the_event_loop(
-    upstream_server: RawUpstream, upstream: Upstream
-) -> None:
+async def test_a_large_body_key_is_found_off_the_event_loop(upstream: FakeUpstream) -> None:
     store = MemoryStore()
-    route = served_route(upstream_server, key_from_body="/k")
+    route = served_route(key_from_body="/k")
     body = b'{"k": "kb3", "pad": "' + b"x" * (2 * service.flow.OFF_LOOP_JSON) + b'"}'
     answer = await Gateway(store, upstream).handle(route, keyed_request([], body))
     assert answer.outcome == "forwarded"

@@ -1,11 +1,9 @@
-"""The upstream HTTP client: one pooled client for all routes, timeouts, what the request got to.
+"""The upstream HTTP client (`HttpUpstream`, the `Upstream` port on aiohttp): one pooled client
+for all routes, timeouts, what the request got to.
 
-Failures come in two kinds, and the difference is the whole point of the gateway:
-- `NotSent`: the request never left (connection refused, connect or pool timeout). Retrying it
-  cannot cause a second side effect, so the key is released.
-- `AnswerLost`: the request may have reached the upstream, but no complete answer came back
-  (read timeout, reset, malformed answer). The side effect may have happened, so the key turns
-  `unknown`.
+The port's two failures (`NotSent`, `AnswerLost`) are told apart here:
+- `NotSent`: connection refused, connect or pool timeout, a URL that cannot be requested.
+- `AnswerLost`: read timeout, reset, malformed answer, a status that is not HTTP.
 Any other exception (a bug here or in aiohttp) is classified by whether the request was handed to
 a connection (`_Request`): `NotSent` before, `AnswerLost` after.
 A connection the upstream closes before any byte of the answer is `AnswerLost`, even a reused
@@ -23,12 +21,12 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import aiohttp
 import yarl
 
-from . import headers, keys, tracing
+from .. import headers, keys, tracing
+from . import AnswerLost, NotSent, UpstreamResponse
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
@@ -38,26 +36,6 @@ MAX_CONNECTIONS = 512
 # idle connections after 5 s): a request sent on a connection the server is closing at that
 # moment gets no answer, and its key would turn `unknown` for nothing.
 KEEPALIVE_TIMEOUT = 4.0
-
-
-class NotSent(Exception):
-    """The request did not reach the upstream."""
-
-
-class AnswerLost(Exception):
-    """The request may have reached the upstream; its answer did not come back."""
-
-    def __init__(self, message: str, *, timed_out: bool) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamResponse:
-    status: int
-    headers: list[tuple[str, str]]  # end-to-end headers only
-    body: bytes
-    duration: float
 
 
 class _Attempt:
@@ -119,8 +97,8 @@ def _as_sent(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
     ]
 
 
-class Upstream:
-    """A pooled HTTP client. Owned by the runtime; close it with `aclose`.
+class HttpUpstream:
+    """The `Upstream` port on a pooled HTTP client. Owned by the runtime; close it with `aclose`.
 
     aiohttp rather than httpx: on the forward path httpx's connection pool cost 3.1 ms of CPU per
     request against aiohttp's 1.2 ms, with everything else equal (docs/performance.md).

@@ -1,0 +1,54 @@
+"""The upstream port: what the gateway needs from whatever performs its requests.
+
+`Upstream.send` sends one request and returns the whole answer, or fails in one of two ways, and
+the difference is the whole point of the gateway:
+- `NotSent`: the request never left. Retrying it cannot cause a second side effect, so the key
+  is released.
+- `AnswerLost`: the request may have reached the upstream, but no complete answer came back.
+  The side effect may have happened, so the key turns `unknown`.
+No other exception may leave `send`. `client.HttpUpstream` is the implementation that runs (on
+aiohttp); tests drive the service in one process with a fake that keeps the same promises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .. import keys
+
+
+class NotSent(Exception):
+    """The request did not reach the upstream."""
+
+
+class AnswerLost(Exception):
+    """The request may have reached the upstream; its answer did not come back."""
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamResponse:
+    status: int
+    headers: list[tuple[str, str]]  # end-to-end headers only
+    body: bytes
+    duration: float
+
+
+class Upstream(Protocol):
+    async def send(
+        self,
+        method: str,
+        url: str,
+        request_headers: Sequence[tuple[str, str]],
+        body: bytes,
+        timeout: float,  # noqa: ASYNC109 - a per-route budget, the implementation applies it
+        key_header: str = keys.HEADER,
+    ) -> UpstreamResponse:
+        """Send one request and read its whole answer within `timeout` seconds. `key_header`
+        (lower case) is sent even when the client names it in `Connection`: the key."""
+        ...

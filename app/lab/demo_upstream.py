@@ -15,6 +15,9 @@
   `X-Demo-Status` do what `delay` and `status` do without changing the request's fingerprint at
   the gateway, so a retry of "the same request" can behave differently.
 
+Action ids are unique across restarts: each start draws a token of its own (`em_3fa9c2d1_000001`),
+so an answer a gateway stored before a restart never names an id a new action gets.
+
 A raw ASGI application with no framework: the demo upstream is also the benchmark's far end, and
 it should cost as little as possible.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -51,6 +55,9 @@ class DemoUpstream:
     def __init__(self) -> None:
         self.actions: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
+        # Nothing is kept across restarts, so ids are unique per start instead: a stored answer
+        # from an earlier start names an id no new action of this one can have.
+        self._start = secrets.token_hex(4)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -119,7 +126,7 @@ class DemoUpstream:
     def _perform(
         self, kind: str, path: str, headers: dict[str, str], body: bytes
     ) -> dict[str, Any]:
-        action_id = f"{PREFIXES[kind]}_{next(self._ids):06d}"
+        action_id = f"{PREFIXES[kind]}_{self._start}_{next(self._ids):06d}"
         try:
             request = json.loads(body) if body else None
         except (ValueError, RecursionError):  # not JSON, or nested past Python's stack

@@ -331,7 +331,7 @@ def _serve(arguments: argparse.Namespace) -> int:
     ):
         from .http import server
 
-        keys = asyncio.run(_check_schema(database.url))
+        keys, primary = asyncio.run(_check_schema(database.url))
         for route in config.routes:
             log.info(
                 "route %s: %s -> %s (methods %s, key %s, ttl %gs, timeout %gs)",
@@ -343,7 +343,12 @@ def _serve(arguments: argparse.Namespace) -> int:
                 route.ttl,
                 route.timeout,
             )
-        summary = server.Summary(database.description, keys)
+        where = (
+            database.description
+            if primary is None
+            else f"{database.description}, primary {primary}"
+        )
+        summary = server.Summary(where, keys)
         stopped_by = server.run(config, database.url, summary, received)
     # Stopped by Ctrl-C: the shell's convention for an interrupted command (128 + SIGINT), so a
     # script that ran the gateway learns it was interrupted. SIGTERM is the ordinary way a
@@ -492,10 +497,11 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
         server.stop()
 
 
-async def _check_schema(url: str) -> int:
+async def _check_schema(url: str) -> tuple[int, str | None]:
     """Refuse to serve a database that was never migrated: every request would fail. Warn, once,
     when a failover of this PostgreSQL could lose claims (contract section 10, "failover").
-    Returns how many keys it holds, for the start-up summary."""
+    Returns how many keys it holds and, when the URL lists several hosts, which one is the
+    primary, for the start-up summary."""
     from . import schema
     from .store.postgres import PostgresStore
 
@@ -510,7 +516,8 @@ async def _check_schema(url: str) -> int:
         risk = (await store.replication()).risk()
         if risk is not None:
             log.warning("%s; the primary is %s", risk, store.primary)
-        return await store.total_keys()
+        several = len(database_url.parse(url).hosts) > 1
+        return await store.total_keys(), store.primary if several else None
     finally:
         await store.close()
 

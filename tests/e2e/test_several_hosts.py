@@ -69,6 +69,7 @@ async def test_serve_follows_the_host_list_and_names_it_without_the_password(
     dead, alive = urls.parse(url).hosts
     summary = next(line for line in log.splitlines() if "oncegate serving" in line)
     assert f"host={dead.name}:{dead.port},{alive.name}" in summary  # as written, not %2C, %3A
+    assert f"primary {alive}" in summary  # the host that answered
     assert SECRET not in log and "Traceback" not in log
 
 

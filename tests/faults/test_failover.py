@@ -181,11 +181,18 @@ def performed(upstream: DemoUpstream) -> collections.Counter[str]:
     return collections.Counter(action["idempotency_key"] for action in upstream.actions())
 
 
-async def fail_over_under_load(
-    pair: Pair, load: Load, *, stall: float = 0.0
-) -> tuple[float, float, float]:
-    """Load, the kill, the promotion, more load. Returns when the primary was killed, when the
-    standby took writes, and when the stall began (the kill's time when there is none)."""
+@dataclass(frozen=True)
+class Moments:
+    """When things happened, on the test's monotonic clock."""
+
+    stalled: float  # the standby began to lag (the kill's start when it did not)
+    killing: float  # the kill began
+    killed: float  # every process of the primary was gone
+    promoted: float  # the standby took writes
+
+
+async def fail_over_under_load(pair: Pair, load: Load, *, stall: float = 0.0) -> Moments:
+    """Load, the kill, the promotion, more load."""
     clients = [
         httpx.AsyncClient(base_url=gateway.url, timeout=30, limits=httpx.Limits(keepalive_expiry=1))
         for gateway in load.gateways
@@ -197,11 +204,13 @@ async def fail_over_under_load(
             with pair.stall_standby():
                 stalled = time.monotonic()
                 await asyncio.sleep(stall)
-                killed = time.monotonic()
+                killing = time.monotonic()
                 await asyncio.to_thread(pair.primary.kill)
+                killed = time.monotonic()
         else:
-            stalled = killed = time.monotonic()
+            stalled = killing = time.monotonic()
             await asyncio.to_thread(pair.primary.kill)
+            killed = time.monotonic()
         await asyncio.sleep(OUTAGE)
         await asyncio.to_thread(pair.promote)
         promoted = time.monotonic()
@@ -211,17 +220,19 @@ async def fail_over_under_load(
     finally:
         for client in clients:
             await client.aclose()
-    return killed, promoted, stalled
+    return Moments(stalled, killing, killed, promoted)
 
 
-def in_flight_at(load: Load, moment: float) -> set[str]:
-    """Keys sent before `moment` whose client had no final answer before it."""
+def in_flight_at_the_kill(load: Load, moments: Moments) -> set[str]:
+    """Keys sent before the primary was gone whose client had no final answer before the kill
+    began: each may have been at the upstream, or committing, when the primary died."""
     answered_before = {
         sent.key
         for sent in load.sent
-        if sent.ended < moment and (sent.status == 201 or sent.problem == "outcome-unknown")
+        if sent.ended < moments.killing
+        and (sent.status == 201 or sent.problem == "outcome-unknown")
     }
-    sent_before = {sent.key for sent in load.sent if sent.started < moment}
+    sent_before = {sent.key for sent in load.sent if sent.started < moments.killed}
     return sent_before - answered_before
 
 
@@ -251,7 +262,7 @@ async def test_a_failover_to_a_synchronous_standby_loses_no_claim(
     body, unsafe = await readiness(started[0])
     assert "replication" not in body and unsafe == 0
     load = Load(started)
-    killed, promoted, _ = await fail_over_under_load(pair, load)
+    moments = await fail_over_under_load(pair, load)
     await asyncio.sleep(LEASE)
     final = await final_answers(started[0], load.keys)
     logs = [gateway.process.output() for gateway in started]
@@ -264,17 +275,21 @@ async def test_a_failover_to_a_synchronous_standby_loses_no_claim(
         for answer in final.values()
     ), [answer for answer in final.values() if answer.status != 201]
     unknown = {key for key, answer in final.items() if answer.problem == "outcome-unknown"}
-    in_flight = in_flight_at(load, killed)
+    in_flight = in_flight_at_the_kill(load, moments)
     if answer_commit == "on":
-        assert unknown <= in_flight, sorted(unknown - in_flight)
+        assert unknown <= in_flight, (
+            moments,
+            [sent for sent in load.sent if sent.key in unknown - in_flight],
+            [line for log in logs for line in log.splitlines() if "could not" in line][:10],
+        )
     refused = [sent for sent in load.sent if sent.status == 503]
     assert refused, "the kill under load refused nothing: it did not happen under load"
     assert {sent.problem for sent in refused} == {"store-unavailable"}
-    assert all(killed < sent.ended for sent in refused)
-    assert all(sent.started < promoted + CONNECT_TIMEOUT for sent in refused)
+    assert all(moments.killing < sent.ended for sent in refused)
+    assert all(sent.started < moments.promoted + CONNECT_TIMEOUT for sent in refused)
     for number in range(len(started)):
         assert any(
-            sent.gateway == number and sent.started > promoted and sent.status == 201
+            sent.gateway == number and sent.started > moments.promoted and sent.status == 201
             and not sent.replayed
             for sent in load.sent
         ), f"gateway {number} forwarded nothing after the promotion"  # fmt: skip
@@ -310,7 +325,7 @@ async def test_a_lagging_asynchronous_standby_is_warned_of_and_its_duplicates_co
     body, unsafe = await readiness(started[0])
     assert "none is synchronous" in body["replication"] and unsafe == 1
     load = Load(started)
-    killed, _, stalled = await fail_over_under_load(pair, load, stall=STALL)
+    moments = await fail_over_under_load(pair, load, stall=STALL)
     await asyncio.sleep(LEASE)
     final = await final_answers(started[0], load.keys)
 
@@ -322,8 +337,8 @@ async def test_a_lagging_asynchronous_standby_is_warned_of_and_its_duplicates_co
     for sent in load.sent:
         if sent.status == 201:
             first_answer.setdefault(sent.key, sent)
-    assert all(stalled - 0.1 < first_answer[key].ended for key in twice)
-    assert all(first_answer[key].started < killed for key in twice)
+    assert all(moments.stalled - 0.1 < first_answer[key].ended for key in twice)
+    assert all(first_answer[key].started < moments.killed for key in twice)
     assert max(times[key] for key in load.keys) <= 2
     gone = sum(
         line["claims_lost_in_failover"]

@@ -296,6 +296,9 @@ def _lab(arguments: argparse.Namespace) -> int:
         outcome = lab.run()
     if arguments.json:
         print(json.dumps(outcome.document()))
+        note = crashlab.too_few_runs(outcome.runs) if "B" in outcome.strategies else None
+        if note is not None:
+            print(f"oncegate lab: {note}", file=sys.stderr)
     else:
         print(crashlab.table(outcome))
     if arguments.plot is not None:

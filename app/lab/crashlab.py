@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import secrets
@@ -726,6 +727,36 @@ class ProgressBar:
         self.stream.flush()
 
 
+# B performs an action twice when the crash falls on an action step (3 of 12) and in its gap.
+B_DUPLICATE_SHARE = GAP_SHARE * len(ACTION_STEPS) / STEPS
+
+
+def runs_to_show_the_gap(miss: float = 0.01) -> int:
+    """Runs after which B shows at least one duplicate but for `miss` of the seeds."""
+    return math.ceil(math.log(miss) / math.log(1 - B_DUPLICATE_SHARE))
+
+
+def runs_for_a_figure(within: float = 1 / 3) -> int:
+    """Runs after which B's duplicate share is within `within` of itself (relative), 19 seeds
+    out of 20 (a binomial share's normal interval)."""
+    share = B_DUPLICATE_SHARE
+    return math.ceil((1.96 / within) ** 2 * (1 - share) / share)
+
+
+def too_few_runs(runs: int) -> str | None:
+    """What a table of `runs` runs cannot show, or None when they are enough for a figure."""
+    if runs >= runs_for_a_figure():
+        return None
+    share = B_DUPLICATE_SHARE
+    return (
+        f"too few runs to measure B's gap: B performs an action twice in about {share:.2%} of "
+        f"runs, so {runs} runs expect {share * runs:.1f} such runs and show none "
+        f"{(1 - share) ** runs:.0%} of the time (B then reads like C); --runs "
+        f"{runs_to_show_the_gap()} shows the gap for 99 seeds in 100, --runs "
+        f"{runs_for_a_figure()} puts B's figure within a third of itself (docs/lab.md)"
+    )
+
+
 def table(outcome: Outcome) -> str:
     rows = [
         f"crash-recovery lab: {outcome.runs} runs per strategy, seed {outcome.seed}, "
@@ -756,6 +787,9 @@ def table(outcome: Outcome) -> str:
         "interrupted, per run (avg), at invented per-step costs; the model expects "
         f"{expected}; checkpoint s: saves x {CHECKPOINT_SAVE_SECONDS * 1000:.0f} ms (invented)"
     )
+    note = too_few_runs(outcome.runs) if "B" in outcome.strategies else None
+    if note is not None:
+        rows.append(note)
     if outcome.gateway is not None:
         gateway = outcome.gateway
         rows.append(

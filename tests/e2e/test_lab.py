@@ -61,6 +61,7 @@ def test_a_small_lab_run_has_the_contracts_shape(tmp_path: Path) -> None:
     assert b["wasted_tokens_avg"] == c["wasted_tokens_avg"] < a["wasted_tokens_avg"]
     assert a["checkpoint_seconds_avg"] == 0 < d["checkpoint_seconds_avg"]
     assert "runs" in result.stderr  # the progress bar
+    assert "oncegate lab: too few runs to measure B's gap" in result.stderr
     assert chart.read_text().startswith("<svg")
     assert f"oncegate lab: chart written to {chart.resolve()}" in result.stderr
 
@@ -95,6 +96,19 @@ def test_the_table_names_every_strategy_and_its_figures() -> None:
     assert "checkpoint + stable keys via oncegate" in result.stdout
     assert "steps redone" in result.stdout and "action twice" in result.stdout
     assert "wasted tokens" in result.stdout and "checkpoint s" in result.stdout
+
+
+def test_a_run_too_small_for_b_s_gap_says_so_and_how_many_runs_would_do() -> None:
+    result = lab("--runs", "4", "--seed", "3", "--strategies", "BC")
+    assert result.returncode == 0, result.stderr
+    assert "too few runs to measure B's gap" in result.stdout
+    assert "show none 86% of the time" in result.stdout  # 0.9625 ** 4
+    assert "--runs 121 shows the gap" in result.stdout and "--runs 888 puts" in result.stdout
+    # Enough runs for a figure, or no B to measure: nothing to say.
+    assert crashlab.too_few_runs(crashlab.runs_for_a_figure()) is None
+    assert crashlab.too_few_runs(crashlab.runs_for_a_figure() - 1) is not None
+    assert crashlab.too_few_runs(1000) is None
+    assert "too few runs" not in lab("--runs", "1", "--strategies", "AC").stdout
 
 
 def test_a_plot_that_is_not_svg_is_refused_before_anything_runs() -> None:

@@ -18,8 +18,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import database_url, errors, logs, metrics, settings
+
+if TYPE_CHECKING:
+    from .lab.crashlab import Runtime
 
 log = logging.getLogger("oncegate")
 
@@ -153,7 +157,14 @@ def _parser() -> argparse.ArgumentParser:
     lab.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     lab.add_argument("--plot", metavar="FILE.svg", type=Path, help="also write an SVG chart")
     lab.add_argument(
-        "--strategies", default="ABCD", type=_strategies, help="which to run (default ABCD)"
+        "--strategies", type=_strategies, help="which to run (default ABCD; ABC on LangGraph)"
+    )
+    lab.add_argument(
+        "--runtime",
+        choices=["runner", "langgraph"],
+        default="runner",
+        help="what plays the task: the agent library's runner (default) or a LangGraph graph "
+        "checkpointed by PostgresSaver (strategies A, B, C; needs oncegate[langgraph])",
     )
     lab.add_argument(
         "--kill-gateway",
@@ -279,6 +290,12 @@ def _lab(arguments: argparse.Namespace) -> int:
             "--late-resume needs the lab's own gateway (its /late route keeps keys seconds, "
             "not a day): drop --gateway"
         )
+    runtime: Runtime = crashlab.RUNNER
+    if arguments.runtime == "langgraph":
+        runtime = _langgraph_runtime(arguments)
+    arguments.strategies = arguments.strategies or "".join(
+        name for name in "ABCD" if name in runtime.titles
+    )
     if arguments.gateway and not arguments.upstream and "C" in arguments.strategies:
         raise errors.ConfigError("--gateway needs --upstream: the one it forwards to")
     logs.configure("text", "warning")
@@ -292,6 +309,7 @@ def _lab(arguments: argparse.Namespace) -> int:
             kill_gateway=arguments.kill_gateway,
             late_resume=arguments.late_resume,
             progress=crashlab.ProgressBar(sys.stderr),
+            runtime=runtime,
         )
         outcome = lab.run()
     if arguments.json:
@@ -307,6 +325,26 @@ def _lab(arguments: argparse.Namespace) -> int:
     for failure in outcome.failures:
         print(f"oncegate lab: {failure}", file=sys.stderr)
     return 1 if outcome.failures else 0
+
+
+def _langgraph_runtime(arguments: argparse.Namespace) -> Runtime:
+    """`lab --runtime langgraph`'s runtime, after refusing what it does not have."""
+    unknown = set(arguments.strategies or "") - set("ABC")
+    if unknown:
+        raise errors.ConfigError(
+            f"--runtime langgraph plays strategies A, B and C, not {', '.join(sorted(unknown))}"
+        )
+    if arguments.kill_gateway or arguments.late_resume:
+        raise errors.ConfigError(
+            "--kill-gateway and --late-resume are the runner's: drop them or --runtime langgraph"
+        )
+    try:
+        from .lab import langgraph_runtime
+    except ImportError as exc:
+        raise errors.ConfigError(
+            f"--runtime langgraph needs LangGraph: pip install 'oncegate[langgraph]' ({exc})"
+        ) from exc
+    return langgraph_runtime.RUNTIME
 
 
 def _serve(arguments: argparse.Namespace) -> int:

@@ -21,6 +21,10 @@ How a run goes:
 Strategies: A restart from step 1 (no checkpoint); B checkpoint after each step; C checkpoint and
 a stable key per action, through the gateway; D checkpoint first, then act (no key).
 
+What plays a run in the worker is the lab's `Runtime`: the agent library's runner by default
+(`RUNNER`), or the same task as a LangGraph graph (`langgraph_runtime.RUNTIME`, strategies A, B, C
+only); the lab around it (crashes, kills, resumes, counting) is the same.
+
 `--late-resume` adds two: E and F are C resumed after the gateway has forgotten the run's keys
 (through the gateway's `/late` route, whose keys live `stack.LATE_TTL`; each crashed run waits
 `LATE_WAIT` before it is resumed). E resends its pending action anyway, and the gateway performs
@@ -225,6 +229,7 @@ class Outcome:
     failures: list[str]
     gateway: dict[str, int] | None  # with --kill-gateway
     late: dict[str, Any] | None = None  # with --late-resume
+    runtime: Runtime | None = None  # what played the runs; None: the runner
 
     def document(self) -> dict[str, Any]:
         """Contract section 8's JSON (plus `gateway_kills` with --kill-gateway, `late_resume`
@@ -290,6 +295,23 @@ class Environment:
     late_gateway_url: str | None = None
 
 
+# What a worker runs: (run, environment, crash point, reconciliation, pipe) -> its exit status.
+# It reports each point of each step on the pipe (`started`, `prepared`, `done`, `saved`, each
+# with the step's number), `checkpoint` for each save, and stops at the crash point (`kill-me`).
+Play = Callable[[Run, Environment, tuple[str, int] | None, Reconciliation | None, int], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What plays the task in a worker, with the strategies it has and their titles."""
+
+    name: str
+    play: Play
+    titles: dict[str, str]  # strategy name -> its line in the table
+    # Called once in the lab before the first worker (whatever the workers share, made once).
+    prepare: Callable[[Environment], None] | None = None
+
+
 # --- the worker: a forked child that runs (or resumes) one run and may be killed --------------
 
 
@@ -308,16 +330,17 @@ def fork_worker(
     environment: Environment,
     crash_point: tuple[str, int] | None,
     reconciliation: Reconciliation | None = None,
+    play: Play | None = None,
 ) -> Worker:
-    """Fork a worker that runs `run` until it ends or reaches `crash_point`, after applying
-    `reconciliation` to its checkpoint."""
+    """Fork a worker that runs `run` with `play` (the agent runner by default) until it ends or
+    reaches `crash_point`, after applying `reconciliation` to its checkpoint."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the worker
         status = 1
         try:
             os.close(read_fd)
-            status = _worker(run, environment, crash_point, reconciliation, write_fd)
+            status = (play or _worker)(run, environment, crash_point, reconciliation, write_fd)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -398,6 +421,10 @@ def _worker(
     return asyncio.run(main())
 
 
+# The lab's own runtime: the agent library's step runner (`oncegate.agent.runner`).
+RUNNER = Runtime("runner", _worker, {name: strategy.title for name, strategy in STRATEGIES.items()})
+
+
 # --- the lab: runs, kills, resumes, counts -------------------------------------------------------
 
 
@@ -422,8 +449,14 @@ class Lab:
         late_resume: bool = False,
         crashes: Sequence[Crash] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        runtime: Runtime = RUNNER,
     ) -> None:
         """`crashes` (one per run) replaces the ones drawn from `seed`; tests fix them."""
+        names = [*strategies, *(LATE_STRATEGIES if late_resume else "")]
+        if unknown := [name for name in names if name not in runtime.titles]:
+            raise ValueError(f"the {runtime.name} runtime has no strategy {', '.join(unknown)}")
+        if runtime is not RUNNER and (kill_gateway or late_resume):
+            raise ValueError(f"the {runtime.name} runtime has no --kill-gateway, --late-resume")
         if kill_gateway and stack.gateway is None:
             raise ValueError("--kill-gateway needs the lab's own gateway (no --gateway)")
         if late_resume and stack.late_gateway_url is None:
@@ -431,6 +464,7 @@ class Lab:
         if crashes is not None and len(crashes) != runs:
             raise ValueError(f"{len(crashes)} crashes for {runs} runs")
         self.stack = stack
+        self.runtime = runtime
         self.runs = runs
         self.seed = seed
         self.jobs = jobs
@@ -445,7 +479,6 @@ class Lab:
         )
         session = secrets.token_hex(3)  # several labs may share one upstream or database
         self.prefix = f"lab-{session}"
-        names = [*strategies, *(LATE_STRATEGIES if late_resume else "")]
         kills = random.Random(seed + 1)  # noqa: S311 - reproducible, not a secret
         self.plan: list[Run] = []
         for number, crash in enumerate(crashes or draw_crashes(runs, seed), start=1):
@@ -468,6 +501,8 @@ class Lab:
 
     def run(self) -> Outcome:
         started = time.monotonic()
+        if self.runtime.prepare is not None:
+            self.runtime.prepare(self.environment)
         queue = collections.deque(self.plan)
         selector = selectors.DefaultSelector()
         timers: list[float] = []  # when the gateway is to be killed
@@ -531,7 +566,7 @@ class Lab:
         point: tuple[str, int] | None,
         reconciliation: Reconciliation | None = None,
     ) -> None:
-        worker = fork_worker(run, self.environment, point, reconciliation)
+        worker = fork_worker(run, self.environment, point, reconciliation, self.runtime.play)
         selector.register(worker.fd, selectors.EVENT_READ, worker)
 
     def _read(self, worker: Worker, data: bytes, timers: list[float]) -> None:
@@ -691,7 +726,9 @@ class Lab:
                 }
         failures = [run.failure for run in self.plan if run.failure is not None]
         self._http.close()
-        return Outcome(self.runs, self.seed, figures, seconds, failures, gateway, late)
+        return Outcome(
+            self.runs, self.seed, figures, seconds, failures, gateway, late, self.runtime
+        )
 
 
 # --- presentation --------------------------------------------------------------------------------
@@ -758,15 +795,17 @@ def too_few_runs(runs: int) -> str | None:
 
 
 def table(outcome: Outcome) -> str:
+    runtime = outcome.runtime or RUNNER
+    on = "" if runtime is RUNNER else f" on {runtime.name}"
     rows = [
-        f"crash-recovery lab: {outcome.runs} runs per strategy, seed {outcome.seed}, "
+        f"crash-recovery lab{on}: {outcome.runs} runs per strategy, seed {outcome.seed}, "
         f"{outcome.seconds:.0f} s",
         "",
         f"{'strategy':<42} {'steps redone':>13} {'action twice':>13} {'action lost':>12} "
         f"{'wasted tokens':>14} {'wasted s':>9} {'checkpoint s':>13}",
     ]
     for name, figures in outcome.strategies.items():
-        title = f"{name}  {STRATEGIES[name].title}"
+        title = f"{name}  {runtime.titles[name]}"
         rows.append(
             f"{title:<42} {figures.redone_avg:>13.2f} {figures.duplicate_runs_pct:>12.1f}% "
             f"{figures.lost_runs_pct:>11.1f}% {figures.wasted_tokens_avg:>14,.0f} "

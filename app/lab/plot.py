@@ -9,7 +9,7 @@ from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
-from .crashlab import STRATEGIES, Outcome
+from .crashlab import RUNNER, Outcome
 from .task import STEPS
 
 WIDTH, HEIGHT = 760, 660
@@ -74,8 +74,9 @@ def svg(outcome: Outcome) -> str:
         seconds, _ceiling(top), "{:.2f}".format,
     )  # fmt: skip
     # Three strategies to a line: six on one would run off the chart.
+    titles = (outcome.runtime or RUNNER).titles
     for line, first in enumerate(range(0, len(names), 3)):
-        descriptions = "; ".join(f"{name}: {STRATEGIES[name].title}" for name in names[first:][:3])
+        descriptions = "; ".join(f"{name}: {titles[name]}" for name in names[first:][:3])
         parts.append(
             f'<text x="{WIDTH / 2}" y="{HEIGHT - 68 + line * 14}" text-anchor="middle" '
             f'font-size="10">{escape(descriptions)}</text>'

@@ -1,0 +1,202 @@
+"""`oncegate lab --runtime langgraph`: the lab's 12-step task as a LangGraph graph, killed and
+resumed by the same lab (crashlab.py), under three strategies:
+
+- A: compiled without a checkpointer: every process runs the graph from its first node.
+- B: LangGraph's `PostgresSaver` on the gateway's database; a process that finds the thread's
+  checkpoint resumes it (`invoke(None, ...)`), and the actions go straight to the upstream.
+- C: B, and every action sent through the gateway with its task's key
+  (`oncegate.agent.langgraph.Gateway`).
+
+The graph: one node per step of `task.support_task`, named as the step, in a chain. A node
+computes its step's output from the earlier outputs (the state's `outputs`, which LangGraph
+appends to); an action node computes its request's body that way and POSTs it. B and C run with
+`durability="sync"`, the one `task_key` accepts: LangGraph saves each step's checkpoint before
+the next step starts.
+
+Each node reports on the lab's pipe as the runner does: `started`, `prepared` (an action's body
+is computed, nothing sent), `done` (its output computed, or its action answered), and the saver
+reports `checkpoint` for each write it makes. The lab kills the worker where the crash point
+says. The crash in the gap is the `done` of an action node: the node has its action's answer
+and waits for the SIGKILL before it returns, and LangGraph writes what a node did only once it
+returned (the task's writes, then the step's checkpoint). So the kill lands between the action
+and LangGraph's write of its step, and on resume LangGraph runs the node again: B sends the
+action a second time, C sends it with the same key and the gateway answers from its store.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, TypedDict
+
+import httpx
+import psycopg
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import ChannelVersions, Checkpoint, CheckpointMetadata
+from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.state import CompiledStateGraph
+
+from ..agent.checkpoints import JSON
+from ..agent.client import RetryPolicy, SyncActionClient
+from ..agent.langgraph import Gateway
+from ..agent.runner import Step
+from .crashlab import Environment, Reconciliation, Run, Runtime
+from .task import support_task
+
+TITLES = {
+    "A": "no checkpointer: start over",
+    "B": "PostgresSaver",
+    "C": "PostgresSaver + task keys via oncegate",
+}
+
+
+class State(TypedDict):
+    outputs: Annotated[list[JSON], operator.add]
+
+
+def connect(environment: Environment) -> psycopg.Connection[Any]:
+    """A connection to the gateway's database as `PostgresSaver` wants it (autocommit, no
+    prepared statements). On the lab's own database a save is not flushed to disk at once: the
+    lab kills agents, never PostgreSQL (see `crashlab.Environment.flush_each_save`)."""
+    options = "" if environment.flush_each_save else "-c synchronous_commit=off"
+    return psycopg.Connection.connect(
+        environment.database_url, autocommit=True, prepare_threshold=0, options=options
+    )
+
+
+class CountedSaver(PostgresSaver):
+    """`PostgresSaver` that tells the lab of each write it made (the checkpoint seconds)."""
+
+    def __init__(self, connection: psycopg.Connection[Any], pipe: int) -> None:
+        super().__init__(connection)
+        self._pipe = pipe
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        saved = super().put(config, checkpoint, metadata, new_versions)
+        os.write(self._pipe, f"checkpoint {metadata.get('step', 0)}\n".encode())
+        return saved
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        super().put_writes(config, writes, task_id, task_path)
+        os.write(self._pipe, b"checkpoint writes\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What the nodes do in one worker: this run's steps (`task.support_task`), how they report
+    to the lab, how an action is performed (its answer returned)."""
+
+    steps: Sequence[Step]
+    report: Callable[[str, int], None]
+    act: Callable[[Step, JSON], JSON]
+
+
+class LangGraphTask:
+    """The task's graph, compiled once in the lab before the first worker is forked (compiling
+    costs a worker more than running its 12 steps); each worker gives it its `Work` in its own
+    copy of the memory, then runs it."""
+
+    def __init__(self) -> None:
+        self.graph: CompiledStateGraph[State, None, State, State] | None = None
+        self.work: Work | None = None
+
+    def prepare(self, environment: Environment) -> None:
+        """Compile the graph and create (or bring up to date) LangGraph's tables."""
+        builder: StateGraph[State] = StateGraph(State)
+        previous = START
+        for number, step in enumerate(support_task("any"), start=1):  # names only
+            builder.add_node(step.name, StepNode(self, number))
+            builder.add_edge(previous, step.name)
+            previous = step.name
+        builder.add_edge(previous, END)
+        self.graph = builder.compile()
+        with connect(environment) as connection:
+            PostgresSaver(connection).setup()
+
+    def play(
+        self,
+        run: Run,
+        environment: Environment,
+        crash_point: tuple[str, int] | None,
+        reconciliation: Reconciliation | None,
+        pipe: int,
+    ) -> int:
+        """Run (or resume) `run` as a LangGraph graph in this worker (crashlab.Play)."""
+        if self.graph is None:
+            raise RuntimeError("the lab prepares the LangGraph runtime before its workers")
+        if reconciliation is not None:
+            raise ValueError("the LangGraph runtime has no reconciliation (strategies E and F)")
+
+        def report(event: str, step: int) -> None:
+            os.write(pipe, f"{event} {step}\n".encode())
+            if (event, step) == crash_point:
+                os.write(pipe, b"kill-me\n")
+                while True:  # frozen at the crash point until the SIGKILL arrives
+                    time.sleep(60)
+
+        strategy = run.strategy
+        with httpx.Client(verify=environment.ssl_context, trust_env=False, timeout=10.0) as http:
+            policy = RetryPolicy(deadline=60.0)
+            upstream = SyncActionClient(http, environment.upstream_url, policy=policy)
+            gateway = Gateway(environment.gateway_url, http=http, policy=policy)
+
+            def act(step: Step, body: JSON) -> JSON:
+                assert step.action is not None
+                if strategy.through_gateway:
+                    response = gateway.post(step.action.path, body, action=step.action.name)
+                else:
+                    response = upstream.send(step.action.path, body, None)
+                answer: JSON = response.json()
+                return answer
+
+            self.work = Work(support_task(run.run_id), report, act)
+            if not strategy.checkpoints:
+                self.graph.invoke({"outputs": []})
+                return 0
+            config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
+            with connect(environment) as connection:
+                saver = CountedSaver(connection, pipe)
+                started = saver.get_tuple(config) is not None
+                graph = self.graph.copy(update={"checkpointer": saver})
+                graph.invoke(None if started else {"outputs": []}, config, durability="sync")
+        return 0
+
+
+class StepNode:
+    """The node of step `number`: its output from the earlier ones, or its action's answer."""
+
+    def __init__(self, task: LangGraphTask, number: int) -> None:
+        self.task = task
+        self.number = number
+
+    def __call__(self, state: State) -> dict[str, list[JSON]]:
+        work, number = self.task.work, self.number
+        assert work is not None, "a node runs in a worker, after play()"
+        step = work.steps[number - 1]
+        work.report("started", number)
+        output = step.compute(tuple(state["outputs"]))
+        if step.action is not None:
+            work.report("prepared", number)
+            output = work.act(step, output)
+        work.report("done", number)
+        return {"outputs": [output]}
+
+
+TASK = LangGraphTask()
+RUNTIME = Runtime("LangGraph", TASK.play, TITLES, prepare=TASK.prepare)

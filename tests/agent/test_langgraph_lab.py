@@ -1,0 +1,90 @@
+"""`oncegate lab --runtime langgraph` end to end: the 12-step task as a real LangGraph graph,
+LangGraph's `PostgresSaver` on the test PostgreSQL (the lab's `--database-url`), the lab's own
+gateway and demo upstream, and a real SIGKILL in every run, resumed in a new process.
+
+The lab exits 0 only if every run reached its crash point, was killed there, and its resumed
+process finished the task (a worker that ends any other way is a failure, exit 1): so 200 runs
+per strategy are 200 killed runs each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from oncegate.lab.crashlab import draw_crashes
+
+FIGURES = {
+    "redone_avg",
+    "duplicate_runs_pct",
+    "lost_runs_pct",
+    "wasted_tokens_avg",
+    "wasted_seconds_avg",
+    "checkpoint_seconds_avg",
+}
+
+
+def lab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", "langgraph", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_keys_from_the_task_repeat_nothing_over_200_killed_runs_and_the_saver_alone_does(
+    database_url: str,
+) -> None:
+    runs, seed = 200, 7
+    result = lab("--runs", str(runs), "--seed", str(seed), "--json", "--database-url", database_url)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    # Contract section 8's shape, as the runner's lab prints it.
+    assert set(document) == {"runs", "seed", "strategies"}
+    assert (document["runs"], document["seed"]) == (runs, seed)
+    assert set(document["strategies"]) == {"A", "B", "C"}
+    for figures in document["strategies"].values():
+        assert set(figures) == FIGURES
+    a, b, c = (document["strategies"][name] for name in "ABC")
+    # The crashes that fell in the gap, between an action's answer and LangGraph's write of
+    # its step (the same crash points for every strategy).
+    gaps = sum(crash.gap for crash in draw_crashes(runs, seed))
+    assert gaps > 0
+    # C: the resumed task sent its action again with the same key, the gateway replayed it.
+    assert c["duplicate_runs_pct"] == 0 and c["lost_runs_pct"] == 0
+    # B: LangGraph's saver alone resumes the killed task and performs its action again, once
+    # per crash in the gap: the gap exists, so C's zero means something.
+    assert b["duplicate_runs_pct"] == 100 * gaps / runs
+    assert b["lost_runs_pct"] == 0
+    # Both redo exactly the node caught in the gap; A restarts and redoes the most.
+    assert b["redone_avg"] == c["redone_avg"] == round(gaps / runs, 3)
+    assert a["redone_avg"] > 2 and a["duplicate_runs_pct"] > b["duplicate_runs_pct"]
+    assert a["lost_runs_pct"] == 0
+    # A saves nothing; B and C save each task's writes and each step's checkpoint.
+    assert a["checkpoint_seconds_avg"] == 0 < b["checkpoint_seconds_avg"]
+
+
+def test_the_table_names_langgraphs_strategies(database_url: str) -> None:
+    result = lab("--runs", "3", "--seed", "1", "--database-url", database_url)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("crash-recovery lab on LangGraph: 3 runs per strategy, seed 1")
+    rows = [line for line in lines if line[:3] in ("A  ", "B  ", "C  ")]
+    assert [row.split("  ")[1].strip() for row in rows] == [
+        "no checkpointer: start over",
+        "PostgresSaver",
+        "PostgresSaver + task keys via oncegate",
+    ]
+
+
+def test_what_the_langgraph_runtime_does_not_have_is_refused_before_anything_starts() -> None:
+    for args, message in [
+        (("--strategies", "BD"), "plays strategies A, B and C, not D"),
+        (("--late-resume",), "--kill-gateway and --late-resume are the runner's"),
+        (("--kill-gateway",), "--kill-gateway and --late-resume are the runner's"),
+    ]:
+        result = lab(*args, timeout=60)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)

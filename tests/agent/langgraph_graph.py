@@ -130,10 +130,11 @@ def run_sync(arguments: argparse.Namespace) -> None:
     ):
         saver: PostgresSaver
         if arguments.hold_checkpoint_of_step is not None:
-            saver = HeldSaver(connection)  # type: ignore[arg-type]
-            saver.step = arguments.hold_checkpoint_of_step  # type: ignore[attr-defined]
+            held = HeldSaver(connection)
+            held.step = arguments.hold_checkpoint_of_step
+            saver = held
         else:
-            saver = PostgresSaver(connection)  # type: ignore[arg-type]
+            saver = PostgresSaver(connection)
         saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
         start = None if saver.get_tuple(config) is not None else {"iteration": 0, "receipts": []}
@@ -149,7 +150,7 @@ async def run_async(arguments: argparse.Namespace) -> None:
         ) as connection,
         AsyncGateway(arguments.gateway) as gateway,
     ):
-        saver = AsyncPostgresSaver(connection)  # type: ignore[arg-type]
+        saver = AsyncPostgresSaver(connection)
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
         known = await saver.aget_tuple(config)

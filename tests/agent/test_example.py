@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,3 +72,57 @@ def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_wi
     assert [parse(line) for line in outputs[1].splitlines()] == [parse(line) for line in lines]
     assert len(upstream.actions(f"{run_id}:step-2:email")) == 1
     assert len(upstream.actions(f"{run_id}:step-3:charge")) == 1
+
+
+LANGGRAPH_EXAMPLE = Path(__file__).parents[2] / "examples" / "langgraph_agent.py"
+
+
+def test_the_langgraph_example_killed_after_its_email_sends_it_once_when_run_again(
+    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
+) -> None:
+    environment = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("ONCEGATE")},
+        "ONCEGATE_DATA_DIR": str(data_dir),
+    }
+    port = free_port()
+    gateway = Process(
+        ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port",
+         str(free_port())],
+        tmp_path / "gateway.log",
+        env={"ONCEGATE_DATABASE_URL": "", "ONCEGATE_DATA_DIR": str(data_dir)},
+    )  # fmt: skip
+    thread = f"case-{uuid.uuid4()}"
+    command = [sys.executable, str(LANGGRAPH_EXAMPLE), thread]
+    environment["GATEWAY_URL"] = f"http://127.0.0.1:{port}"
+    try:
+        gateway.wait_listening(port)
+        first = subprocess.Popen(
+            command, env={**environment, "PAUSE": "120"}, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert first.stdout is not None
+            lines = []
+            for line in first.stdout:
+                lines.append(line)
+                if "kill me now" in line:
+                    break
+            assert lines[0] == "email: 201\n", lines
+            os.kill(first.pid, signal.SIGKILL)  # kill -9, in the pause after the email
+        finally:
+            first.kill()
+            first.wait(10)
+            if first.stdout is not None:
+                first.stdout.close()
+        again = subprocess.run(
+            command, env={**environment, "PAUSE": "0"}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        gateway.stop()
+    assert again.returncode == 0, again.stderr
+    # Resumed: the killed node ran again, its email was answered from the gateway's store.
+    assert again.stdout.splitlines()[0] == "email: 201 replayed"
+    assert "closed: True" in again.stdout
+    emails = [a for a in upstream.actions() if a["idempotency_key"].startswith(f"{thread}:")]
+    assert len(emails) == 1
+    assert emails[0]["idempotency_key"].startswith(f"{thread}:send_email:")

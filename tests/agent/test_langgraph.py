@@ -27,8 +27,9 @@ import httpx
 import psycopg
 import pytest
 from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, StateGraph
-from langgraph.types import Send
+from langgraph.types import Command, Send, interrupt
 
 from oncegate.agent import keys
 from oncegate.agent.client import ActionKeyReused, ActionOutcomeUnknown
@@ -174,7 +175,7 @@ class Loop(TypedDict):
 
 def saver(database_url: str) -> Iterator[PostgresSaver]:
     with psycopg.Connection.connect(database_url, autocommit=True, prepare_threshold=0) as db:
-        checkpointer = PostgresSaver(db)  # type: ignore[arg-type]
+        checkpointer = PostgresSaver(db)
         checkpointer.setup()
         yield checkpointer
 
@@ -310,3 +311,49 @@ def test_what_is_not_a_task_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         keys.task_key(thread_id, namespace, action)
+
+
+def test_a_node_resumed_after_an_interrupt_resends_its_action_with_the_same_key(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Human in the loop: a node that sent an email, then asked for approval (`interrupt`), runs
+    again from its start when resumed, as the same task: its email is replayed, not sent again."""
+    answers: list[httpx.Response] = []
+
+    def act(state: Loop) -> dict[str, Any]:
+        with Gateway(gateway.url) as client:
+            answers.append(client.post("/emails", {"n": 1}, action="email"))
+        approved = interrupt("send the refund?")
+        return {"keys": [answers[-1].request.headers["Idempotency-Key"], approved]}
+
+    graph = one_node(act, checkpointer)
+    config = thread()
+    paused = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+    assert "__interrupt__" in paused
+    final = graph.invoke(Command(resume="yes"), config, durability="sync")
+    first, resumed = answers
+    key = first.request.headers["Idempotency-Key"]
+    assert resumed.request.headers["Idempotency-Key"] == key
+    assert resumed.headers["Idempotent-Replayed"] == "true"
+    assert final["keys"] == [key, "yes"]
+    assert len(upstream.actions(key)) == 1
+
+
+def test_functional_api_tasks_get_keys_of_their_own_under_their_entrypoint(
+    checkpointer: PostgresSaver,
+) -> None:
+    @task
+    def send(number: int) -> str:
+        return task_key("email")
+
+    @entrypoint(checkpointer=checkpointer)
+    def flow(count: int) -> list[str]:
+        return [send(number).result() for number in range(count)] + [task_key("flow")]
+
+    config = thread()
+    found = flow.invoke(2, config, durability="sync")
+    first, second, outer = found
+    assert len(set(found)) == 3
+    prefix = outer.removesuffix(":flow")
+    assert prefix.startswith(config["configurable"]["thread_id"] + ":flow:")
+    assert first.startswith(prefix + "|send:") and second.startswith(prefix + "|send:")

@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from oncegate.lab.crashlab import draw_crashes
 
 FIGURES = {
@@ -25,7 +27,7 @@ FIGURES = {
 }
 
 
-def lab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def lab(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", "langgraph", *args],
         capture_output=True,
@@ -34,6 +36,8 @@ def lab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     )
 
 
+# 600 runs, 1,200 agent processes: about half a minute on 2 idle cores; a bound for a busy machine.
+@pytest.mark.timeout(600)
 def test_keys_from_the_task_repeat_nothing_over_200_killed_runs_and_the_saver_alone_does(
     database_url: str,
 ) -> None:
@@ -66,6 +70,7 @@ def test_keys_from_the_task_repeat_nothing_over_200_killed_runs_and_the_saver_al
     assert a["checkpoint_seconds_avg"] == 0 < b["checkpoint_seconds_avg"]
 
 
+@pytest.mark.timeout(300)
 def test_the_table_names_langgraphs_strategies(database_url: str) -> None:
     result = lab("--runs", "3", "--seed", "1", "--database-url", database_url)
     assert result.returncode == 0, result.stderr

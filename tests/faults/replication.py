@@ -15,9 +15,10 @@ What a failover is here:
 - `Pair.stall_standby` stops the primary's WAL sender (SIGSTOP) for a while: a standby that lags,
   as an asynchronous one does under load, so what the primary commits meanwhile is lost with it.
 
-`fsync = off`: the servers are killed, never the machine under them, and the operating system
-keeps every write a killed process made; what a kill loses is what PostgreSQL had not written
-yet, which `fsync` does not change.
+`fsync = off` for the tests: the servers are killed, never the machine under them, and the
+operating system keeps every write a killed process made; what a kill loses is what PostgreSQL
+had not written yet, which `fsync` does not change. A benchmark asks for `fsync=True`, so that a
+commit that waits for the standby waits for its disk too.
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ class Server:
 class Pair:
     """A primary and its streaming standby (`synchronous`: commits wait for the standby)."""
 
-    def __init__(self, directory: Path, *, synchronous: bool) -> None:
+    def __init__(self, directory: Path, *, synchronous: bool, fsync: bool = False) -> None:
         self.directory = directory
         self.synchronous = synchronous
+        self.fsync = fsync
         self.primary = Server("primary", directory)
         self.standby = Server("standby", directory)
 
@@ -166,7 +168,8 @@ class Pair:
                 f"listen_addresses = '127.0.0.1'\nport = {primary.port}\n"
                 f"unix_socket_directories = '{self.directory}'\n"
                 "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n"
-                "max_connections = 300\nshared_buffers = 32MB\nfsync = off\n"
+                "max_connections = 300\nshared_buffers = 32MB\n"
+                f"fsync = {'on' if self.fsync else 'off'}\n"
                 "wal_receiver_status_interval = 1s\n"
                 f"synchronous_standby_names = '{STANDBY_NAME if self.synchronous else ''}'\n"
             )
@@ -229,13 +232,13 @@ class Pair:
 
 
 @contextlib.contextmanager
-def running_pair(*, synchronous: bool) -> Iterator[Pair]:
+def running_pair(*, synchronous: bool, fsync: bool = False) -> Iterator[Pair]:
     """A started primary and standby, stopped and deleted at the end. Not under pytest's
     temporary tree: pytest makes its directories private, and the servers run as `postgres`."""
     directory = Path(tempfile.mkdtemp(prefix="oncegate-failover-"))
     directory.chmod(0o755)
     _give_to_server_user(directory)
-    pair = Pair(directory, synchronous=synchronous)
+    pair = Pair(directory, synchronous=synchronous, fsync=fsync)
     try:
         pair.start()
         yield pair

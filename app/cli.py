@@ -402,8 +402,10 @@ def _migrate(arguments: argparse.Namespace) -> int:
     from .store import citus
 
     logs.configure("text", "info")
-    with _database(settings.load_part(settings.DatabaseSettings)) as database:
-        schema.upgrade(database.url)
+    where = settings.load_part(settings.DatabaseSettings)
+    with _database(where) as database:
+        if where.database_url is not None:  # the embedded one was migrated as it started
+            schema.upgrade(database.url)
         distribution = asyncio.run(citus.describe(database.url))
     print(f"database is at schema revision {schema.head()}")
     if distribution is not None:

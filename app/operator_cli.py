@@ -55,7 +55,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--since", metavar="TIME", help="claimed at or after: ISO 8601 time, or a DURATION ago (1h)"
     )
     listing.add_argument("--limit", type=int, metavar="N", help="at most N keys (default all)")
-    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    listing.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON array of the keys, [] when none (written as the pages come)",
+    )
     listing.set_defaults(action=_list)
 
     show = actions.add_parser("show", help="one key by id, or a key in every scope (--key)")
@@ -178,6 +182,8 @@ def _list(client: AdminClient, arguments: argparse.Namespace) -> int:
         params["since"] = _since(arguments.since)
     shown = 0
     rows: list[Mapping[str, Any]] = []
+    if arguments.json:
+        sys.stdout.write("[")
     while arguments.limit is None or shown < arguments.limit:
         document = client.call("GET", "/admin/keys", params=params)
         records = document["records"]
@@ -186,13 +192,16 @@ def _list(client: AdminClient, arguments: argparse.Namespace) -> int:
         for record in records:
             shown += 1
             if arguments.json:
-                sys.stdout.write(json.dumps(record) + "\n")
+                # One array, written a record at a time: a long queue is never held whole.
+                sys.stdout.write(("\n" if shown == 1 else ",\n") + json.dumps(record))
             else:
                 rows.append(record)
         if document["next_cursor"] is None:
             break
         params["cursor"] = document["next_cursor"]
-    if not arguments.json:
+    if arguments.json:
+        sys.stdout.write("\n]\n" if shown else "]\n")
+    else:
         sys.stdout.write(_table(rows) if rows else f"no {arguments.state} keys\n")
     return 0
 

@@ -82,6 +82,27 @@ def flush(url: str) -> None:
     assert answer.status_code == 201
 
 
+def test_migrate_on_the_embedded_database_logs_each_migration_once(data_dir: Path) -> None:
+    def migrate() -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "oncegate.cli", "migrate"],
+            env={**os.environ, "ONCEGATE_DATABASE_URL": "",
+                 "ONCEGATE_DATA_DIR": str(data_dir / "data")},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "database is at schema revision" in done.stdout
+        return done.stderr
+
+    first = migrate()
+    upgrades = re.findall(r"Running upgrade (\S*) ?-> (\S+),", first)
+    assert upgrades and len(upgrades) == len(set(upgrades)), first
+    assert upgrades[0][1] == "0001"
+    assert first.count("Context impl") == 1, first
+    again = migrate()
+    assert "Running upgrade" not in again and again.count("Context impl") == 1, again
+
+
 def test_serve_runs_its_own_postgres_across_restarts_and_crashes(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:

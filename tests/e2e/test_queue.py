@@ -254,7 +254,7 @@ async def test_oncegate_keys_lists_shows_resolves_and_releases(
         gateway, "list", "--route", "cli", "--since", "1h", "--json"
     )
     assert status == 0
-    ids = {record["key"]: record["id"] for record in map(json.loads, listed.splitlines())}
+    ids = {record["key"]: record["id"] for record in json.loads(listed)}
     assert set(ids) == {performed, not_performed}
 
     status, shown, _ = await oncegate_keys(gateway, "show", str(ids[performed]))
@@ -285,6 +285,8 @@ async def test_oncegate_keys_lists_shows_resolves_and_releases(
     assert status == 1 and "not in state unknown" in error
     status, table, _ = await oncegate_keys(gateway, "list", "--route", "cli")
     assert (status, table) == (0, "no unknown keys\n")
+    status, listed, _ = await oncegate_keys(gateway, "list", "--route", "cli", "--json")
+    assert (status, json.loads(listed)) == (0, [])  # an empty queue is an empty array
 
 
 async def test_oncegate_keys_needs_the_right_token(gateway: GatewayProcess) -> None:

@@ -24,7 +24,8 @@ import pytest
 
 from tests.faults.conftest import DemoUpstream, GatewayProcess
 
-pytestmark = pytest.mark.slow
+# On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.citus]
 
 GATEWAYS, KEYS, COPIES, CONCURRENCY = 3, 300, 5, 60
 DELAY = "0.05"

@@ -1,0 +1,164 @@
+"""A Citus worker that goes away (tests/citus.py's cluster, its processes really stopped):
+the keys of its shards fail closed, 503 `store-unavailable` and never forwarded; the keys of
+the other worker keep working; and when it is back its keys work again, with no gateway restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from tests import citus
+from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    return "citus"
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
+    route = {"name": "mail", "match": "/", "upstream": upstream.url}
+    with GatewayProcess(module_dir, database_url, [route]) as started:
+        yield started
+
+
+async def keys_by_worker(database_url: str, cluster: citus.Cluster, count: int) -> list[list[str]]:
+    """`count` new keys on each worker's shards, in the order of `cluster.workers`."""
+    ports = [worker.port for worker in cluster.workers]
+    found: list[list[str]] = [[] for _ in ports]
+    connection = await asyncpg.connect(database_url)
+    try:
+        while min(len(keys) for keys in found) < count:
+            candidates = [str(uuid.uuid4()) for _ in range(50)]
+            rows = await connection.fetch(
+                "SELECT key, nodeport FROM unnest($1::text[]) AS key"
+                " JOIN citus_shards ON shardid ="
+                "  get_shard_id_for_distribution_column('oncegate_keys', key)"
+                " WHERE table_name = 'oncegate_keys'::regclass",
+                candidates,
+            )
+            for row in rows:
+                keys = found[ports.index(row["nodeport"])]
+                if len(keys) < count:
+                    keys.append(row["key"])
+    finally:
+        await connection.close()
+    return found
+
+
+async def post(client: httpx.AsyncClient, key: str) -> httpx.Response:
+    return await client.post("/emails", json={"to": key}, headers={"Idempotency-Key": key})
+
+
+async def test_a_worker_down_fails_its_keys_closed_and_the_other_keeps_working(
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    database_url: str,
+    citus_cluster: citus.Cluster,
+) -> None:
+    (on_down, on_up) = await keys_by_worker(database_url, citus_cluster, 3)
+    down = citus_cluster.workers[0]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        answered_before = await post(client, on_down[0])
+        assert answered_before.status_code == 201
+        await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
+        try:
+            for key in on_down:
+                refused = await post(client, key)
+                assert refused.status_code == 503, refused.text
+                assert problem_name(refused) == "store-unavailable"
+            for key in on_up:  # the other worker's keys: forwarded once, then replayed
+                first = await post(client, key)
+                assert first.status_code == 201
+                again = await post(client, key)
+                assert again.headers["idempotent-replayed"] == "true"
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, down)
+        # Back, with the same gateway: the refused keys are forwarded now, the answered one
+        # replayed. (A moment for Citus to connect to the worker again.)
+        deadline = time.monotonic() + 30
+        while (response := await post(client, on_down[1])).status_code != 201:
+            assert response.status_code == 503 and time.monotonic() < deadline, response.text
+            await asyncio.sleep(0.2)
+        assert (await post(client, on_down[2])).status_code == 201
+        replay = await post(client, on_down[0])
+        assert replay.headers["idempotent-replayed"] == "true"
+    performed = collections.Counter(action["idempotency_key"] for action in upstream.actions())
+    # Nothing of the down worker's keys was forwarded while it was down; each key once.
+    assert [performed[key] for key in on_down + on_up] == [1] * 6
+
+
+WORKERS = 24
+BEFORE, DOWN = 1.0, 2.0
+ANSWERS = {201, 409, 502, 503, 504}  # forwarded or replayed; the contract's problems
+
+
+@pytest.mark.slow
+async def test_a_worker_killed_and_restarted_under_load_performs_no_key_twice(
+    gateway: GatewayProcess, upstream: DemoUpstream, citus_cluster: citus.Cluster
+) -> None:
+    answers: list[tuple[str, int, str]] = []
+    sending = asyncio.Event()
+    sending.set()
+    limits = httpx.Limits(max_connections=WORKERS, keepalive_expiry=1)
+    killed = citus_cluster.workers[1]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30, limits=limits) as client:
+
+        async def worker() -> None:
+            while sending.is_set():
+                key = str(uuid.uuid4())
+                for _ in range(2):  # each key sent twice: a retry after whatever came back
+                    response = await post(client, key)
+                    problem = (
+                        problem_name(response)
+                        if response.headers.get("content-type") == "application/problem+json"
+                        else ""
+                    )
+                    answers.append((key, response.status_code, problem))
+
+        workers = [asyncio.create_task(worker()) for _ in range(WORKERS)]
+        try:
+            await asyncio.sleep(BEFORE)
+            await asyncio.to_thread(citus_cluster.stop_node, killed, "immediate")
+            await asyncio.sleep(DOWN)
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, killed)
+        restarted = len(answers)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until 100 answers in a row are all 201
+            await asyncio.sleep(0.25)
+            after = [status for _, status, _ in answers[restarted:]]
+            if len(after) >= 100 and set(after[-100:]) == {201}:
+                break
+        sending.clear()
+        await asyncio.gather(*workers)
+    performed = collections.Counter(
+        action["idempotency_key"] for action in await asyncio.to_thread(upstream.actions)
+    )
+    statuses = collections.Counter(status for _, status, _ in answers)
+    problems = collections.Counter(problem for _, _, problem in answers if problem)
+    print(  # noqa: T201 - the figures the fault suite reports (pytest -s)
+        f"\nCitus worker killed under load: {len(answers)} requests by {WORKERS} clients;"
+        f" statuses {dict(statuses)}; problems {dict(problems)}; keys performed"
+        f" {len(performed)}, twice or more: {sum(1 for n in performed.values() if n > 1)}"
+    )
+    assert set(statuses) <= ANSWERS, statuses
+    assert set(problems) <= {"store-unavailable", "request-in-progress", "outcome-unknown"}
+    assert statuses[503] > 0  # the worker's keys really failed closed while it was down
+    assert all(count == 1 for count in performed.values())  # no key performed twice
+    for key, status, _ in answers:
+        if status == 201:
+            assert performed[key] == 1
+    assert set(status for _, status, _ in answers[-100:]) == {201}  # healed, no restart

@@ -19,10 +19,11 @@ Read `Gateway.handle` top to bottom:
    take-over that finds the row changed since it was read looks again, a few times at most.
 
 Changing the lease rule (when an in-flight claim counts as abandoned) safely: the rule lives in
-one SQL function, `oncegate_key_state` (migration 0005; change it with a new migration), which
-every query and the admin API read states through; `decide` acts on the state it returns and
-never on the clock, and `tests/store/test_conformance.py` runs the same cases against the
-PostgreSQL store and the in-memory one (`store/memory.py`), whose `state_of` must say the same.
+one SQL function, `oncegate_key_state` (as it is now: migrations/schema.sql; change it with a new
+migration and that file), which every query and the admin API read states through; `decide` acts
+on the state it returns and never on the clock. `tests/store/test_state_rule.py` holds the rule
+as a table and runs it through the SQL function and its Python twin (`store.memory.key_state`)
+on one clock, cell by cell.
 A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
 live request would read as `unknown`, and be taken over under `on_unknown: forward`.
 

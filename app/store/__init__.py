@@ -15,9 +15,9 @@ from .. import sealing
 from ..sealing import SealedAnswer
 from .notify import Watch
 
-# What a key is now (`oncegate_key_state` in SQL, migration 0005): `in_progress` while its lease
-# runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran out,
-# `completed` with its answer stored.
+# What a key is now (`oncegate_key_state` in SQL, migrations/schema.sql): `in_progress` while
+# its lease runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran
+# out, `completed` with its answer stored.
 State = Literal["in_progress", "completed", "unknown", "expired"]
 Headers = Sequence[tuple[str, str]]
 

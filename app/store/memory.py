@@ -5,8 +5,8 @@ exists so that `service.Gateway` can be driven through laps no timing makes happ
 against PostgreSQL, and it passes the same conformance suite as the PostgreSQL store
 (`tests/store/test_conformance.py`), so what the tests show of the service holds on both.
 
-`state_of` is `oncegate_key_state` (migration 0005) in Python; the conformance suite keeps the
-two in step.
+`key_state` is `oncegate_key_state` (migrations/schema.sql) in Python; tests/store/
+test_state_rule.py runs the two on one clock over every case.
 """
 
 from __future__ import annotations
@@ -58,15 +58,26 @@ class _Row:
     waited: bool = False  # someone waits for it to settle (`mark_waited`): a settle notifies
 
 
-def state_of(row: _Row, now: float) -> State:
-    lease = row.lease_expires_at
-    if row.state == "in_progress" and lease is not None and lease > now:
+def key_state(
+    stored: Literal["in_progress", "completed", "unknown"],
+    lease_expires_at: float | None,
+    expires_at: float,
+    now: float,
+) -> State:
+    """`oncegate_key_state` (migrations/schema.sql) in Python, on the same arguments: the
+    stored state, the lease's and the TTL's ends, and the moment (seconds since the epoch).
+    tests/store/test_state_rule.py runs both on one clock over every case."""
+    if stored == "in_progress" and lease_expires_at is not None and lease_expires_at > now:
         return "in_progress"
-    if row.expires_at <= now:
+    if expires_at <= now:
         return "expired"
-    if row.state == "in_progress":
+    if stored == "in_progress":
         return "unknown"  # its lease ran out: its gateway died
-    return row.state
+    return stored
+
+
+def state_of(row: _Row, now: float) -> State:
+    return key_state(row.state, row.lease_expires_at, row.expires_at, now)
 
 
 class MemoryStore:

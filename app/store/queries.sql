@@ -4,8 +4,8 @@
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
 --
 -- What state a key is in is said once, by `oncegate_key_state(state, lease_expires_at,
--- expires_at)` (migration 0005): in_progress (its lease runs), expired (past its TTL: a new
--- key), unknown (marked so, or its lease ran out), completed. Every read and every condition on
+-- expires_at)` (migrations/schema.sql): in_progress (its lease runs), expired (past its TTL: a
+-- new key), unknown (marked so, or its lease ran out), completed. Every read and every condition on
 -- a state goes through it; only a writer's compare-and-set on its own fencing token reads the
 -- stored `state` column, which says what the last writer did.
 --

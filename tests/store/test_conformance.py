@@ -160,13 +160,6 @@ async def test_only_an_unknown_key_is_taken_over(store: Store) -> None:
     assert await store.take_over(await record(store, key), LONG) is None  # completed
 
 
-async def test_a_claim_whose_lease_ran_out_reads_unknown(store: Store) -> None:
-    key = new_key()
-    await claim(store, key, lease=0.1)
-    await asyncio.sleep(0.3)
-    assert (await record(store, key)).state == "unknown"
-
-
 async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
@@ -181,14 +174,6 @@ async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) 
     fresh = await record(store, key)
     assert (fresh.state, fresh.fingerprint, fresh.body) == ("in_progress", digest("new"), None)
     assert not await store.complete(owner, 201, plaintext([], b"stale"))
-
-
-async def test_an_unknown_key_past_its_ttl_is_expired(store: Store) -> None:
-    key = new_key()
-    owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert await store.mark_unknown(owner)
-    await asyncio.sleep(0.5)
-    assert (await record(store, key)).state == "expired"
 
 
 async def test_purge_deletes_expired_keys_only(store: Store) -> None:

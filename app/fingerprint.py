@@ -138,6 +138,8 @@ def canonical_query(query: bytes | str) -> bytes:
     Percent escapes are decoded byte for byte (latin-1), so `%FF` and `%FE` stay different even
     though neither is UTF-8, and `%41` and `A` are the same.
     """
+    if not query:
+        return b"[]"  # what the rule below gives for no parameters, without parsing nothing
     text = query.decode("latin-1") if isinstance(query, bytes) else query
     pairs: Sequence[tuple[str, str]] = parse_qsl(
         text, keep_blank_values=True, encoding="latin-1", errors="strict"

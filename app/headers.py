@@ -19,8 +19,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import re
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
 from . import errors, keys
@@ -80,8 +81,16 @@ def end_to_end(
 ) -> list[tuple[str, str]]:
     """`headers` without hop-by-hop fields and without the names in `drop`, but with the names in
     `keep` whatever `Connection` says (names in lower case)."""
-    excluded = (HOP_BY_HOP | drop | connection_tokens(headers)) - keep
+    tokens = connection_tokens(headers)
+    excluded = (HOP_BY_HOP | drop | tokens) - keep if tokens else _excluded(drop, keep)
     return [(name, value) for name, value in headers if name.lower() not in excluded]
+
+
+@functools.lru_cache(maxsize=64)
+def _excluded(drop: frozenset[str], keep: frozenset[str]) -> frozenset[str]:
+    """What `end_to_end` leaves out when no `Connection` header names more: the same few sets
+    on every request, made once."""
+    return (HOP_BY_HOP | drop) - keep
 
 
 def announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
@@ -160,9 +169,18 @@ def request_id(headers: list[tuple[str, str]]) -> str:
     if len(given) == 1 and _SANE_REQUEST_ID.match(given[0]):
         return given[0]
     headers[:] = [(name, value) for name, value in headers if name != REQUEST_ID]
-    request_id = uuid.uuid4().hex
+    request_id = new_request_id()
     headers.append((REQUEST_ID, request_id))
     return request_id
+
+
+def new_request_id() -> str:
+    """A random (version 4) UUID as 32 hex digits, as `uuid.uuid4().hex` gives it, without
+    building a `UUID` on every request."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    return raw.hex()
 
 
 def requested_wait(values: Sequence[str]) -> int | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -101,6 +101,22 @@ def setup(multiprocess_dir: str | Path | None = None) -> None:
     # prometheus_client names each process's files from this variable; the workers inherit it.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _directory
     _chosen = values.MultiProcessValue()  # type: ignore[no-untyped-call]  # untyped upstream
+
+
+Metric = TypeVar("Metric", Counter, Gauge, Histogram)
+# The children the request path asks for, by metric and label values. prometheus_client's
+# `labels()` checks the values and takes a lock on every call, for the same few children on
+# every request. This holds the children the metric itself keeps for ever, no more of them.
+_children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+
+def labelled(metric: Metric, *label_values: str) -> Metric:
+    """`metric.labels(*label_values)`, looked up once."""
+    key = (metric, label_values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*label_values)
+    return cast(Metric, child)
 
 
 def require_setup() -> None:

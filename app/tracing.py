@@ -46,6 +46,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+# What `store_operation` gives when there is no span to open: one context that does nothing,
+# made once rather than on every store operation.
+_OFF = contextlib.nullcontext()
+
 _tracer: Any = None  # an opentelemetry Tracer once `setup` found the variable
 _provider: Any = None  # its TracerProvider, flushed by `shutdown`
 
@@ -140,12 +144,12 @@ def store_operation(operation: str) -> contextlib.AbstractContextManager[object]
     """A `claim` or `settle` child span around one store round trip (nothing when off, or for
     the operations that are neither)."""
     if _tracer is None:
-        return contextlib.nullcontext()
+        return _OFF
     if operation in _CLAIM:
         return _child("claim", operation)
     if operation in _SETTLE:
         return _child("settle", operation)
-    return contextlib.nullcontext()
+    return _OFF
 
 
 @contextlib.contextmanager

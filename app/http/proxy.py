@@ -152,10 +152,10 @@ def _account(
     outcome = said.outcome
     blocked = said.blocked if isinstance(said, Answer) else said.blocked_reason
     tracing.annotate(route_name, outcome)
-    metrics.REQUESTS.labels(route_name, method, outcome).inc()
-    metrics.REQUEST_DURATION.labels(route_name, outcome).observe(elapsed)
+    metrics.labelled(metrics.REQUESTS, route_name, method, outcome).inc()
+    metrics.labelled(metrics.REQUEST_DURATION, route_name, outcome).observe(elapsed)
     if blocked is not None:
-        metrics.DUPLICATES_BLOCKED.labels(route_name, blocked).inc()
+        metrics.labelled(metrics.DUPLICATES_BLOCKED, route_name, blocked).inc()
     if dropped:
         log.warning(
             "%s: left out the answer's headers %s: a control byte in a value (or a name that "

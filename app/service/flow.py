@@ -247,7 +247,7 @@ class Gateway:
         return _answer(response, outcome)
 
     async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
-        inflight = metrics.INFLIGHT.labels(route.name)
+        inflight = metrics.labelled(metrics.INFLIGHT, route.name)
         inflight.inc()
         url = upstream_url(route, request.path, request.query)
         try:
@@ -264,7 +264,7 @@ class Gateway:
             raise
         finally:
             inflight.dec()
-        metrics.UPSTREAM_REQUEST_DURATION.labels(route.name).observe(response.duration)
+        metrics.labelled(metrics.UPSTREAM_REQUEST_DURATION, route.name).observe(response.duration)
         return response
 
     async def _settle(self, operation: str, settlement: Awaitable[bool]) -> None:

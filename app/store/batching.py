@@ -81,7 +81,10 @@ class Batcher(Generic[Item, Outcome]):
         self._queued_weight += self._weigh(item)
         self._dispatch()
         try:
-            return await asyncio.shield(future)
+            # Not shielded: a caller that stops waiting cancels its own future, and the batch
+            # that carries it hands the outcome to `on_abandoned` instead (`_deliver`). A shield
+            # cost a second future and a callback hop per operation.
+            return await future
         except asyncio.CancelledError:
             self._abandon(item, future)
             raise
@@ -93,15 +96,17 @@ class Batcher(Generic[Item, Outcome]):
                 self._queued_weight -= self._weigh(item)
                 future.cancel()
                 return
-        if self._on_abandoned is None:
-            return
-        on_abandoned = self._on_abandoned
+        if future.cancelled():
+            return  # in a statement in flight: `_deliver` hands its outcome to `on_abandoned`
+        # Delivered already, but its caller was cancelled before it could take the outcome.
+        if self._on_abandoned is not None and future.exception() is None:
+            self._on_abandoned(item, future.result())
 
-        def delivered(done: asyncio.Future[Outcome]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                on_abandoned(item, done.result())
-
-        future.add_done_callback(delivered)
+    def _deliver(self, item: Item, future: asyncio.Future[Outcome], outcome: Outcome) -> None:
+        if not future.done():
+            future.set_result(outcome)
+        elif future.cancelled() and self._on_abandoned is not None:
+            self._on_abandoned(item, outcome)  # its caller stopped waiting: nobody received it
 
     def _dispatch(self) -> None:
         while self._queued and (not self._in_flight or self._full()):
@@ -170,9 +175,8 @@ class Batcher(Generic[Item, Outcome]):
             for _, future in batch:
                 future.cancel()
             raise
-        for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if not future.done():
-                future.set_result(outcome)
+        for (item, future), outcome in zip(batch, outcomes, strict=True):
+            self._deliver(item, future, outcome)
 
     async def close(self) -> None:
         """Wait for the batches in flight; refuse new operations. Queued ones are sent first."""

@@ -121,6 +121,46 @@ async def test_a_waiter_that_gives_up_in_flight_does_not_cancel_the_others() -> 
     assert abandoned == [(1, 10)]  # the outcome nobody received is handed over
 
 
+async def test_a_waiter_cancelled_after_its_outcome_came_hands_it_over() -> None:
+    """The outcome is set, but the waiter is cancelled before it runs to take it: the outcome
+    (a claim won) must not be lost with it."""
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+    batcher = Batcher(
+        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
+    )
+    waiter = asyncio.create_task(batcher.run(1))
+    deliver = batcher._deliver
+
+    def deliver_then_cancel(item: int, future: asyncio.Future[int], outcome: int) -> None:
+        deliver(item, future, outcome)
+        waiter.cancel()  # woken to take the outcome, cancelled before it runs
+
+    batcher._deliver = deliver_then_cancel  # type: ignore[method-assign]
+    await settle()
+    recorder.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert abandoned == [(1, 10)]
+
+
+async def test_a_waiter_that_gave_up_on_a_failed_statement_gets_nothing() -> None:
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+    batcher = Batcher(
+        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
+    )
+    waiters = [asyncio.create_task(batcher.run(item)) for item in (1, 2)]
+    await settle()
+    waiters[0].cancel()
+    recorder.fail = ConnectionError("gone")  # the statement carrying 1, alone
+    recorder.gate.set()
+    assert await waiters[1] == 20  # the next statement
+    with pytest.raises(asyncio.CancelledError):
+        await waiters[0]
+    assert abandoned == []  # and no "exception never retrieved" (warnings are errors here)
+
+
 async def test_close_sends_what_is_queued_then_refuses_more() -> None:
     recorder = Recorder()
     recorder.gate.set()

@@ -351,6 +351,19 @@ def fork_worker(
     return Worker(run, pid, read_fd, crash_point)
 
 
+def reporter(pipe: int, crash_point: tuple[str, int] | None) -> Callable[[str, int], None]:
+    """A worker's report of each point of a step to the lab, which stops at `crash_point`."""
+
+    def report(event: str, step: int) -> None:
+        os.write(pipe, f"{event} {step}\n".encode())
+        if (event, step) == crash_point:
+            os.write(pipe, b"kill-me\n")
+            while True:  # frozen at the crash point until the SIGKILL arrives
+                time.sleep(60)
+
+    return report
+
+
 def _worker(
     run: Run,
     environment: Environment,
@@ -358,12 +371,7 @@ def _worker(
     reconciliation: Reconciliation | None,
     pipe: int,
 ) -> int:
-    def report(event: str, step: int) -> None:
-        os.write(pipe, f"{event} {step}\n".encode())
-        if (event, step) == crash_point:
-            os.write(pipe, b"kill-me\n")
-            while True:  # frozen at the crash point until the SIGKILL arrives
-                time.sleep(60)
+    report = reporter(pipe, crash_point)
 
     async def main() -> int:
         strategy = run.strategy

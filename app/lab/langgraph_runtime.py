@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import operator
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
@@ -44,7 +43,7 @@ from ..agent.checkpoints import JSON
 from ..agent.client import RetryPolicy, SyncActionClient
 from ..agent.langgraph import Gateway
 from ..agent.runner import Step
-from .crashlab import Environment, Reconciliation, Run, Runtime
+from .crashlab import Environment, Reconciliation, Run, Runtime, reporter
 from .task import support_task
 
 TITLES = {
@@ -143,13 +142,6 @@ class LangGraphTask:
         if reconciliation is not None:
             raise ValueError("the LangGraph runtime has no reconciliation (strategies E and F)")
 
-        def report(event: str, step: int) -> None:
-            os.write(pipe, f"{event} {step}\n".encode())
-            if (event, step) == crash_point:
-                os.write(pipe, b"kill-me\n")
-                while True:  # frozen at the crash point until the SIGKILL arrives
-                    time.sleep(60)
-
         strategy = run.strategy
         with httpx.Client(verify=environment.ssl_context, trust_env=False, timeout=10.0) as http:
             policy = RetryPolicy(deadline=60.0)
@@ -165,7 +157,7 @@ class LangGraphTask:
                 answer: JSON = response.json()
                 return answer
 
-            self.work = Work(support_task(run.run_id), report, act)
+            self.work = Work(support_task(run.run_id), reporter(pipe, crash_point), act)
             if not strategy.checkpoints:
                 self.graph.invoke({"outputs": []})
                 return 0

@@ -37,13 +37,10 @@ def data_dir() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_without_repeating(
-    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
-) -> None:
-    environment = {
-        **{name: value for name, value in os.environ.items() if not name.startswith("ONCEGATE")},
-        "ONCEGATE_DATA_DIR": str(data_dir),
-    }
+@pytest.fixture
+def environment(data_dir: Path, upstream: DemoUpstream, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A gateway on its embedded default in `data_dir`, and the environment an example run from
+    the README has: no ONCEGATE_* but the data directory, GATEWAY_URL naming that gateway."""
     port = free_port()
     gateway = Process(
         ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port",
@@ -51,20 +48,29 @@ def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_wi
         tmp_path / "gateway.log",
         env={"ONCEGATE_DATABASE_URL": "", "ONCEGATE_DATA_DIR": str(data_dir)},
     )  # fmt: skip
-    run_id = f"run-{uuid.uuid4()}"
     try:
         gateway.wait_listening(port)
-        outputs = []
-        for _ in range(2):
-            result = subprocess.run(
-                [sys.executable, str(EXAMPLE), run_id],
-                env={**environment, "GATEWAY_URL": f"http://127.0.0.1:{port}"},
-                capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
-            assert result.returncode == 0, result.stderr
-            outputs.append(result.stdout)
+        yield {
+            **{key: value for key, value in os.environ.items() if not key.startswith("ONCEGATE")},
+            "ONCEGATE_DATA_DIR": str(data_dir),
+            "GATEWAY_URL": f"http://127.0.0.1:{port}",
+        }
     finally:
         gateway.stop()
+
+
+def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_without_repeating(
+    environment: dict[str, str], upstream: DemoUpstream
+) -> None:
+    run_id = f"run-{uuid.uuid4()}"
+    outputs = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLE), run_id],
+            env=environment, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout)
     lines = outputs[0].splitlines()
     assert [line.split(":", 1)[0] for line in lines] == ["step 1", "step 2", "step 3", "step 4"]
     # The second run found the finished run's checkpoint: the same outputs (key order aside, as
@@ -78,47 +84,30 @@ LANGGRAPH_EXAMPLE = Path(__file__).parents[2] / "examples" / "langgraph_agent.py
 
 
 def test_the_langgraph_example_killed_after_its_email_sends_it_once_when_run_again(
-    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
+    environment: dict[str, str], upstream: DemoUpstream
 ) -> None:
-    environment = {
-        **{name: value for name, value in os.environ.items() if not name.startswith("ONCEGATE")},
-        "ONCEGATE_DATA_DIR": str(data_dir),
-    }
-    port = free_port()
-    gateway = Process(
-        ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port",
-         str(free_port())],
-        tmp_path / "gateway.log",
-        env={"ONCEGATE_DATABASE_URL": "", "ONCEGATE_DATA_DIR": str(data_dir)},
-    )  # fmt: skip
     thread = f"case-{uuid.uuid4()}"
     command = [sys.executable, str(LANGGRAPH_EXAMPLE), thread]
-    environment["GATEWAY_URL"] = f"http://127.0.0.1:{port}"
+    first = subprocess.Popen(
+        command, env={**environment, "PAUSE": "120"}, stdout=subprocess.PIPE, text=True
+    )
     try:
-        gateway.wait_listening(port)
-        first = subprocess.Popen(
-            command, env={**environment, "PAUSE": "120"}, stdout=subprocess.PIPE, text=True
-        )
-        try:
-            assert first.stdout is not None
-            lines = []
-            for line in first.stdout:
-                lines.append(line)
-                if "kill me now" in line:
-                    break
-            assert lines[0] == "email: 201\n", lines
-            os.kill(first.pid, signal.SIGKILL)  # kill -9, in the pause after the email
-        finally:
-            first.kill()
-            first.wait(10)
-            if first.stdout is not None:
-                first.stdout.close()
-        again = subprocess.run(
-            command, env={**environment, "PAUSE": "0"}, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
+        assert first.stdout is not None
+        lines = []
+        for line in first.stdout:
+            lines.append(line)
+            if "kill me now" in line:
+                break
+        assert lines[0] == "email: 201\n", lines
+        os.kill(first.pid, signal.SIGKILL)  # kill -9, in the pause after the email
     finally:
-        gateway.stop()
+        first.kill()
+        first.wait(10)
+        if first.stdout is not None:
+            first.stdout.close()
+    again = subprocess.run(
+        command, env={**environment, "PAUSE": "0"}, capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0, again.stderr
     # Resumed: the killed node ran again, its email was answered from the gateway's store.
     assert again.stdout.splitlines()[0] == "email: 201 replayed"

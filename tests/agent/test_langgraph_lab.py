@@ -16,15 +16,7 @@ import sys
 import pytest
 
 from oncegate.lab.crashlab import draw_crashes
-
-FIGURES = {
-    "redone_avg",
-    "duplicate_runs_pct",
-    "lost_runs_pct",
-    "wasted_tokens_avg",
-    "wasted_seconds_avg",
-    "checkpoint_seconds_avg",
-}
+from tests.e2e.test_lab import FIGURES
 
 
 def lab(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:

@@ -178,6 +178,28 @@ def _port(port: str | None) -> int:
     return int(port)
 
 
+def for_libpq(url: str) -> str:
+    """`url` as libpq (psycopg, for LangGraph's saver) reads it. libpq takes a port beside each
+    host only before the path (`db1:5432,db2:5433`); in the query it wants the hosts and ports
+    apart (`host=db1,db2&port=5432,5433`), where asyncpg also takes `host=db1:5432,db2:5433`.
+    That one form is rewritten; every other URL is returned as it is."""
+    parts = urlsplit(url)
+    parameters = parse_qsl(parts.query, keep_blank_values=True)
+    listed = dict(parameters).get("host")
+    if not listed or "port" in dict(parameters):
+        return url
+    hosts = _hosts(listed, None, quoted=False)
+    rewritten: list[tuple[str, str]] = []
+    for name, value in parameters:
+        if name == "host":
+            rewritten.append(("host", ",".join(host.name for host in hosts)))
+            rewritten.append(("port", ",".join(str(host.port) for host in hosts)))
+        else:
+            rewritten.append((name, value))
+    query = "&".join(f"{quote(name)}={quote(value, safe='/:,')}" for name, value in rewritten)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}?{query}"
+
+
 def describe(url: str) -> str:
     """`parse(url).describe()`, for a URL already checked at the edge."""
     return parse(url).describe()

@@ -39,6 +39,7 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
+from .. import database_url
 from ..agent.checkpoints import JSON
 from ..agent.client import RetryPolicy, SyncActionClient
 from ..agent.langgraph import Gateway
@@ -63,7 +64,10 @@ def connect(environment: Environment) -> psycopg.Connection[Any]:
     lab kills agents, never PostgreSQL (see `crashlab.Environment.flush_each_save`)."""
     options = "" if environment.flush_each_save else "-c synchronous_commit=off"
     return psycopg.Connection.connect(
-        environment.database_url, autocommit=True, prepare_threshold=0, options=options
+        database_url.for_libpq(environment.database_url),  # a host list as libpq writes it
+        autocommit=True,
+        prepare_threshold=0,
+        options=options,
     )
 
 

@@ -1,6 +1,6 @@
 """Every command that takes a database URL takes libpq's multi-host form (contract section 10,
 "failover") and follows it to the host that answers: `serve`, `migrate`, `purge`, `rekey`, the
-agent's checkpoint store and the lab.
+agent's checkpoint store and the lab (its LangGraph runtime too, on psycopg).
 
 The URL used is the tests' PostgreSQL behind a dead first host (`behind_a_dead_host`): the
 first host refuses connections, as a primary that died does, so each command must read the host
@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,22 @@ def test_the_lab_refuses_a_host_list_it_could_not_write_through() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "target_session_attrs=read-write" in result.stderr
+
+
+def test_the_langgraph_labs_connection_follows_the_host_list(database_url: str) -> None:
+    from oncegate.lab import crashlab, langgraph_runtime
+
+    url = behind_a_dead_host(database_url)  # ?host=h:p,... : asyncpg's form, not libpq's
+    environment = crashlab.Environment(url, "", "", ssl.create_default_context())
+    with langgraph_runtime.connect(environment) as connection:
+        assert connection.execute("SELECT count(*) FROM oncegate_keys").fetchone() is not None
+
+
+def test_libpq_reads_the_host_list_the_lab_gives_it_as_hosts_and_ports() -> None:
+    from psycopg import conninfo
+
+    url = "postgresql://u@/db?host=db1:5432,db2:5433&target_session_attrs=read-write"
+    # As written, libpq would look for hosts named "db1:5432" and "db2:5433".
+    assert conninfo.conninfo_to_dict(url)["host"] == "db1:5432,db2:5433"
+    given = conninfo.conninfo_to_dict(urls.for_libpq(url))
+    assert (given["host"], given["port"]) == ("db1,db2", "5432,5433")

@@ -88,3 +88,22 @@ def test_the_host_a_connection_reached_is_named_as_the_url_names_it() -> None:
     assert str(url.host_at("/run/pg/.s.PGSQL.5432")) == "the Unix socket in /run/pg"
     assert str(url.host_at(("10.0.0.9", 6000))) == "10.0.0.9:6000"  # not in the list: as reached
     assert url.host_at(None) is None
+
+
+@pytest.mark.parametrize(
+    ("url", "for_libpq"),
+    [
+        ("postgresql://u:pw@/db?host=h1:5432,h2:5433&target_session_attrs=read-write",
+         "postgresql://u:pw@/db?host=h1,h2&port=5432,5433&target_session_attrs=read-write"),
+        ("postgresql://u@/db?host=127.0.0.1:6000,/run/pg&target_session_attrs=read-write",
+         "postgresql://u@/db?host=127.0.0.1,/run/pg&port=6000,5432&target_session_attrs=read-write"),
+        ("postgresql://u@h1:5432,h2:5433/db?target_session_attrs=read-write",
+         "postgresql://u@h1:5432,h2:5433/db?target_session_attrs=read-write"),
+        ("postgresql://u@/db?host=h1,h2&port=1,2&target_session_attrs=read-write",
+         "postgresql://u@/db?host=h1,h2&port=1,2&target_session_attrs=read-write"),
+        ("postgresql://u@db/x", "postgresql://u@db/x"),
+    ],
+)  # fmt: skip
+def test_a_host_list_is_given_to_libpq_in_the_form_it_reads(url: str, for_libpq: str) -> None:
+    assert database_url.for_libpq(url) == for_libpq
+    assert database_url.parse(for_libpq).hosts == database_url.parse(url).hosts

@@ -372,7 +372,7 @@ def _serve(arguments: argparse.Namespace) -> int:
     ):
         from .http import server
 
-        keys, primary = asyncio.run(_check_schema(database.url))
+        keys, primary = asyncio.run(_check_schema(database.url, config.store_options(1)))
         for route in config.routes:
             log.info(
                 "route %s: %s -> %s (methods %s, key %s, ttl %gs, timeout %gs)",
@@ -419,9 +419,10 @@ def _purge(arguments: argparse.Namespace) -> int:
 
     logs.configure("text", "warning")
     where = settings.load_part(settings.DatabaseSettings)
+    options = settings.load_part(settings.StoreSettings).store_options(pool_size=1)
 
     async def purge(database_url: str) -> int:
-        store = await PostgresStore.connect(database_url, settings.StoreOptions(pool_size=1))
+        store = await PostgresStore.connect(database_url, options)
         try:
             return await service.purge_expired(store)
         finally:
@@ -443,8 +444,11 @@ def _rekey(arguments: argparse.Namespace) -> int:
             "rekey needs ONCEGATE_ENCRYPTION_KEYS (name:base64-key,...): the first key seals"
         )
     where = settings.load_part(settings.DatabaseSettings)
+    options = settings.load_part(settings.StoreSettings).store_options(pool_size=1)
     with _database(where) as database:
-        done, unopenable, left = rekey.run(database.url, keyring, sys.stdout, arguments.batch_size)
+        done, unopenable, left = rekey.run(
+            database.url, keyring, sys.stdout, arguments.batch_size, options
+        )
     print(f"re-sealed {done} stored answers under key {keyring.current!r}")
     if unopenable:
         print(
@@ -540,7 +544,7 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
         server.stop()
 
 
-async def _check_schema(url: str) -> tuple[int, str | None]:
+async def _check_schema(url: str, options: settings.StoreOptions) -> tuple[int, str | None]:
     """Refuse to serve a database that was never migrated: every request would fail. Warn, once,
     when a failover of this PostgreSQL could lose claims (contract section 10, "failover").
     Returns how many keys it holds and, when the URL lists several hosts, which one is the
@@ -548,7 +552,7 @@ async def _check_schema(url: str) -> tuple[int, str | None]:
     from . import schema
     from .store.postgres import PostgresStore
 
-    store = await PostgresStore.connect(url, settings.StoreOptions(pool_size=1))
+    store = await PostgresStore.connect(url, options)
     try:
         revision = await store.schema_revision()
         if revision != schema.head():

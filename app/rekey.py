@@ -1,9 +1,9 @@
 """`oncegate rekey`: re-seal every stored answer under the newest key, so an old one can go.
 
-Batches are bounded (each is one transaction that locks its rows, skipping rows another rekey
-holds), so a rekey can run beside live gateways and be stopped and started again at any point:
-it picks up what is left. On a terminal it draws a progress bar; otherwise it prints one line per
-batch.
+Batches are bounded: each is one transaction that locks its rows, waiting for a row another
+writer holds rather than skipping it (a skipped row would keep the old key), so a rekey can run
+beside live gateways and be stopped and started again at any point: it picks up what is left.
+On a terminal it draws a progress bar; otherwise it prints one line per batch.
 """
 
 from __future__ import annotations
@@ -20,19 +20,24 @@ _BAR = 30
 
 
 def run(
-    database_url: str, keyring: Keyring, out: TextIO, batch_size: int = BATCH_SIZE
+    database_url: str,
+    keyring: Keyring,
+    out: TextIO,
+    batch_size: int = BATCH_SIZE,
+    options: StoreOptions | None = None,
 ) -> tuple[int, list[tuple[int, str]], int]:
     """Re-seal everything; return how many answers were re-sealed, the ids of those that could
     not be opened (their key is missing, or they were changed) with why, and how many stored
     answers are still not under the newest key when it ends (those, and any a gateway still
     sealing with an older key stored meanwhile)."""
-    return asyncio.run(_run(database_url, keyring, out, batch_size))
+    return asyncio.run(_run(database_url, keyring, out, batch_size, options))
 
 
 async def _run(
-    database_url: str, keyring: Keyring, out: TextIO, batch_size: int
+    database_url: str, keyring: Keyring, out: TextIO, batch_size: int, options: StoreOptions | None
 ) -> tuple[int, list[tuple[int, str]], int]:
-    store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1))
+    # One connection does: the operator's ONCEGATE_STORE_* timeouts, not a gateway's pool.
+    store = await PostgresStore.connect(database_url, options or StoreOptions(pool_size=1))
     done, unopenable, after = 0, [], 0
     try:
         total = await store.rekey_remaining(keyring)

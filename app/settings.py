@@ -1,6 +1,8 @@
 """Settings: flags, then `ONCEGATE_*` variables, then the YAML file (contract sections 2 and 3).
 
-Built once at the edge (`load`) and passed down; nothing reads the environment after that.
+Built once at the edge (`load`) and passed down; nothing reads the environment after that (the
+`OTEL_*` variables tracing uses are read here too, as `otel_variables`; only OpenTelemetry's SDK,
+once tracing starts, reads its own others).
 Every value is validated before anything starts, and a bad one raises `errors.ConfigError` with
 a message that names the field (`routes[1].ttl: ...`), never a traceback.
 
@@ -31,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from . import database_url, errors, headers, keys
+from . import database_url, errors, headers, keys, tracing
 from .sealing import Keyring
 
 ENV_PREFIX = "ONCEGATE_"
@@ -382,7 +384,39 @@ class SealingSettings(BaseModel):
         return Keyring.parse(self.encryption_keys) if self.encryption_keys else None
 
 
-class Settings(DatabaseSettings, SealingSettings):
+_STORE = StoreOptions()  # the store's defaults, said once
+
+
+class StoreSettings(BaseModel):
+    """How the PostgreSQL store is run (`ONCEGATE_STORE_*`): for `serve`, and through
+    `load_part` for the commands that open the store themselves (`purge`, `rekey`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Connections per gateway process, the most operations one statement carries, and how long
+    # a request waits for PostgreSQL before it is answered 503: long enough for a busy
+    # database, short enough that a dead one does not hold clients for a minute.
+    store_pool_size: int = Field(_STORE.pool_size, ge=2, le=1000)
+    store_batch_size: int = Field(_STORE.batch_size, ge=1, le=10000)
+    store_connect_timeout: Duration = _STORE.connect_timeout
+    store_command_timeout: Duration = _STORE.command_timeout
+    store_acquire_timeout: Duration = _STORE.acquire_timeout
+    store_answer_commit: AnswerCommit = _STORE.answer_commit
+
+    def store_options(self, pool_size: int | None = None) -> StoreOptions:
+        """The store's options; `pool_size` for a one-off command that needs fewer
+        connections than a gateway (its timeouts and commit setting stay the operator's)."""
+        return StoreOptions(
+            pool_size=self.store_pool_size if pool_size is None else pool_size,
+            batch_size=self.store_batch_size,
+            connect_timeout=self.store_connect_timeout,
+            command_timeout=self.store_command_timeout,
+            acquire_timeout=self.store_acquire_timeout,
+            answer_commit=self.store_answer_commit,
+        )
+
+
+class Settings(DatabaseSettings, SealingSettings, StoreSettings):
     """Everything `serve` needs, validated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -399,14 +433,6 @@ class Settings(DatabaseSettings, SealingSettings):
     purge_interval: Duration = 60.0
     # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
     key_count_interval: Duration = 30.0
-    # The store: connections per gateway process, the most operations one statement carries,
-    # and how long a request waits for PostgreSQL before it is answered 503: long enough for a
-    # busy database, short enough that a dead one does not hold clients for a minute.
-    store_pool_size: int = Field(20, ge=2, le=1000)
-    store_batch_size: int = Field(64, ge=1, le=10000)
-    store_connect_timeout: Duration = 5.0
-    store_command_timeout: Duration = 10.0
-    store_acquire_timeout: Duration = 10.0
     # The most requests one gateway process lets wait for in-flight keys (`Prefer: wait`, a
     # route's `wait`), in all and on one key. A waiter costs a task, a little memory and a read
     # of its row every 0.5 s (2,000 reads a second at the default), and holds its client's
@@ -415,18 +441,10 @@ class Settings(DatabaseSettings, SealingSettings):
     # are a retry storm, not users, and must not take every place.
     max_waiters: int = Field(DEFAULT_MAX_WAITERS, ge=0, le=100_000)
     max_waiters_per_key: int = Field(DEFAULT_MAX_WAITERS_PER_KEY, ge=0, le=100_000)
-    store_answer_commit: AnswerCommit = "off"
     routes: tuple[Route, ...] = ()
-
-    def store_options(self) -> StoreOptions:
-        return StoreOptions(
-            pool_size=self.store_pool_size,
-            batch_size=self.store_batch_size,
-            connect_timeout=self.store_connect_timeout,
-            command_timeout=self.store_command_timeout,
-            acquire_timeout=self.store_acquire_timeout,
-            answer_commit=self.store_answer_commit,
-        )
+    # The standard `OTEL_*` variables oncegate's tracing reads (`tracing.VARIABLES`), from the
+    # environment at load: no flag or `ONCEGATE_*` variable of its own.
+    otel_variables: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("upstream")
     @classmethod
@@ -457,10 +475,11 @@ def load(
     environ = os.environ if environ is None else environ
     path = config_file or flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
     merged: dict[str, Any] = _read_file(Path(path)) if path else {}
-    fields = set(Settings.model_fields) - {"routes"}
+    fields = set(Settings.model_fields) - {"routes", "otel_variables"}
     merged.update(_variables(fields, environ))
     merged.update({name: value for name, value in flags.items() if name in fields})
     merged.setdefault("data_dir", default_data_dir(environ))
+    merged["otel_variables"] = tracing.variables(environ)
     default_ttl = merged.get("ttl", DEFAULT_TTL)
     try:
         TypeAdapter(Duration).validate_python(default_ttl)
@@ -496,8 +515,8 @@ Part = TypeVar("Part", bound=BaseModel)
 
 
 def load_part(part: type[Part], environ: Mapping[str, str] | None = None) -> Part:
-    """One part of the settings (`DatabaseSettings`, `SealingSettings`) from its `ONCEGATE_*`
-    variables alone, for the commands that need no routes and read no file."""
+    """One part of the settings (`DatabaseSettings`, `SealingSettings`, `StoreSettings`) from its
+    `ONCEGATE_*` variables alone, for the commands that need no routes and read no file."""
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = _variables(set(part.model_fields), environ)
     if "data_dir" in part.model_fields:

@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, TypeVar, cast
 
 from . import errors
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
+VARIABLES = (
+    ENDPOINT_VARIABLE,
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SERVICE_NAME",
+    "OTEL_BSP_SCHEDULE_DELAY",
+)
 REQUEST_SPAN = "oncegate request"
 _SETTLE = {"complete", "release", "mark_unknown"}
 _CLAIM = {"claim"}
@@ -58,8 +63,20 @@ def active() -> bool:
     return _tracer is not None
 
 
-def setup(environ: Mapping[str, str] = os.environ) -> bool:
-    """Start exporting spans if `OTEL_EXPORTER_OTLP_ENDPOINT` is set; whether it did."""
+def variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The `OTEL_*` variables oncegate reads itself, checked: read once with the settings
+    (`settings.load`), so a bad value stops the gateway before it starts, and `setup` reads
+    nothing more. (The SDK, once `setup` starts it, reads its own other `OTEL_*` variables.)"""
+    found = {name: environ[name] for name in VARIABLES if environ.get(name)}
+    delay = found.get("OTEL_BSP_SCHEDULE_DELAY")
+    if delay is not None and not delay.replace(".", "", 1).isdigit():
+        raise errors.ConfigError(f"OTEL_BSP_SCHEDULE_DELAY is milliseconds, not {delay!r}")
+    return found
+
+
+def setup(environ: Mapping[str, str]) -> bool:
+    """Start exporting spans if `OTEL_EXPORTER_OTLP_ENDPOINT` is set in `environ` (the
+    settings' `otel_variables`, or a test's own); whether it did."""
     global _tracer, _provider
     if not environ.get(ENDPOINT_VARIABLE):
         return False
@@ -76,13 +93,12 @@ def setup(environ: Mapping[str, str] = os.environ) -> bool:
     service = environ.get("OTEL_SERVICE_NAME") or "oncegate"
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     # From the mapping given, not the SDK's own reading of os.environ, so that what `setup` was
-    # told is what it does. The generic endpoint gets the signal's path (the OTLP spec's rule).
+    # told (what the settings read at load) is what it does. The generic endpoint gets the
+    # signal's path (the OTLP spec's rule).
     endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (
         environ[ENDPOINT_VARIABLE].rstrip("/") + "/v1/traces"
     )
-    delay = environ.get("OTEL_BSP_SCHEDULE_DELAY") or None
-    if delay is not None and not delay.replace(".", "", 1).isdigit():
-        raise errors.ConfigError(f"OTEL_BSP_SCHEDULE_DELAY is milliseconds, not {delay!r}")
+    delay = variables(environ).get("OTEL_BSP_SCHEDULE_DELAY")
     processor = BatchSpanProcessor(
         OTLPSpanExporter(endpoint=endpoint),
         schedule_delay_millis=float(delay) if delay else None,

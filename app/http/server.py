@@ -163,8 +163,10 @@ async def _serve(
 ) -> None:
     # Per process: with --workers, each worker exports its own spans (an exporter's thread does
     # not survive a fork).
-    if tracing.setup():
-        log.info("tracing: exporting spans to %s", os.environ[tracing.ENDPOINT_VARIABLE])
+    if tracing.setup(settings.otel_variables):
+        log.info(
+            "tracing: exporting spans to %s", settings.otel_variables[tracing.ENDPOINT_VARIABLE]
+        )
     try:
         await _serve_traced(settings, database_url, sockets, received)
     finally:

@@ -1,7 +1,9 @@
 """The key store: what the state machine needs from PostgreSQL, as a Protocol.
 
-`oncegate.store.postgres.PostgresStore` is the implementation that runs everywhere, tests included.
-Only this package imports asyncpg; driver errors become `errors.StoreUnavailable` here.
+`oncegate.store.postgres.PostgresStore` is the gateway's store, and every test that claims the
+gateway works runs on it; `store.memory.MemoryStore` drives the service in one process for its
+unit tests and passes the same conformance suite. Only this package imports asyncpg; driver
+errors become `errors.StoreUnavailable` here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One suite, two stores: the PostgreSQL store and the in-memory one keep the same promises.
 
 The in-memory store exists for in-process tests of the state machine (tests/unit/
-test_gateway_laps.py); this suite is what makes those tests say something about the real one.
+test_gateway.py, tests/unit/test_outcomes.py); this suite is what makes those tests say
+something about the real one.
 Waits here only let a lease or a TTL run out (it can only run out more under load); nothing
 asserts how long anything took.
 """

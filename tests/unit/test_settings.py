@@ -754,3 +754,29 @@ def test_the_waiter_bounds_are_settings(tmp_path: Path) -> None:
     assert "max_waiters_per_key" in load_error(
         tmp_path, "max_waiters_per_key: -1", flags={"upstream": UPSTREAM}
     )
+
+
+def test_the_otel_variables_tracing_reads_are_read_and_checked_at_load() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+        "OTEL_SERVICE_NAME": "gateway-eu",
+        "OTEL_RESOURCE_ATTRIBUTES": "the SDK's own",
+    }
+    loaded = settings.load({"upstream": UPSTREAM}, environ, None)
+    assert loaded.otel_variables == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+        "OTEL_SERVICE_NAME": "gateway-eu",
+    }
+    with pytest.raises(errors.ConfigError, match="OTEL_BSP_SCHEDULE_DELAY is milliseconds"):
+        settings.load({"upstream": UPSTREAM}, {**environ, "OTEL_BSP_SCHEDULE_DELAY": "soon"}, None)
+
+
+def test_the_store_options_have_one_set_of_defaults_and_follow_the_variables() -> None:
+    assert settings.StoreSettings().store_options() == settings.StoreOptions()
+    assert settings.load({"upstream": UPSTREAM}, {}, None).store_options() == (
+        settings.StoreOptions()
+    )
+    # What purge and rekey open: one connection, with the operator's timeouts and commit setting.
+    environ = {"ONCEGATE_STORE_COMMAND_TIMEOUT": "3s", "ONCEGATE_STORE_ANSWER_COMMIT": "on"}
+    options = settings.load_part(settings.StoreSettings, environ).store_options(pool_size=1)
+    assert (options.pool_size, options.command_timeout, options.answer_commit) == (1, 3.0, "on")

@@ -250,8 +250,8 @@ class RequestPath:
         self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
     ) -> Claim | None:
         taking = Reclaiming(record.id, record.token, record.key, route, fingerprint, lease, ttl)
-        with tracing.store_operation("reclaim_expired"):
-            return await self._reclaims.run(taking)
+        # No span: the trace's store children are the claim and the settles (`tracing`).
+        return await self._reclaims.run(taking)
 
     async def _reclaim_batch(self, batch: Sequence[Reclaiming]) -> list[Claim | None]:
         sent = to_send(batch)
@@ -271,8 +271,8 @@ class RequestPath:
     @translated("take_over")
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         taking = TakingOver(record.id, record.token, record.key, lease)
-        with tracing.store_operation("take_over"):
-            return await self._take_overs.run(taking)
+        # No span: the trace's store children are the claim and the settles (`tracing`).
+        return await self._take_overs.run(taking)
 
     async def _take_over_batch(self, batch: Sequence[TakingOver]) -> list[Claim | None]:
         sent = to_send(batch)

@@ -8,7 +8,7 @@ from typing import Any
 
 import asyncpg
 
-from ... import sealing, tracing
+from ... import sealing
 from ...sealing import SealedAnswer
 from .. import Headers, Record
 from ..queries import QUERIES
@@ -17,8 +17,7 @@ from ..queries import QUERIES
 async def fetchrow(pool: asyncpg.Pool, operation: str, **parameters: object) -> Any:
     """One autocommitted statement, its first row (or None)."""
     query = QUERIES[operation]
-    with tracing.store_operation(operation):  # a `claim` or `settle` span, when tracing
-        return await pool.fetchrow(query.sql, *query.arguments(parameters))
+    return await pool.fetchrow(query.sql, *query.arguments(parameters))
 
 
 def headers_of(document: str | None) -> Headers | None:

@@ -40,6 +40,10 @@ log = logging.getLogger("oncegate.store.postgres")
 # asynchronous one under load by what its WAL receiver has not yet written; past 10 s of lag the
 # start-up warning about the standby is the problem to fix, not this count.
 WINDOW = 10.0
+# Answers that could not be stored are kept until a failover is seen; an outage that ends on the
+# same host (a restart) never clears them, so only the newest are kept: more than this many in
+# flight at one outage would already be a count to read in the log as "at least".
+UNSTORED_KEPT = 10_000
 
 
 class RecentAnswers:
@@ -58,6 +62,8 @@ class RecentAnswers:
 
     def unstored(self, claim: Claim) -> None:
         self._unstored.append((claim.record_id, claim.token))
+        if len(self._unstored) > UNSTORED_KEPT:
+            del self._unstored[: len(self._unstored) - UNSTORED_KEPT]
 
     def failed_over(self, now: Host, before: Host) -> None:
         """Count, on the new primary, what the failover cost (in the background: this runs in

@@ -11,14 +11,15 @@ WHERE run_id = $1;
 -- name: checkpoint_save
 -- Insert, or replace the run's row, but only with a checkpoint of the same task that is not
 -- behind the stored one: a process that wakes up late cannot rewind a run. Nothing returned
--- means refused.
+-- means refused. `updated_at` is the new row's default, now(): on Citus (the table distributed by
+-- run_id) a DO UPDATE SET may not call now() itself, and the insert's default is computed once.
 INSERT INTO oncegate_checkpoints (run_id, task, next_step, outputs, pending)
 VALUES ($1, $2, $3, $4::jsonb, $5::jsonb)
 ON CONFLICT (run_id) DO UPDATE
 SET next_step = EXCLUDED.next_step,
     outputs = EXCLUDED.outputs,
     pending = EXCLUDED.pending,
-    updated_at = now()
+    updated_at = EXCLUDED.updated_at
 WHERE oncegate_checkpoints.task = EXCLUDED.task
   AND oncegate_checkpoints.next_step <= EXCLUDED.next_step
 RETURNING run_id;

@@ -506,3 +506,27 @@ DELETE FROM oncegate_keys
 WHERE key = :key AND id = :id
   AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
 RETURNING id;
+
+-- name: citus_rekey_batch
+-- `oncegate rekey` on Citus: the next batch, not locked (Citus takes no row lock over several
+-- shards); `citus_rekey_rows` writes each row back only if it still holds what was read.
+SELECT id, key, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
+FROM oncegate_keys
+WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
+ORDER BY id
+LIMIT :batch_size;
+
+-- name: citus_rekey_rows
+-- One shard's re-sealed answers, each a compare-and-set on (token, the key that sealed it): a
+-- row settled again since it was read keeps what its new writer stored.
+UPDATE oncegate_keys AS row
+SET response_headers = NULL,
+    response_body = resealed.body,
+    sealed_with = :sealed_with,
+    sealed_headers = resealed.headers
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :was::text[], :bodies::bytea[],
+            :headers::bytea[])
+     AS resealed(key, id, token, was, body, headers)
+WHERE row.key = ANY(:keys)
+  AND row.key = resealed.key AND row.id = resealed.id AND row.fencing_token = resealed.token
+  AND row.response_stored AND row.sealed_with IS NOT DISTINCT FROM resealed.was;

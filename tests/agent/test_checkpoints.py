@@ -12,6 +12,9 @@ from oncegate import schema
 from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
 from oncegate.store.checkpoints import PostgresCheckpoints
 
+# The agent's table on the embedded PostgreSQL and on a Citus cluster (distributed by run_id).
+pytestmark = pytest.mark.citus
+
 
 async def test_a_run_never_saved_has_no_checkpoint(checkpoints: PostgresCheckpoints) -> None:
     assert await checkpoints.load("never-saved") is None

@@ -138,8 +138,12 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="module")
-def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+def module_dir(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, backend: str
+) -> Path:
+    """The module's directory, one per backend (a module marked `citus` runs twice: its
+    processes' logs must not mix)."""
+    return tmp_path_factory.mktemp(f"{request.module.__name__.rsplit('.', 1)[-1]}-{backend}")
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ class PostgresStore:
         self._shards = shards
         self._requests = RequestPath(pools, options, self.outage, shards)
         self._operator = OperatorQueries(pools.operator, options, self.outage, shards)
-        self._rekeying = Rekeying(pools.operator, options, self.outage)
+        self._rekeying = Rekeying(pools.operator, options, self.outage, shards)
         self._listener = Listener(url, options)
 
     @classmethod

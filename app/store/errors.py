@@ -50,6 +50,14 @@ def refused_value(exc: BaseException) -> bool:
     )
 
 
+# A statement the server refuses as written, every time: a feature it lacks (Citus's planner
+# refusals are 0A000), or an error in the SQL itself.
+_REFUSED_STATEMENT = (
+    asyncpg.exceptions.FeatureNotSupportedError,
+    asyncpg.exceptions.SyntaxOrAccessError,
+)
+
+
 def isolable(exc: Exception) -> bool:
     """Whether a batched statement's error may be one row's doing (a constraint, a deadlock, a
     value PostgreSQL refused): then each operation is sent again alone. Not for a connection that
@@ -121,6 +129,11 @@ def translated(
                     raise errors.StoreRefusedValue(
                         f"the store cannot hold a value of this request: {exc}"
                     ) from exc
+                if isinstance(exc, _REFUSED_STATEMENT):
+                    # Not an outage but a statement this server will not run (Citus refuses some
+                    # plans, and logs them without the statement): say which one.
+                    log.error("PostgreSQL refused the store's %s statement: %s", operation,
+                              reason(exc))  # fmt: skip
                 if isinstance(outage, Outage):
                     outage.failed(operation, exc)
                 else:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from oncegate import errors
 from oncegate.sealing import plaintext
 from oncegate.store import Claim
 from oncegate.store.citus import ShardMap, hash_text
@@ -168,3 +169,24 @@ async def test_concurrent_requests_over_every_shard_run_no_multi_shard_statement
     # Claims, completes and replays were batched: fewer statements than operations.
     assert 0 < after["single"] - before["single"] < 3 * len(keys)
     assert citus.SHARD_COUNT > 1
+
+
+async def test_a_statement_citus_refuses_is_logged_with_its_name(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The plain statement that Citus refuses (a pg_notify in RETURNING): sent as the store
+    # would, it is a 503 for the request and a log line naming the statement.
+    store = await PostgresStore.connect(database_url)
+    try:
+        claimed = await store.claim("r", SCOPE, str(uuid.uuid4()), FINGERPRINT, 600, 600)
+        assert isinstance(claimed, Claim)
+        store._requests._shards = None  # as if it did not know it was on Citus
+        with pytest.raises(errors.StoreUnavailable):
+            await store.mark_unknown(claimed)
+    finally:
+        await store.close()
+    refused = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
+    assert refused and refused[0].startswith(
+        "PostgreSQL refused the store's mark_unknown statement"
+    )
+    assert "non-IMMUTABLE functions are not allowed in the RETURNING clause" in refused[0]

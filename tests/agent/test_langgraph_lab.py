@@ -10,6 +10,7 @@ per strategy are 200 killed runs each.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -20,12 +21,20 @@ from tests.e2e.test_lab import FIGURES
 
 
 def lab(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", "langgraph", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", "langgraph", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            # Ctrl-C, not a SIGKILL: the lab then stops the gateway and demo upstream it started.
+            process.send_signal(signal.SIGINT)
+            try:
+                process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 # 600 runs, 1,200 agent processes: about half a minute on 2 idle cores; a bound for a busy machine.

@@ -30,7 +30,7 @@ class Claim:
     names the row by (key, id, token): `key` is the key table's distribution column on Citus,
     so the statement reaches the one shard that holds the row."""
 
-    record_id: int
+    id: int  # the row's, as `Record.id`
     token: int
     key: str
 

@@ -358,7 +358,7 @@ class MemoryStore:
         return next((row for row in self._rows.values() if row.id == record_id), None)
 
     def _held(self, claim: Claim, states: tuple[str, ...]) -> _Row | None:
-        row = self._by_id(claim.record_id)
+        row = self._by_id(claim.id)
         if (
             row is None
             or (row.key, row.token) != (claim.key, claim.token)

@@ -105,12 +105,12 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
     winner = winners[0]
     for seen in copies[1:]:
         assert isinstance(seen, Record)
-        assert (seen.id, seen.token, seen.state) == (winner.record_id, winner.token, "in_progress")
+        assert (seen.id, seen.token, seen.state) == (winner.id, winner.token, "in_progress")
         assert seen.fingerprint == digest("one")  # the winner's request, not its own
     stored = await store.get(SCOPE, key)
     assert stored is not None and stored.state == "in_progress"
     assert (stored.id, stored.token, stored.fingerprint) == (
-        winner.record_id,
+        winner.id,
         winner.token,
         digest("one"),
     )
@@ -127,7 +127,7 @@ async def test_copies_of_a_held_key_in_one_batch_all_read_the_row(store: Postgre
     for record in seen:
         assert isinstance(record, Record)
         assert (record.id, record.state, record.status, record.body) == (
-            held.record_id,
+            held.id,
             "completed",
             201,
             b"done",
@@ -243,10 +243,10 @@ async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
         )
         assert bucket is not None
         assert all(isinstance(claimed, Claim) for claimed in claims)
-        assert len({claimed.record_id for claimed in claims}) == len(keys)
+        assert len({claimed.id for claimed in claims}) == len(keys)
         for key, claimed in zip(keys, claims, strict=True):
             record = await store.get(SCOPE, key)
-            assert record is not None and record.id == claimed.record_id
+            assert record is not None and record.id == claimed.id
     finally:
         await store.close()
 

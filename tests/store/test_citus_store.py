@@ -96,7 +96,7 @@ async def test_every_request_path_statement_goes_to_one_shard(
         keys = keys_of_one_shard(shards, 3)
         claims = [await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in keys]
         assert all(isinstance(claim, Claim) for claim in claims)
-        ids = [claim.record_id for claim in claims if isinstance(claim, Claim)]
+        ids = [claim.id for claim in claims if isinstance(claim, Claim)]
         tokens = [1] * len(keys)
         many = {"keys": keys, "ids": ids, "tokens": tokens}
         plans = {

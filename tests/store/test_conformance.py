@@ -80,7 +80,7 @@ async def test_the_first_claim_wins_and_the_next_reads_the_row(store: Store) -> 
     first = await claim(store, key)
     second = await store.claim(ROUTE, SCOPE, key, digest("another request"), LONG, LONG)
     assert isinstance(second, Record)
-    assert (second.id, second.token, second.state) == (first.record_id, first.token, "in_progress")
+    assert (second.id, second.token, second.state) == (first.id, first.token, "in_progress")
     assert second.fingerprint == FINGERPRINT  # the first request's
 
 
@@ -205,9 +205,9 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
     assert (found.state, found.body, found.token) == ("completed", b"found", 2)
     assert await store.resolve_released(released_id)
     assert await store.get(SCOPE, released) is None
-    assert not await store.resolve_released(busy.record_id)
-    assert not await store.resolve_completed(busy.record_id, 201, plaintext([], b""))
-    assert await store.delete(busy.record_id) is False  # its request is in flight
+    assert not await store.resolve_released(busy.id)
+    assert not await store.resolve_completed(busy.id, 201, plaintext([], b""))
+    assert await store.delete(busy.id) is False  # its request is in flight
     assert await store.delete(settled_id) is True
     assert await store.delete(settled_id) is None
     assert [row.key for row in await store.find(in_flight, None)] == [in_flight]
@@ -218,7 +218,7 @@ async def test_a_settle_wakes_the_watch_of_a_row_marked_waited(store: AdminAndKe
     for settle in ("complete", "release", "mark_unknown"):
         key = new_key()
         owner = await claim(store, key)
-        watch = store.watch(owner.record_id)
+        watch = store.watch(owner.id)
         try:
             assert await store.mark_waited(await record(store, key))
             if settle == "complete":
@@ -248,7 +248,7 @@ async def test_a_settle_of_a_row_nobody_waits_on_wakes_no_one(store: AdminAndKey
     await test_a_settle_wakes_the_watch_of_a_row_marked_waited(store)
     key = new_key()
     owner = await claim(store, key)
-    watch = store.watch(owner.record_id)
+    watch = store.watch(owner.id)
     try:
         assert await store.complete(owner, 201, plaintext([], b"done"))
         assert not await watch.wait(0.5)  # nothing was sent: the waiter would poll instead
@@ -276,17 +276,17 @@ async def test_the_queue_lists_a_state_oldest_first_with_how_keys_turned_unknown
 
     unknown = await store.queue("unknown", route, None, None, 10)
     assert [(entry.id, entry.cause) for entry in unknown] == [
-        (lost.record_id, "answer_lost"),
-        (abandoned.record_id, "lease_expired"),
+        (lost.id, "answer_lost"),
+        (abandoned.id, "lease_expired"),
     ]
     assert unknown[0].created_at <= unknown[1].created_at
     assert unknown[0].lease_expires_at is None  # a marked key keeps no lease
     assert unknown[1].lease_expires_at is not None  # when the abandoned lease ran out
     assert all(entry.state == "unknown" and entry.status is None for entry in unknown)
     (completed,) = await store.queue("completed", route, None, None, 10)
-    assert (completed.id, completed.status, completed.cause) == (done.record_id, 201, None)
+    assert (completed.id, completed.status, completed.cause) == (done.id, 201, None)
     (in_flight,) = await store.queue("in_progress", route, None, None, 10)
-    assert (in_flight.id, in_flight.cause) == (busy.record_id, None)
+    assert (in_flight.id, in_flight.cause) == (busy.id, None)
 
     first = unknown[0]
     assert await store.queue("unknown", route, None, None, 1) == [first]
@@ -294,7 +294,7 @@ async def test_the_queue_lists_a_state_oldest_first_with_how_keys_turned_unknown
     assert after_first == unknown[1:]
     assert await store.queue("unknown", route, unknown[1].created_at, None, 10) == unknown[1:]
     assert await store.queue("unknown", route + "-other", None, None, 10) == []
-    assert await store.describe(abandoned.record_id) == unknown[1]
+    assert await store.describe(abandoned.id) == unknown[1]
     assert await store.describe(2**62) is None
 
 
@@ -313,8 +313,8 @@ async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
         ids.append(page.last_id)
         after = page.last_id
     assert page.rows == 0
-    assert ids == sorted(set(ids)) and max(owner.record_id for owner in owners) <= ids[-1]
-    ours = sorted(owner.record_id for owner in owners)
+    assert ids == sorted(set(ids)) and max(owner.id for owner in owners) <= ids[-1]
+    ours = sorted(owner.id for owner in owners)
     one_by_one = [await store.count_keys(record_id - 1, 1) for record_id in ours]
     assert [(page.last_id, page.rows) for page in one_by_one] == [(id_, 1) for id_ in ours]
     assert {

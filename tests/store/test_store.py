@@ -43,7 +43,7 @@ async def test_first_claim_wins_and_the_next_one_reads_the_row(store: PostgresSt
     assert isinstance(second, Record)
     record = await store.get(SCOPE, key)
     assert record == second
-    assert (record.id, record.token) == (first.record_id, first.token)
+    assert (record.id, record.token) == (first.id, first.token)
     assert record.state == "in_progress"
     assert record.fingerprint == FINGERPRINT  # the first request's, not the second's
 
@@ -72,7 +72,7 @@ async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url
             # Every loser learns who holds the key, in the same statement or by reading it.
             for result in results:
                 if isinstance(result, Record):
-                    assert (result.id, result.token) == (winners[0].record_id, winners[0].token)
+                    assert (result.id, result.token) == (winners[0].id, winners[0].token)
     finally:
         await store.close()
 
@@ -82,7 +82,7 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    stale = Claim(owner.record_id, owner.token - 1, owner.key)
+    stale = Claim(owner.id, owner.token - 1, owner.key)
     assert not await store.complete(stale, 500, plaintext([], b"wrong"))
     headers = [("content-type", "application/json"), ("location", "/charges/1")]
     assert await store.complete(owner, 201, plaintext(headers, b'{"id": 1}'))
@@ -111,12 +111,12 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert not await store.release(Claim(owner.record_id, owner.token + 1, owner.key))
+    assert not await store.release(Claim(owner.id, owner.token + 1, owner.key))
     assert await store.release(owner)
     assert await store.get(SCOPE, key) is None
     again = await claim(store, key)
     # A new row: the released claim names the old one, so it can settle nothing here.
-    assert again.record_id != owner.record_id
+    assert again.id != owner.id
     assert not await store.complete(owner, 500, plaintext([], b"from the released claim"))
     assert not await store.release(owner)
 
@@ -202,7 +202,7 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
     await db.execute(
         "UPDATE oncegate_keys SET created_at = now() - interval '2 hours',"
         " expires_at = now() - interval '1 second' WHERE id = $1",
-        owner.record_id,
+        owner.id,
     )
     in_flight = await store.get(SCOPE, key)
     assert in_flight is not None and in_flight.state == "in_progress"  # the lease comes first

@@ -56,12 +56,12 @@ class RecentAnswers:
 
     def stored(self, claim: Claim) -> None:
         now = time.monotonic()
-        self._stored.append((now, claim.record_id, claim.token))
+        self._stored.append((now, claim.id, claim.token))
         while self._stored and self._stored[0][0] < now - WINDOW:
             self._stored.popleft()
 
     def unstored(self, claim: Claim) -> None:
-        self._unstored.append((claim.record_id, claim.token))
+        self._unstored.append((claim.id, claim.token))
         if len(self._unstored) > UNSTORED_KEPT:
             del self._unstored[: len(self._unstored) - UNSTORED_KEPT]
 

@@ -129,7 +129,7 @@ def answer_size(completing: Completing) -> int:
 def claimed_row(claim: Claim, wanted: Claiming) -> Record:
     """The row a claim just made, as a copy of its key in the same batch sees it."""
     return Record(
-        id=claim.record_id,
+        id=claim.id,
         token=claim.token,
         key=wanted.key,
         fingerprint=wanted.fingerprint,

@@ -288,7 +288,7 @@ class RequestPath:
 
     @translated("complete")
     async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        completing = Completing(claim.record_id, claim.token, claim.key, status, answer)
+        completing = Completing(claim.id, claim.token, claim.key, status, answer)
         with tracing.store_operation("complete"):
             try:
                 stored = await self._completes.run(completing)
@@ -320,11 +320,11 @@ class RequestPath:
     @translated("release")
     async def release(self, claim: Claim) -> bool:
         with tracing.store_operation("release"):
-            return await self._releases.run(Settling(claim.record_id, claim.token, claim.key))
+            return await self._releases.run(Settling(claim.id, claim.token, claim.key))
 
     @translated("mark_unknown")
     async def mark_unknown(self, claim: Claim) -> bool:
-        settling = Settling(claim.record_id, claim.token, claim.key)
+        settling = Settling(claim.id, claim.token, claim.key)
         with tracing.store_operation("mark_unknown"):
             return await self._unknowns.run(settling)
 

@@ -71,6 +71,7 @@ class Cluster:
     directory: Path
     coordinator: Node
     workers: list[Node] = field(default_factory=list)
+    with_citus: bool = True  # False: one plain PostgreSQL with the same settings (the bench's)
 
     @property
     def nodes(self) -> list[Node]:
@@ -81,36 +82,54 @@ class Cluster:
         return self.coordinator.url(database)
 
     @classmethod
-    def start(cls, directory: Path | None = None) -> Cluster:
-        directory = directory or Path(tempfile.mkdtemp(prefix="oncegate-citus-"))
+    def start(
+        cls, directory: Path | None = None, workers: int = WORKERS, with_citus: bool = True
+    ) -> Cluster:
+        directory = directory or temporary_directory("oncegate-citus-")
+        directory.mkdir(parents=True, exist_ok=True)
         _give_to_server_user(directory)
         nodes = [
             Node(name, free_port(), directory / name, directory / f"{name}.log")
-            for name in ["coordinator", *(f"worker{number}" for number in range(1, WORKERS + 1))]
+            for name in ["coordinator", *(f"worker{number}" for number in range(1, workers + 1))]
         ]
-        cluster = cls(directory, nodes[0], nodes[1:])
+        cluster = cls(directory, nodes[0], nodes[1:], with_citus)
         try:
             for node in nodes:
-                _run([BIN / "initdb", "-D", node.data, "-U", USER, "-A", "trust", "--no-sync"])
-                with (node.data / "postgresql.conf").open("a") as conf:
-                    conf.write(
-                        f"port = {node.port}\n"
-                        "listen_addresses = '127.0.0.1'\n"
-                        f"unix_socket_directories = '{directory}'\n"
-                        "shared_preload_libraries = 'citus'\n"
-                        "citus.node_conninfo = 'sslmode=disable'\n"
-                        f"citus.shard_count = {SHARD_COUNT}\n"
-                        "max_connections = 200\n"
-                        "citus.enable_stat_counters = on\n"
-                        "fsync = off\n"
-                        "full_page_writes = off\n"
-                    )
-                cluster.start_node(node)
-            asyncio.run(cluster._add_nodes("postgres"))
+                cluster.add_node(node)
+            if with_citus:
+                asyncio.run(cluster._add_nodes("postgres"))
         except BaseException:
             cluster.stop()
             raise
         return cluster
+
+    def add_node(self, node: Node) -> None:
+        """Make `node`'s data directory and start it (a worker is added to a database with
+        `add_worker`)."""
+        _run([BIN / "initdb", "-D", node.data, "-U", USER, "-A", "trust", "--no-sync"])
+        citus_settings = (
+            "shared_preload_libraries = 'citus'\n"
+            "citus.node_conninfo = 'sslmode=disable'\n"
+            f"citus.shard_count = {SHARD_COUNT}\n"
+            "citus.enable_stat_counters = on\n"
+        )
+        with (node.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"port = {node.port}\n"
+                "listen_addresses = '127.0.0.1'\n"
+                f"unix_socket_directories = '{self.directory}'\n"
+                + (citus_settings if self.with_citus else "")
+                + "max_connections = 200\n"
+                "fsync = off\n"
+                "full_page_writes = off\n"
+            )
+        self.start_node(node)
+
+    def postmasters(self) -> list[int]:
+        """The pid of every node's postmaster (for the CPU they use)."""
+        return [
+            int((node.data / "postmaster.pid").read_text().splitlines()[0]) for node in self.nodes
+        ]
 
     def start_node(self, node: Node) -> None:
         _run(
@@ -152,7 +171,8 @@ class Cluster:
             f"DROP DATABASE IF EXISTS {name} WITH (FORCE)",
             f"CREATE DATABASE {name}",
         )
-        await self._add_nodes(name)
+        if self.with_citus:
+            await self._add_nodes(name)
 
     async def _add_nodes(self, database: str) -> None:
         await self._on_every_node(database, "CREATE EXTENSION IF NOT EXISTS citus")
@@ -174,6 +194,13 @@ class Cluster:
                     await connection.execute(statement)
             finally:
                 await connection.close()
+
+
+def temporary_directory(prefix: str) -> Path:
+    """A new directory the servers' user may enter (not under pytest's private tree)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    directory.chmod(0o755)
+    return directory
 
 
 def _give_to_server_user(directory: Path) -> None:

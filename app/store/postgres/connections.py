@@ -117,7 +117,10 @@ class Pools:
         finally:
             await connection.close()
         mode = "force_custom_plan" if on_citus else "force_generic_plan"
-        generic = {"plan_cache_mode": mode}
+        # JIT off: asyncpg's first look at a statement's types (a recursive catalog query) costs
+        # enough to be JIT-compiled where PostgreSQL has JIT (Debian's does), about a second of
+        # CPU per connection and statement; nothing on the request path gains from JIT.
+        generic = {"plan_cache_mode": mode, "jit": "off"}
         opened: list[asyncpg.Pool] = []
         try:
             for size, settings in (

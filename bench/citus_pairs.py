@@ -1,0 +1,271 @@
+"""Claims+completes per second on one PostgreSQL and on a Citus cluster, in one run: what a
+claim+complete pair costs PostgreSQL on a shard beside what it costs on a single server.
+
+Both are Debian's PostgreSQL 15 started here with the same settings (tests/citus.py: a
+temporary directory, free ports on 127.0.0.1, fsync off on both): a single server, and a Citus
+coordinator with two workers (8 shards). Each gets oncegate's migrations (`oncegate.schema`: on
+the cluster the key table is distributed by key), then the real store (`PostgresStore`, its
+batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
+completing it, over and over, for `--duration` seconds after `--warmup`.
+
+Printed per target: pairs/s; PostgreSQL's CPU per pair (every postmaster of the target, its
+children and the children it reaped, from /proc: on the cluster the coordinator and both
+workers); how Citus executed the statements (`citus_stat_counters`: single-shard and
+multi-shard executions, and two-phase commits recorded in `pg_dist_transaction`); and the mean
+operations per statement of the store's batches (`oncegate_store_batch_size`).
+
+    .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
+
+On one machine the cluster cannot be faster than the single server (three servers share its
+cores with the client); what the figures show is the cost of a pair on the cluster: docs/
+scaling.md turns them into the capacity model. Needs Citus installed (as the tests do); every
+server is stopped and the directory removed in a `finally`; the whole run is under SIGALRM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))  # tests.citus: the cluster the tests start
+
+import quick  # noqa: E402
+import run  # noqa: E402
+
+from oncegate import metrics, schema  # noqa: E402
+from oncegate.sealing import plaintext  # noqa: E402
+from oncegate.store import Claim  # noqa: E402
+from oncegate.store.postgres import PostgresStore  # noqa: E402
+from tests import citus  # noqa: E402
+
+SCOPE = bytes(32)
+FINGERPRINT = bytes(32)
+ANSWER = plaintext([("content-type", "application/json")], b'{"id":"em_000001"}')
+DATABASE = "oncegate_bench"
+STARTUP_TIMEOUT = 120.0
+
+
+@dataclass
+class Sample:
+    target: str
+    pairs_per_second: float
+    postgres_ms_per_pair: float
+    coordinator_ms_per_pair: float | None  # on the cluster: the coordinator's share
+    single_shard: int | None
+    multi_shard: int | None
+    two_phase: int | None
+    batch: dict[str, float]
+    failures: int
+
+
+def batch_means() -> dict[str, tuple[float, float]]:
+    """Per operation: (sum, count) of the store's batch sizes so far."""
+    found: dict[str, list[float]] = {}
+    for family in metrics.STORE_BATCH_SIZE.collect():
+        for sample in family.samples:
+            operation = sample.labels.get("operation", "")
+            if sample.name.endswith("_sum"):
+                found.setdefault(operation, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_count"):
+                found.setdefault(operation, [0.0, 0.0])[1] = sample.value
+    return {operation: (total, count) for operation, (total, count) in found.items()}
+
+
+async def citus_counters(url: str) -> tuple[int, int, int] | None:
+    connection = await asyncpg.connect(url)
+    try:
+        if not await connection.fetchval(
+            "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+        ):
+            return None
+        row = await connection.fetchrow(
+            "SELECT query_execution_single_shard, query_execution_multi_shard,"
+            " (SELECT count(*) FROM pg_dist_transaction)"
+            " FROM citus_stat_counters WHERE name = current_database()"
+        )
+        return (row[0], row[1], row[2])
+    finally:
+        await connection.close()
+
+
+async def measure(
+    target: str, url: str, postmasters: list[int], arguments: argparse.Namespace
+) -> Sample:
+    store = await PostgresStore.connect(url)
+    failures = 0
+    measuring = False
+    pairs = 0
+    stop = asyncio.Event()
+
+    async def task() -> None:
+        nonlocal failures, pairs
+        while not stop.is_set():
+            key = str(uuid.uuid4())
+            claimed = await store.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400)
+            if not isinstance(claimed, Claim) or not await store.complete(claimed, 201, ANSWER):
+                failures += 1
+            elif measuring:
+                pairs += 1
+
+    try:
+        tasks = [asyncio.create_task(task()) for _ in range(arguments.tasks)]
+        await asyncio.sleep(arguments.warmup)
+        groups = {f"node{index}": [pid] for index, pid in enumerate(postmasters)}
+        before_cpu = run.cpu_seconds(groups)
+        before_counters = await citus_counters(url)
+        before_batches = batch_means()
+        measuring, started = True, time.monotonic()
+        await asyncio.sleep(arguments.duration)
+        measuring, elapsed = False, time.monotonic() - started
+        after_cpu = run.cpu_seconds(groups)
+        after_batches = batch_means()
+        stop.set()
+        await asyncio.gather(*tasks)
+        after_counters = await citus_counters(url)
+    finally:
+        await store.close()
+    batch = {}
+    for operation in ("claim", "complete"):
+        total, count = after_batches.get(operation, (0.0, 0.0))
+        total_before, count_before = before_batches.get(operation, (0.0, 0.0))
+        if count > count_before:
+            batch[operation] = (total - total_before) / (count - count_before)
+    single = multi = two_phase = None
+    if before_counters is not None and after_counters is not None:
+        single, multi, two_phase = (
+            after - before for after, before in zip(after_counters, before_counters, strict=True)
+        )
+    used = {name: after_cpu[name] - before_cpu[name] for name in groups}
+    return Sample(
+        target,
+        pairs / elapsed,
+        sum(used.values()) * 1000 / max(pairs, 1),
+        used["node0"] * 1000 / max(pairs, 1) if len(groups) > 1 else None,
+        single,
+        multi,
+        two_phase,
+        batch,
+        failures,
+    )
+
+
+@contextmanager
+def servers(work: Path) -> Iterator[dict[str, tuple[str, list[int]]]]:
+    """The two targets: name -> (database URL, postmaster pids)."""
+    single = citus.Cluster.start(work / "single", workers=0, with_citus=False)
+    try:
+        cluster = citus.Cluster.start(work / "citus")
+        try:
+            single.create_database(DATABASE)
+            cluster.create_database(DATABASE)
+            yield {
+                "PostgreSQL 15, one server": (single.url(DATABASE), single.postmasters()),
+                f"Citus, coordinator + {citus.WORKERS} workers": (
+                    cluster.url(DATABASE),
+                    cluster.postmasters(),
+                ),
+            }
+        finally:
+            cluster.stop()
+    finally:
+        single.stop()
+
+
+def table(samples: list[Sample]) -> str:
+    lines = [
+        "| target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
+        " | single-shard / multi-shard executions"
+        " | two-phase commits | operations per statement (claim / complete) | failures |",
+        "|---|---:|---:|---|---:|---|---:|",
+    ]
+    for sample in samples:
+        executions = (
+            "(plain PostgreSQL)"
+            if sample.single_shard is None
+            else f"{sample.single_shard:,} / {sample.multi_shard:,}"
+        )
+        two_phase = "-" if sample.two_phase is None else f"{sample.two_phase}"
+        batch = " / ".join(
+            f"{sample.batch.get(operation, 0):.1f}" for operation in ("claim", "complete")
+        )
+        cpu = f"{sample.postgres_ms_per_pair:.3f} ms"
+        if sample.coordinator_ms_per_pair is not None:
+            workers = sample.postgres_ms_per_pair - sample.coordinator_ms_per_pair
+            cpu += f" ({sample.coordinator_ms_per_pair:.3f} + {workers:.3f})"
+        lines.append(
+            f"| {sample.target} | {sample.pairs_per_second:,.0f} |"
+            f" {cpu} | {executions} | {two_phase} | {batch} |"
+            f" {sample.failures} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--tasks", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    return parser.parse_args()
+
+
+def main() -> int:
+    arguments = parse_arguments()
+    why = citus.unavailable()
+    if why is not None:
+        print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
+        return 2
+    runs = 2 * arguments.repeats
+    budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
+
+    def out_of_time(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the benchmark ran out of its {budget:.0f}s budget")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(math.ceil(budget))
+    metrics.setup()
+    work = citus.temporary_directory("oncegate-citus-pairs-")
+    samples: list[Sample] = []
+    try:
+        with servers(work) as targets:
+            for target, (url, _) in targets.items():
+                schema.upgrade(url)
+            for _ in range(arguments.repeats):
+                for target, (url, postmasters) in targets.items():
+                    sample = asyncio.run(measure(target, url, postmasters, arguments))
+                    samples.append(sample)
+                    run.progress(
+                        f"{target}: {sample.pairs_per_second:,.0f} pairs/s,"
+                        f" PostgreSQL {sample.postgres_ms_per_pair:.3f} ms/pair"
+                    )
+        print(
+            f"{arguments.tasks} asyncio tasks on PostgresStore, each a claim then a complete of a"
+            f" new key; {arguments.warmup:g} s warm-up + {arguments.duration:g} s per run;"
+            f" {citus.SHARD_COUNT} shards; CPU from /proc"
+        )
+        print(f"\n$ {quick.command_line()}\n")
+        print(table(samples))
+        signal.alarm(0)
+        return 1 if any(sample.failures for sample in samples) else 0
+    except (RuntimeError, TimeoutError, asyncpg.PostgresError, OSError) as exc:
+        print(f"citus_pairs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.alarm(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -241,7 +241,7 @@ def main() -> int:
     samples: list[Sample] = []
     try:
         with servers(work) as targets:
-            for target, (url, _) in targets.items():
+            for url, _ in targets.values():
                 schema.upgrade(url)
             for _ in range(arguments.repeats):
                 for target, (url, postmasters) in targets.items():

@@ -133,8 +133,9 @@ def _parser() -> argparse.ArgumentParser:
         "demo-upstream",
         help="a fake email/ticket/payment service for demos, the lab and tests",
         description="A fake side-effecting API: POST /emails, /tickets, /charges answer 201 with "
-        "a JSON receipt; GET /actions lists every action really performed, with its "
-        "Idempotency-Key; ?delay=SECONDS and ?status=CODE make a call slow or failing.",
+        "a JSON receipt, and so do POST /payments (its key in the JSON body's idempotency_key) "
+        "and /orders (its key in PayPal-Request-Id); GET /actions lists every action really "
+        "performed, with its key; ?delay=SECONDS and ?status=CODE make a call slow or failing.",
     )
     demo.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     demo.add_argument("--port", type=int, default=9000, metavar="N", help="port (9000)")

@@ -1,4 +1,4 @@
-"""`oncegate`: serve | migrate | purge | demo-upstream | lab (contract section 2).
+"""`oncegate`: serve | migrate | purge | rekey | demo-upstream | lab | keys (contract section 2).
 
 Flags win over `ONCEGATE_*` variables, which win over the config file (see `oncegate.settings`).
 Configuration mistakes end the command with a message naming the field and exit status 2,
@@ -17,13 +17,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from . import database_url, errors, logs, metrics, settings
-
-if TYPE_CHECKING:
-    from .lab.crashlab import Runtime
+from . import argument_types, database_url, errors, logs, metrics, settings
 
 log = logging.getLogger("oncegate")
 
@@ -126,7 +121,9 @@ def _parser() -> argparse.ArgumentParser:
         "of ONCEGATE_ENCRYPTION_KEYS, in bounded batches, so an older key can be removed. Safe "
         "beside running gateways, and to stop and start again.",
     )
-    rekey.add_argument("--batch-size", type=_positive, default=500, help="rows per batch (500)")
+    rekey.add_argument(
+        "--batch-size", type=argument_types.positive, default=500, help="rows per batch (500)"
+    )
     rekey.set_defaults(run=_rekey)
 
     demo = commands.add_parser(
@@ -141,107 +138,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=9000, metavar="N", help="port (9000)")
     demo.set_defaults(run=_demo_upstream)
 
-    lab = commands.add_parser(
-        "lab",
-        help="the crash-recovery lab: kill an agent at random, resume it, count duplicates",
-        description="Run a 12-step agent task N times under each strategy (A restart, "
-        "B checkpoint, C checkpoint + keys through the gateway, D save first then act), kill "
-        "each run with SIGKILL at a random point, resume it, and count what the demo upstream "
-        "really performed. Starts its own PostgreSQL, gateway and demo upstream unless told "
-        "where they are.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=False,
-    )
-    lab.add_argument("-h", "--help", action=_LabHelp, help="show this help message and exit")
-    lab.add_argument("--runs", type=_positive, default=1000, help="runs per strategy (1000)")
-    lab.add_argument("--seed", type=int, default=24, help="seed of the crash points (24)")
-    lab.add_argument("--json", action="store_true", help="print one JSON object, not a table")
-    lab.add_argument("--plot", metavar="FILE.svg", type=Path, help="also write an SVG chart")
-    lab.add_argument(
-        "--strategies", type=_strategies, help="which to run (default ABCD; ABC on LangGraph)"
-    )
-    lab.add_argument(
-        "--runtime",
-        choices=["runner", "langgraph"],
-        default="runner",
-        help="what plays the task: the agent library's runner (default) or a LangGraph graph "
-        "checkpointed by PostgresSaver (strategies A, B, C; needs oncegate[langgraph])",
-    )
-    lab.add_argument(
-        "--kill-gateway",
-        metavar="SHARE",
-        type=float,
-        nargs="?",
-        const=0.05,
-        default=0.0,
-        help="also SIGKILL the gateway during this share of the C runs (0.05 without a value)",
-    )
-    lab.add_argument(
-        "--late-resume",
-        action="store_true",
-        help="also run E (C resumed after its keys expired at the gateway) and F (E with the "
-        "client's key-age check: stops for reconciliation instead of resending)",
-    )
-    lab.add_argument("--jobs", type=_positive, default=4, help="runs at a time (4)")
-    lab.add_argument(
-        "--database-url",
-        metavar="URL",
-        type=_database_url,
-        help="a migrated PostgreSQL, not embedded (one host or several, as ONCEGATE_DATABASE_URL)",
-    )
-    lab.add_argument("--upstream", metavar="URL", help="a running demo-upstream")
-    lab.add_argument("--gateway", metavar="URL", help="a running gateway in front of it")
-    lab.set_defaults(run=_lab)
+    from .lab import command  # `oncegate lab`: the crash-recovery lab
+
+    command.add_parser(commands)
 
     from . import operator_cli  # `oncegate keys`: the admin API from a terminal
 
     operator_cli.add_parser(commands)
     return parser
-
-
-class _LabHelp(argparse.Action):
-    """`oncegate lab --help`, ending with the invented costs the lab prices its waste at: built
-    only when asked for, as it imports the lab (every other command would pay for it)."""
-
-    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=help)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        parser.epilog = _lab_costs()
-        parser.print_help()
-        parser.exit()
-
-
-def _lab_costs() -> str:
-    """`--help`'s account of the invented costs the wasted columns are priced at."""
-    from .lab import crashlab, task
-
-    steps = task.support_task("run")
-    lines = [
-        "The wasted tokens and seconds are priced at invented per-step costs, as the",
-        "write-up's are (the steps here take microseconds): every finished step redone, plus",
-        "the part of the step the crash interrupted. Checkpoint seconds: each save at "
-        f"{task.CHECKPOINT_SAVE_SECONDS * 1000:.0f} ms,",
-        "invented too.",
-        "",
-    ]
-    for number, step in enumerate(steps, start=1):
-        cost = task.COSTS[number]
-        lines.append(
-            f"  {number:>2} {step.name:<18} {cost.tokens:>6,} tokens {cost.seconds:>5.1f} s"
-        )
-    lines += ["", "The model expects, per run (docs/lab.md shows the arithmetic):"]
-    for name in "ABD":
-        tokens, seconds = crashlab.expectation(crashlab.STRATEGIES[name])
-        also = {"B": " (and C, E)", "D": " (and F)"}.get(name, "")
-        lines.append(f"  {name} {tokens:>8,.0f} tokens {seconds:>6.2f} s wasted{also}")
-    return "\n".join(lines)
 
 
 def _version() -> str:
@@ -251,101 +155,6 @@ def _version() -> str:
         return metadata.version("oncegate")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
-def _database_url(text: str) -> str:
-    try:
-        database_url.parse(text)
-    except database_url.InvalidDatabaseUrl as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _strategies(text: str) -> str:
-    letters = text.upper()
-    if not letters or not set(letters) <= set("ABCD") or len(set(letters)) != len(letters):
-        raise argparse.ArgumentTypeError(f"letters among A, B, C, D, each once, not {text!r}")
-    return letters
-
-
-def _lab(arguments: argparse.Namespace) -> int:
-    import json
-
-    from .lab import crashlab, plot, stack
-
-    if arguments.plot is not None and arguments.plot.suffix.lower() != ".svg":
-        raise errors.ConfigError(f"--plot writes SVG: name the file *.svg, not {arguments.plot}")
-    if arguments.kill_gateway and arguments.gateway:
-        raise errors.ConfigError("--kill-gateway needs the lab's own gateway: drop --gateway")
-    if not 0 <= arguments.kill_gateway <= 1:
-        raise errors.ConfigError("--kill-gateway takes a share between 0 and 1")
-    if arguments.late_resume and arguments.gateway:
-        raise errors.ConfigError(
-            "--late-resume needs the lab's own gateway (its /late route keeps keys seconds, "
-            "not a day): drop --gateway"
-        )
-    runtime: Runtime = crashlab.RUNNER
-    if arguments.runtime == "langgraph":
-        runtime = _langgraph_runtime(arguments)
-    arguments.strategies = arguments.strategies or "".join(
-        name for name in "ABCD" if name in runtime.titles
-    )
-    if arguments.gateway and not arguments.upstream and "C" in arguments.strategies:
-        raise errors.ConfigError("--gateway needs --upstream: the one it forwards to")
-    logs.configure("text", "warning")
-    with stack.running(arguments.database_url, arguments.upstream, arguments.gateway) as services:
-        lab = crashlab.Lab(
-            services,
-            runs=arguments.runs,
-            seed=arguments.seed,
-            strategies=arguments.strategies,
-            jobs=arguments.jobs,
-            kill_gateway=arguments.kill_gateway,
-            late_resume=arguments.late_resume,
-            progress=crashlab.ProgressBar(sys.stderr),
-            runtime=runtime,
-        )
-        outcome = lab.run()
-    if arguments.json:
-        print(json.dumps(outcome.document()))
-        note = crashlab.too_few_runs(outcome.runs) if "B" in outcome.strategies else None
-        if note is not None:
-            print(f"oncegate lab: {note}", file=sys.stderr)
-    else:
-        print(crashlab.table(outcome))
-    if arguments.plot is not None:
-        plot.write(outcome, arguments.plot)
-        print(f"oncegate lab: chart written to {arguments.plot.resolve()}", file=sys.stderr)
-    for failure in outcome.failures:
-        print(f"oncegate lab: {failure}", file=sys.stderr)
-    return 1 if outcome.failures else 0
-
-
-def _langgraph_runtime(arguments: argparse.Namespace) -> Runtime:
-    """`lab --runtime langgraph`'s runtime, after refusing what it does not have."""
-    unknown = set(arguments.strategies or "") - set("ABC")
-    if unknown:
-        raise errors.ConfigError(
-            f"--runtime langgraph plays strategies A, B and C, not {', '.join(sorted(unknown))}"
-        )
-    if arguments.kill_gateway or arguments.late_resume:
-        raise errors.ConfigError(
-            "--kill-gateway and --late-resume are the runner's: drop them or --runtime langgraph"
-        )
-    try:
-        from .lab import langgraph_runtime
-    except ImportError as exc:
-        raise errors.ConfigError(
-            f"--runtime langgraph needs LangGraph: pip install 'oncegate[langgraph]' ({exc})"
-        ) from exc
-    return langgraph_runtime.RUNTIME
 
 
 def _serve(arguments: argparse.Namespace) -> int:

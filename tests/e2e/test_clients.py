@@ -85,7 +85,10 @@ def performed(upstream: DemoUpstream, marker: str) -> list[dict[str, Any]]:
 
 
 def stripe_client(
-    gateway: GatewayProcess, prefix: str = "/stripe", sent: list[str] | None = None
+    gateway: GatewayProcess,
+    prefix: str = "/stripe",
+    sent: list[str] | None = None,
+    timeout: float = SDK_TIMEOUT,
 ) -> stripe.StripeClient:
     """Stripe's client on the gateway; the bodies it sends are appended to `sent`."""
     session = requests.Session()
@@ -97,7 +100,7 @@ def stripe_client(
         "sk_test_oncegate",
         base_addresses={"api": gateway.url + prefix},
         max_network_retries=3,
-        http_client=stripe.RequestsClient(timeout=SDK_TIMEOUT, session=session),
+        http_client=stripe.RequestsClient(timeout=timeout, session=session),
     )
 
 
@@ -145,7 +148,10 @@ def test_gocardless_without_wait_fails_where_the_route_with_wait_succeeds(
     )
     with pytest.raises(gocardless_errors.GoCardlessProError):
         client.payments.create(
-            params={"amount": 500, "currency": "GBP", "description": marker}, headers=UPSTREAM_DELAY
+            params={"amount": 500, "currency": "GBP", "description": marker},
+            # Long enough that the SDK's retry (after its 2 s timeout and 0.5 s) finds it in
+            # flight however slow the machine.
+            headers={"X-Demo-Delay": "8"},
         )
     assert len(performed(upstream, marker)) == 1  # performed once all the same
 
@@ -200,7 +206,8 @@ def test_stripe_does_not_retry_an_outcome_unknown_and_retries_nothing_else_in_va
     marker = uuid.uuid4().hex
     before = httpx.get(gateway.admin_url + "/metrics").text
     with pytest.raises(stripe.APIError) as caught:
-        stripe_client(gateway, "/stripe-short").v1.charges.create(
+        # The SDK waits longer than the route's upstream timeout: the 504 is what it reads.
+        stripe_client(gateway, "/stripe-short", timeout=10).v1.charges.create(
             params={"amount": 5, "currency": "usd", "description": marker},
             options={"headers": UPSTREAM_DELAY},
         )

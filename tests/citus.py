@@ -112,6 +112,8 @@ class Cluster:
             "citus.node_conninfo = 'sslmode=disable'\n"
             f"citus.shard_count = {SHARD_COUNT}\n"
             "citus.enable_stat_counters = on\n"
+            # Shards move by logical replication (citus_rebalance_start) without blocking writes.
+            "wal_level = logical\n"
         )
         with (node.data / "postgresql.conf").open("a") as conf:
             conf.write(

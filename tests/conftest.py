@@ -108,13 +108,15 @@ def create_database(postgres_url: str, template: str, label: str) -> str:
     return with_database(postgres_url, name)
 
 
-BACKENDS = ("postgresql", "citus")
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Modules marked `citus` run on both backends (module-scoped: one database each)."""
-    if metafunc.definition.get_closest_marker("citus") and "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", BACKENDS, indirect=True, scope="module")
+    marker = metafunc.definition.get_closest_marker("citus")
+    if marker and "backend" in metafunc.fixturenames:
+        # `citus(slow=True)`: the Citus run is marked slow (`make test` leaves it out; a plain
+        # `pytest` runs it), the PostgreSQL one stays in `make test`.
+        slow = [pytest.mark.slow] if marker.kwargs.get("slow") else []
+        backends = [pytest.param("postgresql"), pytest.param("citus", marks=slow)]
+        metafunc.parametrize("backend", backends, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")

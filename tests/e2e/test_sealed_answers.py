@@ -26,8 +26,9 @@ NEW = f"k2:{base64.b64encode(os.urandom(32)).decode()}"
 SECRET = "card-4242-4242"
 ADMIN_TOKEN = "sealed-admin-token"
 
-# On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
-pytestmark = pytest.mark.citus
+# On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py); the Citus run
+# is slow (gateways started again and again).
+pytestmark = pytest.mark.citus(slow=True)
 
 
 def routes(upstream: str) -> list[dict[str, object]]:

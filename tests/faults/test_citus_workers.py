@@ -18,6 +18,7 @@ import pytest
 
 from tests import citus
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,78 @@ async def test_a_worker_killed_and_restarted_under_load_performs_no_key_twice(
         if status == 201:
             assert performed[key] == 1
     assert set(status for _, status, _ in answers[-100:]) == {201}  # healed, no restart
+
+
+@pytest.mark.slow
+async def test_a_worker_added_and_shards_rebalanced_under_light_load_lose_and_repeat_nothing(
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    database_url: str,
+    citus_cluster: citus.Cluster,
+) -> None:
+    # A third worker, for this module's database only (Citus keeps its nodes per database).
+    name = "worker-added"
+    added = citus.Node(
+        name, free_port(), citus_cluster.directory / name, citus_cluster.directory / f"{name}.log"
+    )
+    await asyncio.to_thread(citus_cluster.add_node, added)
+    sent: list[tuple[str, int, str]] = []
+    sending = asyncio.Event()
+    sending.set()
+    try:
+        database = database_url.rsplit("/", 1)[1]
+        connection = await asyncpg.connect(added.url("postgres"))
+        try:
+            await connection.execute(f"CREATE DATABASE {database}")
+        finally:
+            await connection.close()
+        connection = await asyncpg.connect(added.url(database))
+        try:
+            await connection.execute("CREATE EXTENSION citus")
+        finally:
+            await connection.close()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+
+            async def light_load() -> None:
+                while sending.is_set():
+                    key = str(uuid.uuid4())
+                    for _ in range(2):  # forwarded, then replayed
+                        response = await post(client, key)
+                        sent.append((key, response.status_code, response.headers.get(
+                            "idempotent-replayed", "")))  # fmt: skip
+                    await asyncio.sleep(0.02)
+
+            clients = [asyncio.create_task(light_load()) for _ in range(4)]
+            coordinator = await asyncpg.connect(database_url)
+            try:
+                await asyncio.sleep(0.5)
+                await coordinator.execute("SELECT citus_add_node('127.0.0.1', $1)", added.port)
+                await coordinator.execute("SELECT citus_rebalance_start()")
+                deadline = time.monotonic() + 90
+                while True:
+                    state = await coordinator.fetchval("SELECT state FROM citus_rebalance_status()")
+                    if state == "finished":
+                        break
+                    assert state in ("scheduled", "running") and time.monotonic() < deadline, state
+                    await asyncio.sleep(0.25)
+                moved = await coordinator.fetchval(
+                    "SELECT count(*) FROM citus_shards WHERE table_name = 'oncegate_keys'::regclass"
+                    " AND nodeport = $1",
+                    added.port,
+                )
+                await asyncio.sleep(0.5)  # and on, on the shards' new places
+            finally:
+                sending.clear()
+                await asyncio.gather(*clients)
+                await coordinator.close()
+    finally:
+        await asyncio.to_thread(citus_cluster.stop_node, added, "immediate")
+    assert moved > 0  # shards really moved while the gateway served
+    performed = collections.Counter(
+        action["idempotency_key"] for action in await asyncio.to_thread(upstream.actions)
+    )
+    keys = {key for key, _, _ in sent}
+    assert len(keys) > 20
+    assert {status for _, status, _ in sent} == {201}  # nothing refused, nothing lost
+    assert all(performed[key] == 1 for key in keys)  # every key performed once, none twice
+    assert sum(1 for _, _, replayed in sent if replayed == "true") == len(keys)

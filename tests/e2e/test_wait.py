@@ -69,6 +69,15 @@ def headers(key: str, wait: int | None = 10, **extra: str) -> dict[str, str]:
     return sent
 
 
+def assert_replays_of(original: httpx.Response, copies: list[httpx.Response]) -> None:
+    """The first was forwarded, and every copy got its answer, replayed."""
+    assert original.status_code == 201
+    for copy in copies:
+        assert copy.status_code == 201, copy.text
+        assert copy.content == original.content
+        assert copy.headers["idempotent-replayed"] == "true"
+
+
 @pytest.mark.parametrize("spread", [1, 3], ids=["one-gateway", "three-gateways"])
 async def test_concurrent_copies_that_wait_all_get_the_one_stored_answer(
     clients: list[httpx.AsyncClient], upstream: DemoUpstream, spread: int
@@ -85,11 +94,7 @@ async def test_concurrent_copies_that_wait_all_get_the_one_stored_answer(
         )
     )
     original = await first
-    assert original.status_code == 201
-    for copy in copies:
-        assert copy.status_code == 201, copy.text
-        assert copy.content == original.content
-        assert copy.headers["idempotent-replayed"] == "true"
+    assert_replays_of(original, copies)
     assert any(copy.headers.get("preference-applied") == "wait=10" for copy in copies)
     assert len(upstream.actions(key)) == 1
 
@@ -220,13 +225,8 @@ async def test_a_route_with_wait_holds_unasked_duplicates_on_every_gateway(
         *(clients[index % 3].post("/waiting/emails", json={"n": 4}, headers=headers(key, None))
           for index in range(9))
     )  # fmt: skip
-    original = await first
-    assert original.status_code == 201
-    for copy in copies:
-        assert copy.status_code == 201, copy.text
-        assert copy.content == original.content
-        assert copy.headers["idempotent-replayed"] == "true"
-        assert "preference-applied" not in copy.headers
+    assert_replays_of(await first, copies)
+    assert not [copy for copy in copies if "preference-applied" in copy.headers]
     assert len(upstream.actions(key)) == 1
 
 

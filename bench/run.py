@@ -1083,6 +1083,30 @@ def _p50(sample: Sample) -> float:
     return sample.p50_ms
 
 
+def _cpu(sample: Sample) -> float:
+    return sample.cpu_ms_per_request
+
+
+def _proxy_cpu(sample: Sample) -> float:
+    return sample.proxy_ms_per_request
+
+
+def _postgres_cpu(sample: Sample) -> float:
+    return sample.postgres_ms_per_request
+
+
+def _cells(samples: Sequence[Sample], *columns: tuple[Callable[[Sample], float], int]) -> str:
+    """One table cell per (metric, digits): its median (min-max) over the samples; req/s
+    (0 digits) with thousands separators."""
+    return "".join(
+        f"| {spread([metric(s) for s in samples], digits, thousands=not digits)} "
+        for metric, digits in columns
+    )
+
+
+RATE_AND_LATENCY = ((_per_second, 0), (_p50, 2), (_p99, 2))
+
+
 def main_table(results: Results, connections: int, configurations: Sequence[Configuration]) -> str:
     bare = results.median(BARE, connections, _per_second)
     rows = [
@@ -1096,13 +1120,8 @@ def main_table(results: Results, connections: int, configurations: Sequence[Conf
             continue
         rows.append(
             f"| {configuration.label} "
-            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
-            f"| {spread([s.p50_ms for s in samples], 2)} "
-            f"| {spread([s.p99_ms for s in samples], 2)} "
-            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
-            f"| {spread([s.proxy_ms_per_request for s in samples], 3)} "
-            f"| {spread([s.postgres_ms_per_request for s in samples], 3)} "
-            f"| {ratio(results.median(configuration, connections, _per_second), bare)} "
+            + _cells(samples, *RATE_AND_LATENCY, (_cpu, 3), (_proxy_cpu, 3), (_postgres_cpu, 3))
+            + f"| {ratio(results.median(configuration, connections, _per_second), bare)} "
             f"| {_errors(samples)} |"
         )
     return "\n".join(rows)
@@ -1141,14 +1160,10 @@ def latency_table(results: Results) -> str:
         difference = results.median(configuration, 1, _p50) - bare_p50
         rows.append(
             f"| {configuration.label} "
-            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
-            f"| {spread([s.p50_ms for s in samples], 2)} "
-            f"| {spread([s.p99_ms for s in samples], 2)} "
-            f"| {'' if configuration is FLOOR else f'{difference:+.2f}'} "
-            f"| {spread([s.claim_ms for s in samples], 2)} "
-            f"| {spread([s.complete_ms for s in samples], 2)} "
-            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
-            f"| {_errors(samples)} |"
+            + _cells(samples, *RATE_AND_LATENCY)
+            + f"| {'' if configuration is FLOOR else f'{difference:+.2f}'} "
+            + _cells(samples, (lambda s: s.claim_ms, 2), (lambda s: s.complete_ms, 2), (_cpu, 3))
+            + f"| {_errors(samples)} |"
         )
     return "\n".join(rows)
 
@@ -1170,12 +1185,8 @@ def workers_table(results: Results, connections: int) -> str | None:
         one = results.median(ONE_WORKER[configuration], connections, _per_second)
         rows.append(
             f"| {configuration.label} "
-            f"| {spread([s.per_second for s in samples], 0, thousands=True)} "
-            f"| {spread([s.p50_ms for s in samples], 2)} "
-            f"| {spread([s.p99_ms for s in samples], 2)} "
-            f"| {spread([s.cpu_ms_per_request for s in samples], 3)} "
-            f"| {spread([s.proxy_ms_per_request for s in samples], 3)} "
-            f"| {ratio(value, bare)} | {ratio(value, one)} | {_errors(samples)} |"
+            + _cells(samples, *RATE_AND_LATENCY, (_cpu, 3), (_proxy_cpu, 3))
+            + f"| {ratio(value, bare)} | {ratio(value, one)} | {_errors(samples)} |"
         )
     return "\n".join(rows) if len(rows) > 2 else None
 

@@ -29,6 +29,16 @@ class Recorder:
         return [item * 10 for item in items]
 
 
+def abandoning() -> tuple[Recorder, Batcher[int, int], list[tuple[int, int]]]:
+    """A batcher on a `Recorder` that lists the outcomes handed to `on_abandoned`."""
+    recorder = Recorder()
+    abandoned: list[tuple[int, int]] = []
+    batcher = Batcher(
+        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
+    )
+    return recorder, batcher, abandoned
+
+
 async def settle() -> None:
     """Let every ready task run until each waits on something outside the loop."""
     for _ in range(5):
@@ -104,11 +114,7 @@ async def test_a_waiter_that_gives_up_before_its_batch_is_sent_is_never_sent() -
 
 
 async def test_a_waiter_that_gives_up_in_flight_does_not_cancel_the_others() -> None:
-    recorder = Recorder()
-    abandoned: list[tuple[int, int]] = []
-    batcher = Batcher(
-        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
-    )
+    recorder, batcher, abandoned = abandoning()
     waiters = [asyncio.create_task(batcher.run(item)) for item in (1, 2)]
     await settle()
     waiters[0].cancel()
@@ -124,11 +130,7 @@ async def test_a_waiter_that_gives_up_in_flight_does_not_cancel_the_others() -> 
 async def test_a_waiter_cancelled_after_its_outcome_came_hands_it_over() -> None:
     """The outcome is set, but the waiter is cancelled before it runs to take it: the outcome
     (a claim won) must not be lost with it."""
-    recorder = Recorder()
-    abandoned: list[tuple[int, int]] = []
-    batcher = Batcher(
-        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
-    )
+    recorder, batcher, abandoned = abandoning()
     waiter = asyncio.create_task(batcher.run(1))
     deliver = batcher._deliver
 
@@ -145,11 +147,7 @@ async def test_a_waiter_cancelled_after_its_outcome_came_hands_it_over() -> None
 
 
 async def test_a_waiter_that_gave_up_on_a_failed_statement_gets_nothing() -> None:
-    recorder = Recorder()
-    abandoned: list[tuple[int, int]] = []
-    batcher = Batcher(
-        "test", recorder.send, max_size=8, on_abandoned=lambda i, o: abandoned.append((i, o))
-    )
+    recorder, batcher, abandoned = abandoning()
     waiters = [asyncio.create_task(batcher.run(item)) for item in (1, 2)]
     await settle()
     waiters[0].cancel()

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -168,6 +169,7 @@ def main() -> int:
         for process in reversed(started):
             quick.stop(process)
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     gateway_ms = statistics.median(sample.per_forward(sample.gateway) for sample in samples)
     postgres_ms = statistics.median(sample.per_forward(sample.postgres) for sample in samples)
     print(f"$ .venv/bin/python bench/capacity.py {' '.join(sys.argv[1:])}".rstrip())

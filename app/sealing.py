@@ -8,9 +8,17 @@ its status:
   seals; every one opens, so a key is rotated by putting a new one first and retired after
   `oncegate rekey` has re-sealed the rows under the new one.
 - A sealed value is a 12-byte random nonce and the ciphertext with its tag. The key's name is
-  stored beside it, and the row's id, its scope and which part it is (headers or body) are bound
-  as associated data: a sealed answer moved to another row, another scope or the other column
-  does not open.
+  stored beside it, and the claim that stored it, its scope and which part it is (headers or
+  body) are bound as associated data: a sealed answer moved to another row, another scope or the
+  other column does not open, nor one written back into its own row after the key was claimed
+  again. The claim is the row's id and its fencing token, which every reclaim of an expired key,
+  take-over and operator's resolution raises (an operator's answer is bound to the token its
+  resolution gives the row).
+- `sealed_with` holds the key's name and the binding (`k1:2`). Answers sealed before answers were
+  bound to their claim (`k1`: row, scope and part only) are not opened by a gateway: an old answer
+  written back into a row claimed again would open under that binding. Their retries get 503
+  `answer-sealed` (never forwarded again) until `oncegate rekey` re-seals them under the claim
+  binding: rekey alone opens the row binding, and it counts them as not yet under the newest key.
 - A value that does not open (its key is not configured, it was changed, or cut short below a
   nonce and a tag; stored headers that are not their JSON) raises `Unopenable`: the gateway
   answers 503 `answer-sealed` and never forwards the request again, since it was performed, and
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import os
 import re
@@ -33,9 +42,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from . import errors
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+# The associated data's version, after the key's name in `sealed_with`: 2 binds the claim (row id
+# and fencing token); a name alone is the row binding of earlier releases.
+CLAIM_BINDING = "2"
 _NONCE_BYTES = 12  # the size GCM is designed for; random per value, never reused in practice
 _TAG_BYTES = 16  # GCM's tag, after the ciphertext
 KEY_BYTES = 32
+# The claim an answer belongs to: its row's id and the fencing token the row had when the answer
+# was stored.
+Claimed = tuple[int, int]
 
 
 class Unopenable(Exception):
@@ -92,40 +107,58 @@ class Keyring:
     def names(self) -> list[str]:
         return list(self._ciphers)
 
-    def seal(self, record_id: int, scope: bytes, headers: Sequence[tuple[str, str]],
+    @property
+    def sealed_with(self) -> str:
+        """What new answers' `sealed_with` says: the newest key, and the claim binding."""
+        return f"{self.current}:{CLAIM_BINDING}"
+
+    def seal(self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]],
              body: bytes | None) -> SealedAnswer:  # fmt: skip
         cipher = self._ciphers[self.current]
         return SealedAnswer(
-            key_name=self.current,
-            headers=_seal(cipher, _headers_json(headers), _bound(record_id, scope, b"headers")),
-            body=None if body is None else _seal(cipher, body, _bound(record_id, scope, b"body")),
+            key_name=self.sealed_with,
+            headers=_seal(cipher, _headers_json(headers), _bound(claim, scope, b"headers")),
+            body=None if body is None else _seal(cipher, body, _bound(claim, scope, b"body")),
         )
 
     def open(
-        self, record_id: int, scope: bytes, stored: SealedAnswer
+        self, claim: Claimed, scope: bytes, stored: SealedAnswer, *, row_binding: bool = False
     ) -> tuple[list[tuple[str, str]], bytes | None]:
-        """The headers and body of a stored answer, sealed or not."""
+        """The headers and body of a stored answer, sealed or not. `row_binding`: also open an
+        answer sealed before answers were bound to their claim (`oncegate rekey` alone)."""
         if stored.key_name is None:
             return header_pairs(stored.headers), stored.body
-        cipher = self._ciphers.get(stored.key_name)
+        name, _, binding = stored.key_name.partition(":")
+        cipher = self._ciphers.get(name)
         if cipher is None:
             raise Unopenable(
-                f"sealed with key {stored.key_name!r}, which ONCEGATE_ENCRYPTION_KEYS does not "
-                "hold",
-                stored.key_name,
+                f"sealed with key {name!r}, which ONCEGATE_ENCRYPTION_KEYS does not hold", name
             )
-        headers = _open(cipher, stored, stored.headers, _bound(record_id, scope, b"headers"))
+        if binding == CLAIM_BINDING:
+            bound = functools.partial(_bound, claim, scope)
+        elif binding == "" and row_binding:
+            bound = functools.partial(_row_bound, claim[0], scope)
+        elif binding == "":
+            raise Unopenable(
+                "sealed by an earlier release, bound to its row but not to its claim: run "
+                "`oncegate rekey` to re-seal it",
+                name,
+            )
+        else:
+            raise Unopenable(f"sealed under a binding this release does not know ({binding})", name)
+        headers = _open(cipher, stored, stored.headers, bound(b"headers"))
         body = None
         if stored.body is not None:
-            body = _open(cipher, stored, stored.body, _bound(record_id, scope, b"body"))
+            body = _open(cipher, stored, stored.body, bound(b"body"))
         return header_pairs(headers), body
 
-    def reseal(self, record_id: int, scope: bytes, stored: SealedAnswer) -> SealedAnswer:
-        """A stored answer sealed again under the newest key (`oncegate rekey`): opened with the
-        key that sealed it, or read as plaintext. Raises `Unopenable` when it cannot be opened,
-        and then nothing is sealed: re-sealing must never lose an answer."""
-        headers, body = self.open(record_id, scope, stored)
-        return self.seal(record_id, scope, headers, body)
+    def reseal(self, claim: Claimed, scope: bytes, stored: SealedAnswer) -> SealedAnswer:
+        """A stored answer sealed again under the newest key and the claim binding (`oncegate
+        rekey`): opened with the key that sealed it and the binding it was sealed under, or read
+        as plaintext. Raises `Unopenable` when it cannot be opened, and then nothing is sealed:
+        re-sealing must never lose an answer."""
+        headers, body = self.open(claim, scope, stored, row_binding=True)
+        return self.seal(claim, scope, headers, body)
 
 
 class Sealer:
@@ -136,18 +169,18 @@ class Sealer:
         self._keyring = keyring
 
     def seal(
-        self, record_id: int, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes | None
+        self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes | None
     ) -> SealedAnswer:
         if self._keyring is None:
             return plaintext(headers, body)
-        return self._keyring.seal(record_id, scope, headers, body)
+        return self._keyring.seal(claim, scope, headers, body)
 
     def open(
-        self, record_id: int, scope: bytes, stored: SealedAnswer
+        self, claim: Claimed, scope: bytes, stored: SealedAnswer
     ) -> tuple[list[tuple[str, str]], bytes | None]:
         if self._keyring is None:
             return open_plain(stored)
-        return self._keyring.open(record_id, scope, stored)
+        return self._keyring.open(claim, scope, stored)
 
 
 def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
@@ -158,14 +191,19 @@ def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedA
 def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes | None]:
     """Open without a keyring: plaintext rows only."""
     if stored.key_name is not None:
-        raise Unopenable(
-            f"sealed with key {stored.key_name!r}, and ONCEGATE_ENCRYPTION_KEYS is not set",
-            stored.key_name,
-        )
+        name = stored.key_name.partition(":")[0]
+        raise Unopenable(f"sealed with key {name!r}, and ONCEGATE_ENCRYPTION_KEYS is not set", name)
     return header_pairs(stored.headers), stored.body
 
 
-def _bound(record_id: int, scope: bytes, part: bytes) -> bytes:
+def _bound(claim: Claimed, scope: bytes, part: bytes) -> bytes:
+    record_id, token = claim
+    return b"oncegate:2:%d:%d:" % (record_id, token) + scope + b":" + part
+
+
+def _row_bound(record_id: int, scope: bytes, part: bytes) -> bytes:
+    """The associated data of earlier releases: the row, not the claim (`oncegate rekey` reads
+    it to re-seal under `_bound`)."""
     return b"oncegate:1:" + str(record_id).encode() + b":" + scope + b":" + part
 
 
@@ -178,13 +216,16 @@ def _open(cipher: AESGCM, stored: SealedAnswer, data: bytes, associated: bytes) 
     if len(data) < _NONCE_BYTES + _TAG_BYTES:
         # AES-GCM refuses a short nonce with a ValueError, not InvalidTag: checked here.
         raise Unopenable(
-            f"is cut short: {len(data)} bytes, less than a nonce and a tag", stored.key_name or ""
+            f"is cut short: {len(data)} bytes, less than a nonce and a tag",
+            (stored.key_name or "").partition(":")[0],
         )
     try:
         return cipher.decrypt(data[:_NONCE_BYTES], data[_NONCE_BYTES:], associated)
     except InvalidTag:
         raise Unopenable(
-            "does not open: it was changed, or moved from another row", stored.key_name or ""
+            "does not open: it was changed, moved from another row, or written back after its "
+            "key was claimed again",
+            (stored.key_name or "").partition(":")[0],
         ) from None
 
 

@@ -123,7 +123,9 @@ class KeyView(BaseModel):
     body: str | None = Field(None, description="only with ?body=1, when it is UTF-8 text")
     body_base64: str | None = Field(None, description="only with ?body=1, when it is not text")
     sealed_with: str | None = Field(
-        None, description="the key that sealed the stored answer (ONCEGATE_ENCRYPTION_KEYS)"
+        None,
+        description="the key that sealed the stored answer (ONCEGATE_ENCRYPTION_KEYS) and its "
+        "binding: `k1:2` (bound to its claim), or a bare `k1` (an earlier release's: run rekey)",
     )
 
 

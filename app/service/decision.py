@@ -116,7 +116,9 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
         answer_headers, body = list(record.headers), record.body
     else:
         try:
-            answer_headers, body = sealer.open(record.id, scope, record.stored_answer())
+            answer_headers, body = sealer.open(
+                (record.id, record.token), scope, record.stored_answer()
+            )
         except sealing.Unopenable as exc:
             return Refuse(
                 errors.AnswerSealed(

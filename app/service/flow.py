@@ -223,7 +223,9 @@ class Gateway:
         stored = None  # too large to store: the status alone
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            stored = self._sealer.seal(claim.id, scope, headers.storable(response.headers), body)
+            stored = self._sealer.seal(
+                (claim.id, claim.token), scope, headers.storable(response.headers), body
+            )
         await self._settle("complete", self._store.complete(claim, response.status, stored))
         return _answer(response, Outcome.FORWARDED)
 

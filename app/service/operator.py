@@ -36,7 +36,9 @@ class Operator:
         if record.sealed_with is None:
             return (None if record.headers is None else list(record.headers)), record.body
         try:
-            return self._sealer.open(record.id, record.scope, record.stored_answer())
+            return self._sealer.open(
+                (record.id, record.token), record.scope, record.stored_answer()
+            )
         except sealing.Unopenable:
             return None, None
 
@@ -107,17 +109,19 @@ class Operator:
         """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
         released when `answer` is None."""
         record_id = _existing_id(record_id)
-        scope = await self._store.scope_of(record_id)
-        if scope is None:
+        found = await self._store.scope_of(record_id)
+        if found is None:
             raise errors.NotFound(f"no key with id {record_id}")
+        scope, token = found
         if answer is None:
             settled = await self._store.resolve_released(record_id)
         else:
             status, answer_headers, body = answer
             # Content-Length is recomputed on replay, and credentials are never stored.
             storable = headers.storable(answer_headers)
-            sealed = self._sealer.seal(record_id, scope, storable, body)
-            settled = await self._store.resolve_completed(record_id, status, sealed)
+            # Sealed for the claim the resolution makes: the token it raises the row to.
+            sealed = self._sealer.seal((record_id, token + 1), scope, storable, body)
+            settled = await self._store.resolve_completed(record_id, token, status, sealed)
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 

@@ -72,6 +72,7 @@ class KeyRecord:
     expires_at: datetime
     sealed_with: str | None = None
     sealed_headers: bytes | None = None
+    token: int = 1  # the fencing token: with the id, the claim a sealed answer is bound to
 
     def stored_answer(self) -> SealedAnswer:
         return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
@@ -226,11 +227,15 @@ class AdminStore(Protocol):
     async def delete(self, record_id: int) -> bool | None:
         """Delete a key: True; False when its request is in flight now; None if no such key."""
 
-    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
-        """Complete an `unknown` key; False if there is no such `unknown` key."""
+    async def resolve_completed(
+        self, record_id: int, token: int, status: int, answer: SealedAnswer
+    ) -> bool:
+        """Complete an `unknown` key whose fencing token is still `token`, raising it by one (the
+        answer is sealed for that new token); False if there is no such `unknown` key."""
 
-    async def scope_of(self, record_id: int) -> bytes | None:
-        """The scope of a key (sealing binds it), or None if there is no such key."""
+    async def scope_of(self, record_id: int) -> tuple[bytes, int] | None:
+        """The scope and fencing token of a key (sealing binds them), or None if there is no
+        such key."""
 
     async def resolve_released(self, record_id: int) -> bool:
         """Delete an `unknown` key; False if there is no such `unknown` key."""

@@ -244,6 +244,7 @@ class MemoryStore:
                 expires_at=_datetime(row.expires_at),
                 sealed_with=row.sealed_with,
                 sealed_headers=row.sealed_headers,
+                token=row.token,
             )
             for row in sorted(self._rows.values(), key=lambda row: row.id)
             if row.key == key and (route is None or row.route == route)
@@ -259,11 +260,13 @@ class MemoryStore:
         del self._rows[(row.scope, row.key)]
         return True
 
-    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
+    async def resolve_completed(
+        self, record_id: int, token: int, status: int, answer: SealedAnswer
+    ) -> bool:
         await self._yield()
         now = self._clock()
         row = self._by_id(record_id)
-        if row is None or state_of(row, now) != "unknown":
+        if row is None or row.token != token or state_of(row, now) != "unknown":
             return False
         self._rows[(row.scope, row.key)] = _with_answer(
             replace(
@@ -279,10 +282,10 @@ class MemoryStore:
         )
         return True
 
-    async def scope_of(self, record_id: int) -> bytes | None:
+    async def scope_of(self, record_id: int) -> tuple[bytes, int] | None:
         await self._yield()
         row = self._by_id(record_id)
-        return None if row is None else row.scope
+        return None if row is None else (row.scope, row.token)
 
     async def resolve_released(self, record_id: int) -> bool:
         await self._yield()

@@ -191,6 +191,7 @@ SELECT id,
        response_body,
        sealed_with,
        sealed_headers,
+       fencing_token,
        created_at,
        completed_at,
        expires_at
@@ -212,7 +213,8 @@ SELECT EXISTS (SELECT FROM doomed) AS deleted,
 
 -- name: admin_resolve_completed
 -- Settle an `unknown` key as completed with the answer an operator found out, with a new fencing
--- token so no late gateway overwrites it.
+-- token so no late gateway overwrites it; only while the token is the one the answer was sealed
+-- for (plus one).
 UPDATE oncegate_keys
 SET state = 'completed',
     fencing_token = fencing_token + 1,
@@ -224,7 +226,8 @@ SET state = 'completed',
     sealed_with = :sealed_with,
     sealed_headers = :sealed_headers,
     completed_at = now()
-WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
+WHERE id = :id AND fencing_token = :token
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
 RETURNING id;
 
 -- name: admin_resolve_released
@@ -281,7 +284,9 @@ FROM (
 ) AS page;
 
 -- name: admin_scope
-SELECT scope FROM oncegate_keys WHERE id = :id;
+-- What an operator's answer is sealed for: the row's scope and the fencing token its resolution
+-- will give it (this one plus one; the resolution checks this one is still the row's).
+SELECT scope, fencing_token FROM oncegate_keys WHERE id = :id;
 
 -- name: rekey_batch
 -- `oncegate rekey`: the next batch (by id, after the last one) of stored answers not sealed
@@ -497,7 +502,7 @@ SET state = 'completed',
     sealed_with = :sealed_with,
     sealed_headers = :sealed_headers,
     completed_at = now()
-WHERE key = :key AND id = :id
+WHERE key = :key AND id = :id AND fencing_token = :token
   AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
 RETURNING id;
 

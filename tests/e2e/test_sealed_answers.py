@@ -18,6 +18,8 @@ import asyncpg
 import httpx
 import pytest
 
+from oncegate import sealing
+from oncegate.sealing import Keyring
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key
 
@@ -73,7 +75,7 @@ async def test_the_database_holds_no_plaintext_answer(
     first = await charge(sealed_gateway.url, key)
     assert first.status_code == 201 and SECRET in first.text  # the receipt echoes the request
     row = await stored(db, key)
-    assert row["sealed_with"] == "k1" and row["response_headers"] is None
+    assert row["sealed_with"] == "k1:2" and row["response_headers"] is None
     assert row["response_status"] == 201  # the status alone stays readable
     assert SECRET.encode() not in row["response_body"]
     assert b"application/json" not in row["sealed_headers"]
@@ -146,11 +148,83 @@ async def test_a_sealed_value_cut_short_is_answer_sealed_and_rekey_names_it(
     assert "under key 'k2'" in rekeyed.stdout
     # It went on past the row: what is left under the old key is what it could not open.
     left = await db.fetch(
-        "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2'"
+        "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2:2'"
     )
     named = {int(found) for found in re.findall(r"key id (\d+): ", rekeyed.stderr)}
     assert named == {row["id"] for row in left}
     await db.execute("DELETE FROM oncegate_keys WHERE key = $1", key)  # for the next test
+
+
+async def test_an_older_answer_of_the_same_row_written_back_is_refused_for_a_new_claim(
+    sealed_gateway: GatewayProcess, db: asyncpg.Connection, upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    first = await charge(sealed_gateway.url, key)
+    assert first.status_code == 201
+    old = await db.fetchrow(
+        "SELECT id, fencing_token, sealed_with, sealed_headers, response_body"
+        " FROM oncegate_keys WHERE key = $1",
+        key,
+    )
+    # The key expires and is claimed again: the same row, a new claim (token + 1), a new answer.
+    await db.execute(
+        "UPDATE oncegate_keys SET created_at = created_at - interval '1 day',"
+        " completed_at = completed_at - interval '1 day',"
+        " expires_at = now() - interval '1 second' WHERE key = $1",
+        key,
+    )
+    second = await charge(sealed_gateway.url, key)
+    assert second.status_code == 201 and second.json()["id"] != first.json()["id"]
+    now = await db.fetchrow("SELECT id, fencing_token FROM oncegate_keys WHERE key = $1", key)
+    assert (now["id"], now["fencing_token"]) == (old["id"], old["fencing_token"] + 1)
+    # The first answer's sealed columns written back: bound to the first claim, they do not open.
+    await db.execute(
+        "UPDATE oncegate_keys SET sealed_with = $2, sealed_headers = $3, response_body = $4"
+        " WHERE key = $1",
+        key, old["sealed_with"], old["sealed_headers"], old["response_body"],
+    )  # fmt: skip
+    replay = await charge(sealed_gateway.url, key)
+    assert replay.status_code == 503 and problem_name(replay) == "answer-sealed"
+    assert first.json()["id"] not in replay.text
+    assert len(upstream.actions(key)) == 2  # never forwarded a third time
+
+
+async def test_an_answer_sealed_before_the_claim_binding_is_refused_until_rekey_binds_it(
+    module_dir: Path,
+    database_url: str,
+    upstream: DemoUpstream,
+    sealed_gateway: GatewayProcess,
+    db: asyncpg.Connection,
+) -> None:
+    # What an earlier release stored: sealed under k1, bound to the row alone (sealed_with 'k1').
+    key = new_key()
+    first = await charge(sealed_gateway.url, key)
+    row = await db.fetchrow(
+        "SELECT id, scope, response_body FROM oncegate_keys WHERE key = $1", key
+    )
+    ring = Keyring.parse(OLD)
+    cipher = ring._ciphers["k1"]
+    scope = bytes(row["scope"])
+    headers = sealing._seal(cipher, b'[["content-type", "text/plain"]]',
+                            sealing._row_bound(row["id"], scope, b"headers"))  # fmt: skip
+    body = sealing._seal(cipher, b"as stored before", sealing._row_bound(row["id"], scope, b"body"))
+    await db.execute(
+        "UPDATE oncegate_keys SET sealed_with = 'k1', sealed_headers = $2, response_body = $3"
+        " WHERE key = $1",
+        key, headers, body,
+    )  # fmt: skip
+    refused = await charge(sealed_gateway.url, key)
+    assert refused.status_code == 503 and problem_name(refused) == "answer-sealed"
+    assert first.status_code == 201 and len(upstream.actions(key)) == 1
+    rekeyed = await asyncio.to_thread(rekey, database_url)
+    assert "Traceback" not in rekeyed.stderr
+    assert (await stored(db, key))["sealed_with"] == "k2:2"
+    with GatewayProcess(module_dir, database_url, routes(upstream.url), name="rebound",
+                        env={"ONCEGATE_ENCRYPTION_KEYS": f"{NEW},{OLD}"}) as rebound:  # fmt: skip
+        replay = await charge(rebound.url, key)
+    assert (replay.status_code, replay.text) == (201, "as stored before")
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert len(upstream.actions(key)) == 1
 
 
 async def test_status_only_keeps_status_and_headers_but_no_body(
@@ -180,7 +254,7 @@ async def test_rotation_and_rekey_retire_the_old_key(
         assert (await charge(rotated.url, old_key)).content == first.content
         new_key_sent = new_key()
         assert (await charge(rotated.url, new_key_sent)).status_code == 201
-        assert (await stored(db, new_key_sent))["sealed_with"] == "k2"
+        assert (await stored(db, new_key_sent))["sealed_with"] == "k2:2"
     # Without the old key, an old row cannot be opened: 503, and not performed again.
     with GatewayProcess(module_dir, database_url, routes(upstream.url), name="new-only",
                  env={"ONCEGATE_ENCRYPTION_KEYS": NEW}) as new_only:  # fmt: skip
@@ -200,11 +274,11 @@ async def test_rotation_and_rekey_retire_the_old_key(
     rekeyed = await asyncio.to_thread(rekey, database_url)
     assert rekeyed.returncode == 1 and "under key 'k2'" in rekeyed.stdout
     left = await db.fetch(
-        "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2'"
+        "SELECT id FROM oncegate_keys WHERE response_stored AND sealed_with IS DISTINCT FROM 'k2:2'"
     )
     assert (await stored(db, broken))["id"] in {row["id"] for row in left}
     assert rekeyed.stderr.count("key id ") == len(left)  # every row left behind is named
-    assert (await stored(db, old_key))["sealed_with"] == "k2"
+    assert (await stored(db, old_key))["sealed_with"] == "k2:2"
     with GatewayProcess(module_dir, database_url, routes(upstream.url), name="retired",
                  env={"ONCEGATE_ENCRYPTION_KEYS": NEW}) as retired:  # fmt: skip
         replay = await charge(retired.url, old_key)

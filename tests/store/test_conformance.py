@@ -197,16 +197,19 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
         assert await store.mark_unknown(await claim(store, key))
     busy = await claim(store, in_flight)
     settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
-    assert await store.resolve_completed(settled_id, 201, plaintext([("x-a", "b")], b"found"))
+    assert await store.scope_of(settled_id) == (SCOPE, 1)
+    stale = plaintext([], b"sealed for another token")
+    assert not await store.resolve_completed(settled_id, 2, 201, stale)  # the token moved on
+    assert await store.resolve_completed(settled_id, 1, 201, plaintext([("x-a", "b")], b"found"))
     assert not await store.resolve_completed(
-        settled_id, 201, plaintext([], b"twice")
+        settled_id, 2, 201, plaintext([], b"twice")
     )  # completed now
     found = await record(store, settled)
     assert (found.state, found.body, found.token) == ("completed", b"found", 2)
     assert await store.resolve_released(released_id)
     assert await store.get(SCOPE, released) is None
     assert not await store.resolve_released(busy.id)
-    assert not await store.resolve_completed(busy.id, 201, plaintext([], b""))
+    assert not await store.resolve_completed(busy.id, 1, 201, plaintext([], b""))
     assert await store.delete(busy.id) is False  # its request is in flight
     assert await store.delete(settled_id) is True
     assert await store.delete(settled_id) is None

@@ -1,4 +1,4 @@
-"""oncegate.sealing: AES-256-GCM under named keys, bound to the row (contract section 9)."""
+"""oncegate.sealing: AES-256-GCM under named keys, bound to the claim (contract section 9)."""
 
 from __future__ import annotations
 
@@ -25,42 +25,43 @@ def keyring(*names: str) -> Keyring:
 
 def test_a_sealed_answer_opens_to_what_was_sealed_and_holds_no_plaintext() -> None:
     ring = keyring("k1")
-    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
-    assert sealed.key_name == "k1"
+    sealed = ring.seal((7, 1), SCOPE, HEADERS, BODY)
+    assert sealed.key_name == "k1:2"  # the key, and the claim binding
     assert sealed.body is not None and b"4242" not in sealed.body
     assert b"ch_1" not in sealed.headers and b"location" not in sealed.headers
-    assert ring.open(7, SCOPE, sealed) == (HEADERS, BODY)
+    assert ring.open((7, 1), SCOPE, sealed) == (HEADERS, BODY)
 
 
 def test_the_first_key_seals_and_every_key_opens() -> None:
     old_text, new_text = f"k1:{key()}", f"k2:{key()}"
     old = Keyring.parse(old_text)
-    sealed_old = old.seal(1, SCOPE, HEADERS, BODY)
+    sealed_old = old.seal((1, 1), SCOPE, HEADERS, BODY)
     rotated = Keyring.parse(f"{new_text},{old_text}")
-    assert rotated.seal(1, SCOPE, HEADERS, BODY).key_name == "k2"
-    assert rotated.open(1, SCOPE, sealed_old) == (HEADERS, BODY)
+    assert rotated.seal((1, 1), SCOPE, HEADERS, BODY).key_name == "k2:2"
+    assert rotated.open((1, 1), SCOPE, sealed_old) == (HEADERS, BODY)
     with pytest.raises(Unopenable, match="does not hold") as refused:
-        Keyring.parse(new_text).open(1, SCOPE, sealed_old)
+        Keyring.parse(new_text).open((1, 1), SCOPE, sealed_old)
     assert refused.value.key_name == "k1"
 
 
 @pytest.mark.parametrize(
     "moved",
     [
-        lambda sealed: (8, SCOPE, sealed),  # another row
-        lambda sealed: (7, b"t" * 32, sealed),  # another scope
-        lambda sealed: (7, SCOPE, SealedAnswer("k1", sealed.body, sealed.headers)),  # swapped
-        lambda sealed: (7, SCOPE, SealedAnswer("k1", sealed.headers, _flip(sealed.body))),
-        lambda sealed: (7, SCOPE, SealedAnswer("k1", _flip(sealed.headers), sealed.body)),
+        lambda sealed: ((8, 1), SCOPE, sealed),  # another row
+        lambda sealed: ((7, 2), SCOPE, sealed),  # its row, claimed again (reclaim, take-over)
+        lambda sealed: ((7, 1), b"t" * 32, sealed),  # another scope
+        lambda sealed: ((7, 1), SCOPE, SealedAnswer("k1:2", sealed.body, sealed.headers)),
+        lambda sealed: ((7, 1), SCOPE, SealedAnswer("k1:2", sealed.headers, _flip(sealed.body))),
+        lambda sealed: ((7, 1), SCOPE, SealedAnswer("k1:2", _flip(sealed.headers), sealed.body)),
     ],
-    ids=["row", "scope", "swapped-columns", "body-byte", "headers-byte"],
+    ids=["row", "claim", "scope", "swapped-columns", "body-byte", "headers-byte"],
 )
 def test_a_sealed_answer_moved_or_changed_does_not_open(moved: object) -> None:
     ring = keyring("k1")
-    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
-    record_id, scope, stored = moved(sealed)  # type: ignore[operator]
+    sealed = ring.seal((7, 1), SCOPE, HEADERS, BODY)
+    claim, scope, stored = moved(sealed)  # type: ignore[operator]
     with pytest.raises(Unopenable, match="does not open"):
-        ring.open(record_id, scope, stored)
+        ring.open(claim, scope, stored)
 
 
 def _flip(data: bytes | None) -> bytes:
@@ -71,7 +72,7 @@ def _flip(data: bytes | None) -> bytes:
 def test_plaintext_answers_open_without_a_keyring_and_sealed_ones_do_not() -> None:
     assert sealing.open_plain(sealing.plaintext(HEADERS, BODY)) == (HEADERS, BODY)
     with pytest.raises(Unopenable, match="not set"):
-        sealing.open_plain(keyring("k1").seal(1, SCOPE, HEADERS, BODY))
+        sealing.open_plain(keyring("k1").seal((1, 1), SCOPE, HEADERS, BODY))
 
 
 @pytest.mark.parametrize(
@@ -95,19 +96,46 @@ def test_a_bad_keyring_is_refused_without_showing_key_material(text: str, messag
 @pytest.mark.parametrize("part", ["headers", "body"])
 def test_a_sealed_value_cut_short_is_unopenable_whatever_its_length(part: str, kept: int) -> None:
     ring = keyring("k1")
-    sealed = ring.seal(7, SCOPE, HEADERS, BODY)
+    sealed = ring.seal((7, 1), SCOPE, HEADERS, BODY)
     assert sealed.body is not None
     if part == "headers":
         cut = SealedAnswer(sealed.key_name, sealed.headers[:kept], sealed.body)
     else:
         cut = SealedAnswer(sealed.key_name, sealed.headers, sealed.body[:kept])
     with pytest.raises(Unopenable):
-        ring.open(7, SCOPE, cut)
+        ring.open((7, 1), SCOPE, cut)
     with pytest.raises(Unopenable):
-        ring.reseal(7, SCOPE, cut)
+        ring.reseal((7, 1), SCOPE, cut)
 
 
 @pytest.mark.parametrize("stored", [b'[["a", "b"', b"[1]", b'[["a", "b", "c"]]', b'[["a", 1]]'])
 def test_plaintext_headers_that_are_not_their_json_are_unopenable(stored: bytes) -> None:
     with pytest.raises(Unopenable):
         sealing.open_plain(SealedAnswer(None, stored, b"body"))
+
+
+def row_bound(ring: Keyring, name: str, record_id: int) -> SealedAnswer:
+    """An answer as releases before the claim binding sealed it: bound to its row alone."""
+    cipher = ring._ciphers[name]
+    headers = sealing._seal(cipher, sealing._headers_json(HEADERS),
+                            sealing._row_bound(record_id, SCOPE, b"headers"))  # fmt: skip
+    body = sealing._seal(cipher, BODY, sealing._row_bound(record_id, SCOPE, b"body"))
+    return SealedAnswer(name, headers, body)
+
+
+def test_an_answer_of_an_earlier_release_opens_only_for_rekey_which_binds_it_to_its_claim() -> None:
+    ring = keyring("k1")
+    old = row_bound(ring, "k1", 7)
+    # A gateway refuses it: under the row binding, any claim of the row would open it.
+    for token in (1, 2):
+        with pytest.raises(Unopenable, match="oncegate rekey"):
+            ring.open((7, token), SCOPE, old)
+    # rekey opens it under the row binding and seals it for the row's claim now.
+    resealed = ring.reseal((7, 3), SCOPE, old)
+    assert resealed.key_name == "k1:2"
+    assert ring.open((7, 3), SCOPE, resealed) == (HEADERS, BODY)
+    with pytest.raises(Unopenable, match="does not open"):
+        ring.open((7, 4), SCOPE, resealed)  # and for that claim alone
+    # Nor does a gateway open it when sealed_with is rewritten to claim the new binding.
+    with pytest.raises(Unopenable, match="does not open"):
+        ring.open((7, 1), SCOPE, SealedAnswer("k1:2", old.headers, old.body))

@@ -123,13 +123,15 @@ class PostgresStore:
     async def delete(self, record_id: int) -> bool | None:
         return await self._operator.delete(record_id)
 
-    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
-        return await self._operator.resolve_completed(record_id, status, answer)
+    async def resolve_completed(
+        self, record_id: int, token: int, status: int, answer: SealedAnswer
+    ) -> bool:
+        return await self._operator.resolve_completed(record_id, token, status, answer)
 
     async def resolve_released(self, record_id: int) -> bool:
         return await self._operator.resolve_released(record_id)
 
-    async def scope_of(self, record_id: int) -> bytes | None:
+    async def scope_of(self, record_id: int) -> tuple[bytes, int] | None:
         return await self._operator.scope_of(record_id)
 
     async def total_keys(self) -> int:

@@ -85,6 +85,7 @@ class OperatorQueries:
                 expires_at=row["expires_at"],
                 sealed_with=row["sealed_with"],
                 sealed_headers=row["sealed_headers"],
+                token=row["fencing_token"],
             )
             for row in rows
         ]
@@ -104,7 +105,9 @@ class OperatorQueries:
         return False if row["exists"] else None
 
     @translated("admin_resolve_completed")
-    async def resolve_completed(self, record_id: int, status: int, answer: SealedAnswer) -> bool:
+    async def resolve_completed(
+        self, record_id: int, token: int, status: int, answer: SealedAnswer
+    ) -> bool:
         if self._shards is not None:
             key = await self._key_of(record_id)
             if key is None:
@@ -114,6 +117,7 @@ class OperatorQueries:
                 "citus_admin_resolve_completed",
                 key=key,
                 id=record_id,
+                token=token,
                 status=status,
                 **answer_columns(answer),
             )
@@ -122,15 +126,16 @@ class OperatorQueries:
             self._pool,
             "admin_resolve_completed",
             id=record_id,
+            token=token,
             status=status,
             **answer_columns(answer),
         )
         return row is not None
 
     @translated("admin_scope")
-    async def scope_of(self, record_id: int) -> bytes | None:
+    async def scope_of(self, record_id: int) -> tuple[bytes, int] | None:
         row = await fetchrow(self._pool, "admin_scope", id=record_id)
-        return None if row is None else bytes(row["scope"])
+        return None if row is None else (bytes(row["scope"]), row["fencing_token"])
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:

@@ -58,12 +58,13 @@ class Rekeying:
             rows = await connection.fetch(
                 batch.sql,
                 *batch.arguments(
-                    {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                    {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
                 ),
             )
             for row in rows:
                 try:
-                    sealed = keyring.reseal(row["id"], bytes(row["scope"]), stored_answer_of(row))
+                    claim = (row["id"], row["fencing_token"])
+                    sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
                 except sealing.Unopenable as exc:
                     unopenable.append((row["id"], str(exc)))
                     continue
@@ -73,7 +74,7 @@ class Rekeying:
                 await connection.execute(
                     update.sql,
                     *update.arguments(
-                        {"sealed_with": keyring.current, "ids": list(ids),
+                        {"sealed_with": keyring.sealed_with, "ids": list(ids),
                          "tokens": list(tokens), "bodies": list(bodies),
                          "headers": list(sealed_headers)}
                     ),
@@ -124,6 +125,6 @@ class Rekeying:
         """Stored answers anywhere in the table not sealed under the newest key."""
         remaining: int = await self._pool.fetchval(
             QUERIES["rekey_remaining"].sql,
-            *QUERIES["rekey_remaining"].arguments({"newest": keyring.current}),
+            *QUERIES["rekey_remaining"].arguments({"newest": keyring.sealed_with}),
         )
         return remaining

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -167,12 +168,13 @@ async def test_an_older_answer_of_the_same_row_written_back_is_refused_for_a_new
         key,
     )
     # The key expires and is claimed again: the same row, a new claim (token + 1), a new answer.
+    # (Times given as values: Citus refuses time arithmetic on columns in an UPDATE.)
+    a_day_ago = datetime.now(UTC) - timedelta(days=1)
     await db.execute(
-        "UPDATE oncegate_keys SET created_at = created_at - interval '1 day',"
-        " completed_at = completed_at - interval '1 day',"
-        " expires_at = now() - interval '1 second' WHERE key = $1",
-        key,
-    )
+        "UPDATE oncegate_keys SET created_at = $2, completed_at = $2, expires_at = $3"
+        " WHERE key = $1",
+        key, a_day_ago, a_day_ago + timedelta(hours=1),
+    )  # fmt: skip
     second = await charge(sealed_gateway.url, key)
     assert second.status_code == 201 and second.json()["id"] != first.json()["id"]
     now = await db.fetchrow("SELECT id, fencing_token FROM oncegate_keys WHERE key = $1", key)

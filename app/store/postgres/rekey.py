@@ -93,12 +93,13 @@ class Rekeying:
             rows = await connection.fetch(
                 batch.sql,
                 *batch.arguments(
-                    {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                    {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
                 ),
             )
             for row in rows:
                 try:
-                    sealed = keyring.reseal(row["id"], bytes(row["scope"]), stored_answer_of(row))
+                    claim = (row["id"], row["fencing_token"])
+                    sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
                 except sealing.Unopenable as exc:
                     unopenable.append((row["id"], str(exc)))
                     continue
@@ -114,7 +115,7 @@ class Rekeying:
                                          ("headers", "headers"))
                 }  # fmt: skip
                 status: str = await connection.execute(
-                    update.sql, *update.arguments({"sealed_with": keyring.current, **arrays})
+                    update.sql, *update.arguments({"sealed_with": keyring.sealed_with, **arrays})
                 )
                 resealed += int(status.rsplit(" ", 1)[1])
         last = rows[-1]["id"] if rows else after

@@ -196,6 +196,24 @@ def _response(status: int, document: object, keep_alive: bool = False) -> bytes:
     ).encode() + body
 
 
+def admin_get(port: int, path: str, header: bytes) -> bytes:
+    """A GET of the admin port with one raw header line (any bytes), and the whole answer,
+    read until the gateway closes the connection."""
+    request = (
+        b"GET "
+        + path.encode()
+        + b" HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
+        + header
+        + b"\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
 @pytest.fixture(scope="module")
 def raw_upstream() -> Iterator[RawUpstream]:
     server = RawUpstream()

@@ -21,7 +21,7 @@ import pytest
 
 from oncegate.http import ui
 from tests.e2e.conftest import parse_head, prefix_route
-from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess
+from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_get
 from tests.helpers import new_key
 
 # The largest route stores answers up to this, so a resolution is bounded near 4/3 of it (base64).
@@ -183,15 +183,7 @@ async def test_the_page_s_resolve_form_refuses_an_action_it_does_not_know(
     ids=["superscript-digit", "non-ascii-signature", "5000-digits", "arabic-digits", "dot"],
 )
 def test_an_odd_session_cookie_is_a_401_never_a_500(gateway: GatewayProcess, cookie: bytes) -> None:
-    request = (
-        b"GET /admin/ui HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
-        b"Cookie: oncegate_session=" + cookie + b"\r\n\r\n"
-    )
-    with socket.create_connection(("127.0.0.1", gateway.admin_port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+    answer = admin_get(gateway.admin_port, "/admin/ui", b"Cookie: oncegate_session=" + cookie)
     assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
     assert b'name="token"' in answer  # the login form
     assert "Traceback" not in gateway.process.output()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from oncegate import errors
 from oncegate.http import admin as admin_api
 from tests.e2e.conftest import prefix_route
-from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess
+from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_get
 from tests.helpers import free_port, new_key
 
 CREDENTIAL_HEADERS = {"authorization", "cookie", "set-cookie", "set-cookie2"}
@@ -248,15 +247,7 @@ async def test_the_admin_token_is_compared_in_constant_time(
 def test_odd_admin_credentials_get_401_never_500(
     gateway: GatewayProcess, authorization: bytes
 ) -> None:
-    request = (
-        b"GET /admin/keys?key=k HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
-        b"Authorization: " + authorization + b"\r\n\r\n"
-    )
-    with socket.create_connection(("127.0.0.1", gateway.admin_port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+    answer = admin_get(gateway.admin_port, "/admin/keys?key=k", b"Authorization: " + authorization)
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
 

@@ -10,8 +10,11 @@
 -- stored `state` column, which says what the last writer did.
 --
 -- Fencing: a claim starts its row at token 1 and every take-over of the row adds one. Every
--- write names the row's id and the token it holds, so a gateway that lost a row can never touch
--- it, nor a newer row for the same key (a new id). A per-row counter rather than a sequence:
+-- write names the row by its primary key, (id, key), and the token it holds, so a gateway that
+-- lost a row can never touch it, nor a newer row for the same key (a new id). (Naming the key
+-- also lets the planner use the primary key as unique: by id alone, a generic plan of a batch
+-- could not, and read the whole table; and on Citus the key names the shard.) A per-row
+-- counter rather than a sequence:
 -- an insert evaluates its values even when it conflicts, and a sequence takes a transaction id
 -- and a WAL flush every 32 values, so replays would wait for fsyncs (migration 0004).
 
@@ -92,10 +95,10 @@ SET route = given.route,
     sealed_with = NULL,
     sealed_headers = NULL,
     waited = false
-FROM unnest(:ids::bigint[], :tokens::bigint[], :routes::text[], :fingerprints::bytea[],
-            :leases::float8[], :ttls::float8[])
-     AS given(id, token, route, fingerprint, lease, ttl)
-WHERE k.id = given.id
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
+            :fingerprints::bytea[], :leases::float8[], :ttls::float8[])
+     AS given(key, id, token, route, fingerprint, lease, ttl)
+WHERE k.id = given.id AND k.key = given.key
   AND k.fencing_token = given.token
   AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'expired'
 RETURNING k.id, k.fencing_token;
@@ -110,8 +113,9 @@ SET state = 'in_progress',
     -- the key must not expire while the request it now guards is in flight
     expires_at = greatest(k.expires_at,
                           now() + make_interval(secs => given.lease) + interval '1 second')
-FROM unnest(:ids::bigint[], :tokens::bigint[], :leases::float8[]) AS given(id, token, lease)
-WHERE k.id = given.id
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[])
+     AS given(key, id, token, lease)
+WHERE k.id = given.id AND k.key = given.key
   AND k.fencing_token = given.token
   AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'unknown'
 RETURNING k.id, k.fencing_token;
@@ -130,17 +134,20 @@ SET state = 'completed',
     sealed_headers = given.sealed_headers,
     completed_at = now(),
     lease_expires_at = NULL
-FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::smallint[], :headers::text[],
-            :bodies::bytea[], :stored::boolean[], :sealed_with::text[], :sealed_headers::bytea[])
-     AS given(id, token, status, headers, body, stored, sealed_with, sealed_headers)
-WHERE k.id = given.id AND k.fencing_token = given.token AND k.state IN ('in_progress', 'unknown')
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
+            :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
+            :sealed_headers::bytea[])
+     AS given(key, id, token, status, headers, body, stored, sealed_with, sealed_headers)
+WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+  AND k.state IN ('in_progress', 'unknown')
 RETURNING k.id, k.fencing_token,
           CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
 -- name: release
 DELETE FROM oncegate_keys AS k
-USING unnest(:ids::bigint[], :tokens::bigint[]) AS given(id, token)
-WHERE k.id = given.id AND k.fencing_token = given.token AND k.state = 'in_progress'
+USING unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
+WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+  AND k.state = 'in_progress'
 RETURNING k.id, k.fencing_token,
           CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
@@ -148,8 +155,9 @@ RETURNING k.id, k.fencing_token,
 UPDATE oncegate_keys AS k
 SET state = 'unknown',
     lease_expires_at = NULL
-FROM unnest(:ids::bigint[], :tokens::bigint[]) AS given(id, token)
-WHERE k.id = given.id AND k.fencing_token = given.token AND k.state = 'in_progress'
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
+WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+  AND k.state = 'in_progress'
 RETURNING k.id, k.fencing_token,
           CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
 
@@ -160,6 +168,7 @@ RETURNING k.id, k.fencing_token,
 UPDATE oncegate_keys
 SET waited = true
 WHERE id = :id
+  AND key = :key
   AND fencing_token = :token
   AND oncegate_key_state(state, lease_expires_at, expires_at) = 'in_progress'
 RETURNING id;

@@ -142,22 +142,19 @@ class RequestPath:
 
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
-        if self._shards is None:
-            row = await fetchrow(self._pool, "mark_waited", id=record.id, token=record.token)
-        else:
-            row = await fetchrow(
-                self._pool, "citus_mark_waited", key=record.key, id=record.id, token=record.token
-            )
+        operation = self._query("mark_waited")
+        row = await fetchrow(
+            self._pool, operation, key=record.key, id=record.id, token=record.token
+        )
         return row is not None
 
     async def _fetch_batch(
         self, operation: str, pool: asyncpg.Pool, sent: Sequence[Keyed], **arrays: object
     ) -> list[asyncpg.Record]:
-        """One batched statement: its parameters are arrays, one element per operation (and on
-        Citus the keys, which name the shard)."""
+        """One batched statement: its parameters are arrays, one element per operation, the
+        keys among them (each row is named by (key, id); on Citus the keys name the shard)."""
         name = self._query(operation)
-        if self._shards is not None:
-            arrays["keys"] = [each.key for each in sent]
+        arrays["keys"] = [each.key for each in sent]
         query = QUERIES[name]
         async with pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))

@@ -75,13 +75,13 @@ async def test_a_worker_down_fails_its_keys_closed_and_the_other_keeps_working(
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
         answered_before = await post(client, on_down[0])
         assert answered_before.status_code == 201
-        ready = httpx.get(gateway.admin_url + "/readyz", timeout=10)
+        ready = await client.get(gateway.admin_url + "/readyz")
         assert ready.status_code == 200 and ready.json()["revision"] == schema.head()
         await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
         try:
             # Still ready: the coordinator answers and the other worker's keys are served;
             # taking every gateway out of service would refuse those too.
-            assert httpx.get(gateway.admin_url + "/readyz", timeout=10).status_code == 200
+            assert (await client.get(gateway.admin_url + "/readyz")).status_code == 200
             for key in on_down:
                 refused = await post(client, key)
                 assert refused.status_code == 503, refused.text

@@ -21,7 +21,6 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,16 +220,3 @@ def _run(command: list[object]) -> None:
         raise subprocess.CalledProcessError(
             result.returncode, arguments, result.stdout, result.stderr
         )
-
-
-def wait_accepting(node: Node, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready = subprocess.run(
-            [str(BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(node.port)],
-            capture_output=True,
-        )
-        if ready.returncode == 0:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{node.name} is not accepting connections on {node.port}")

@@ -3,7 +3,8 @@ and `Gateway.handle`'s laps through the in-memory store, including the races no 
 happen on demand against PostgreSQL (a claim that committed while ours ran, a row that changes
 hands on every look). The in-memory store passes the PostgreSQL store's conformance suite
 (tests/store/test_conformance.py); the upstream is the port's in-process fake
-(tests/fake_upstream.py). Every outcome a client can see is in tests/unit/test_outcomes.py.
+(tests/fake_upstream.py; tests/faults/test_upstream_port.py holds it to the real client's
+promises). Every outcome a client can see is in tests/unit/test_outcomes.py.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ from oncegate import schema
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key, scrape, value
 
+# On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
+pytestmark = pytest.mark.citus
+
 TOKEN = "s3cret-admin-token"
 
 

@@ -18,6 +18,9 @@ import pytest
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key
 
+# On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
+pytestmark = pytest.mark.citus
+
 LISTENER = "oncegate-listener"
 
 

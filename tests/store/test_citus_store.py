@@ -19,6 +19,7 @@ import pytest
 from oncegate import errors
 from oncegate.sealing import plaintext
 from oncegate.store import Claim
+from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
 from oncegate.store.postgres import PostgresStore
 from oncegate.store.queries import QUERIES
@@ -190,3 +191,44 @@ async def test_a_statement_citus_refuses_is_logged_with_its_name(
         "PostgreSQL refused the store's mark_unknown statement"
     )
     assert "non-IMMUTABLE functions are not allowed in the RETURNING clause" in refused[0]
+
+
+async def test_the_shard_map_follows_a_shard_split(
+    coordinator: asyncpg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a gateway batches by stays Citus's placement when the shards change (read again
+    # every REFRESH_INTERVAL; a moment here).
+    monkeypatch.setattr(citus_store, "REFRESH_INTERVAL", 0.1)
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    shards = await ShardMap.load(pool)
+    try:
+        key = str(uuid.uuid4())
+        before = shards.shard_of(key)
+        node = await coordinator.fetchval(
+            "SELECT nodeid FROM pg_dist_node WHERE groupid <> 0 ORDER BY nodeid LIMIT 1"
+        )
+        await coordinator.execute(
+            "SELECT citus_split_shard_by_split_points($1::bigint, ARRAY[$2::text],"
+            " ARRAY[$3, $3]::int[], 'block_writes'::citus.shard_transfer_mode)",
+            before,
+            str(hash_text(key) - 1),
+            node,
+        )
+        placed = await coordinator.fetchval(
+            "SELECT get_shard_id_for_distribution_column('oncegate_keys', $1::text)", key
+        )
+        assert placed != before
+        deadline = asyncio.get_running_loop().time() + 10
+        while shards.shard_of(key) != placed:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        others = [str(uuid.uuid4()) for _ in range(200)]
+        rows = await coordinator.fetch(
+            "SELECT key, get_shard_id_for_distribution_column('oncegate_keys', key) AS shard"
+            " FROM unnest($1::text[]) AS key",
+            others,
+        )
+        assert [shards.shard_of(row["key"]) for row in rows] == [row["shard"] for row in rows]
+    finally:
+        await shards.close()
+        await pool.close()

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 SCHEMES = ("postgresql", "postgres")
+# Query parameters no log line may show.
+SECRET_PARAMETERS = ("password", "sslpassword")
 DEFAULT_PORT = 5432
 # libpq's values; the gateway writes, so only those that guarantee a session that takes writes
 # (or, for one host, whatever that host is) are accepted.
@@ -206,15 +208,16 @@ def describe(url: str) -> str:
 
 
 def without_password(url: str) -> str:
-    """`url` fit for a log line: no password, in the authority or in the query; the host list
-    as written (not percent-encoded)."""
+    """`url` fit for a log line: no password, in the authority or in the query (`password`,
+    and `sslpassword`, the client key's passphrase); the host list as written (not
+    percent-encoded)."""
     parts = urlsplit(url)
     credentials, at, hostspec = parts.netloc.rpartition("@")
     netloc = credentials.partition(":")[0] + "@" + hostspec if at else parts.netloc
     kept = [
         (name, value)
         for name, value in parse_qsl(parts.query, keep_blank_values=True)
-        if name != "password"
+        if name not in SECRET_PARAMETERS
     ]
     query = "&".join(f"{quote(name)}={quote(value, safe='/:,')}" for name, value in kept)
     shown = f"{parts.scheme}://{netloc}{parts.path}"

@@ -21,6 +21,9 @@ from oncegate.database_url import Host
          "postgresql://ana@h1:5432,h2:5433/db?target_session_attrs=read-write"),
         ("postgresql://ana:s3cret@/db?host=h1:5432,h2:5433&password=x&target_session_attrs=primary",
          "postgresql://ana@/db?host=h1:5432,h2:5433&target_session_attrs=primary"),
+        # The client key's passphrase is a secret too (libpq's and asyncpg's sslpassword).
+        ("postgresql://ana@db/x?sslmode=verify-full&sslkey=/k.pem&sslpassword=s3cret",
+         "postgresql://ana@db/x?sslmode=verify-full&sslkey=/k.pem"),
     ],
 )  # fmt: skip
 def test_a_url_in_the_log_has_no_password(url: str, shown: str) -> None:

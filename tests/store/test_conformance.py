@@ -161,6 +161,26 @@ async def test_only_an_unknown_key_is_taken_over(store: Store) -> None:
     assert await store.take_over(await record(store, key), LONG) is None  # completed
 
 
+async def test_a_claim_whose_lease_ran_out_is_unknown_and_taken_over_once(store: Store) -> None:
+    # Section 4's "a gateway died mid-flight and its lease ran out", through each store's own
+    # statements (on Citus: the claim function on the worker, the reads and the take-over on
+    # the coordinator); the rule's every cell is tests/store/test_state_rule.py's.
+    key = new_key()
+    dead = await claim(store, key, lease=0.1)
+    await asyncio.sleep(0.3)
+    again = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LONG, LONG)
+    assert isinstance(again, Record) and again.state == "unknown"
+    found = await record(store, key)
+    assert found.state == "unknown"
+    results = await asyncio.gather(*(store.take_over(found, LONG) for _ in range(5)))
+    taken = [result for result in results if result is not None]
+    assert len(taken) == 1
+    assert not await store.complete(dead, 201, plaintext([], b"late"))  # fenced off
+    assert await store.complete(taken[0], 201, plaintext([], b"again"))
+    settled = await record(store, key)
+    assert (settled.state, settled.body) == ("completed", b"again")
+
+
 async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)

@@ -18,7 +18,6 @@ costs under each setting (keys left `unknown`) is `tests/faults/test_failover.py
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -26,12 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import asyncpg
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from oncegate import schema  # noqa: E402 - after the checkout is on the path
 from tests.faults.replication import Pair, running_pair, unavailable  # noqa: E402 - same
 
 SETTINGS = ("off", "on")
@@ -79,16 +75,7 @@ def main() -> int:
     )
     print("|---:|---|---:|---:|---:|")
     with running_pair(synchronous=True, fsync=True) as pair:
-
-        async def create() -> None:
-            connection = await asyncpg.connect(pair.primary.url())
-            try:
-                await connection.execute("CREATE DATABASE oncegate")
-            finally:
-                await connection.close()
-
-        asyncio.run(create())
-        schema.upgrade(pair.url("oncegate"))
+        pair.migrated_database()
         for run in range(arguments.repeats):
             for setting in SETTINGS:
                 direct, forward = one_run(pair, setting, arguments)

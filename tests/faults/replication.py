@@ -38,6 +38,7 @@ from pathlib import Path
 import asyncpg
 import psutil
 
+from oncegate import schema
 from tests.helpers import free_port
 
 STANDBY_NAME = "standby"  # its application_name, which synchronous_standby_names names
@@ -158,6 +159,21 @@ class Pair:
             f"postgresql://postgres@127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}"
             f"/{database}?target_session_attrs=read-write"
         )
+
+    def migrated_database(self, name: str = "oncegate") -> str:
+        """Create database `name` on the primary and migrate it; its multi-host URL."""
+
+        async def create() -> None:
+            connection = await asyncpg.connect(self.primary.url())
+            try:
+                await connection.execute(f'CREATE DATABASE "{name}"')
+            finally:
+                await connection.close()
+
+        asyncio.run(create())
+        url = self.url(name)
+        schema.upgrade(url)  # migrate takes the host list too
+        return url
 
     def start(self) -> None:
         primary, standby = self.primary, self.standby

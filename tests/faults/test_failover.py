@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 
-from oncegate import schema
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.faults.replication import Pair, running_pair, unavailable
 from tests.helpers import new_key, total
@@ -108,7 +106,7 @@ def deployed(
 ) -> Iterator[Deployment]:
     """A primary and standby, the database migrated through the host list, two gateways on it."""
     with running_pair(synchronous=synchronous) as pair:
-        make_database(pair)
+        pair.migrated_database()
         route = {**ROUTE, "upstream": upstream.url}
         env = {"ONCEGATE_STORE_ANSWER_COMMIT": answer_commit}
         started: list[GatewayProcess] = []
@@ -138,18 +136,6 @@ def synchronous(
 def asynchronous(module_dir: Path, upstream: DemoUpstream) -> Iterator[Deployment]:
     with deployed(module_dir, upstream, synchronous=False, answer_commit="on") as found:
         yield found
-
-
-def make_database(pair: Pair) -> None:
-    async def create() -> None:
-        connection = await asyncpg.connect(pair.primary.url())
-        try:
-            await connection.execute("CREATE DATABASE oncegate")
-        finally:
-            await connection.close()
-
-    asyncio.run(create())
-    schema.upgrade(pair.url("oncegate"))  # migrate takes the host list too
 
 
 async def final_answers(gateway: GatewayProcess, keys: list[str]) -> dict[str, Sent]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .. import argument_types, errors, logs
 
 if TYPE_CHECKING:
-    from .crashlab import Runtime
+    from .worker import Runtime
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -95,7 +95,7 @@ class _LabHelp(argparse.Action):
 
 def _lab_costs() -> str:
     """`--help`'s account of the invented costs the wasted columns are priced at."""
-    from . import crashlab, task
+    from . import model, task
 
     steps = task.support_task("run")
     lines = [
@@ -113,7 +113,7 @@ def _lab_costs() -> str:
         )
     lines += ["", "The model expects, per run (docs/lab.md shows the arithmetic):"]
     for name in "ABD":
-        tokens, seconds = crashlab.expectation(crashlab.STRATEGIES[name])
+        tokens, seconds = model.expectation(model.STRATEGIES[name])
         also = {"B": " (and C, E)", "D": " (and F)"}.get(name, "")
         lines.append(f"  {name} {tokens:>8,.0f} tokens {seconds:>6.2f} s wasted{also}")
     return "\n".join(lines)
@@ -131,7 +131,7 @@ def run(arguments: argparse.Namespace) -> int:
     run failed."""
     import json
 
-    from . import crashlab, plot, stack
+    from . import crashlab, model, plot, report, stack, worker
 
     if arguments.plot is not None and arguments.plot.suffix.lower() != ".svg":
         raise errors.ConfigError(f"--plot writes SVG: name the file *.svg, not {arguments.plot}")
@@ -144,7 +144,7 @@ def run(arguments: argparse.Namespace) -> int:
             "--late-resume needs the lab's own gateway (its /late route keeps keys seconds, "
             "not a day): drop --gateway"
         )
-    runtime: Runtime = crashlab.RUNNER
+    runtime: Runtime = worker.RUNNER
     if arguments.runtime == "langgraph":
         runtime = _langgraph_runtime(arguments)
     arguments.strategies = arguments.strategies or "".join(
@@ -162,17 +162,17 @@ def run(arguments: argparse.Namespace) -> int:
             jobs=arguments.jobs,
             kill_gateway=arguments.kill_gateway,
             late_resume=arguments.late_resume,
-            progress=crashlab.ProgressBar(sys.stderr),
+            progress=report.ProgressBar(sys.stderr),
             runtime=runtime,
         )
         outcome = lab.run()
     if arguments.json:
         print(json.dumps(outcome.document()))
-        note = crashlab.too_few_runs(outcome.runs) if "B" in outcome.strategies else None
+        note = model.too_few_runs(outcome.runs) if "B" in outcome.strategies else None
         if note is not None:
             print(f"oncegate lab: {note}", file=sys.stderr)
     else:
-        print(crashlab.table(outcome))
+        print(report.table(outcome))
     if arguments.plot is not None:
         plot.write(outcome, arguments.plot)
         print(f"oncegate lab: chart written to {arguments.plot.resolve()}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """`oncegate lab --runtime langgraph`: the lab's 12-step task as a LangGraph graph, killed and
-resumed by the same lab (crashlab.py), under three strategies:
+resumed by the same lab (crashlab.py, worker.py), under three strategies:
 
 - A: compiled without a checkpointer: every process runs the graph from its first node.
 - B: LangGraph's `PostgresSaver` on the gateway's database; a process that finds the thread's
@@ -44,8 +44,9 @@ from ..agent.checkpoints import JSON
 from ..agent.client import RetryPolicy, SyncActionClient
 from ..agent.langgraph import Gateway
 from ..agent.runner import Step
-from .crashlab import Environment, Reconciliation, Run, Runtime, reporter
+from .model import Reconciliation, Run
 from .task import support_task
+from .worker import Environment, Runtime, reporter
 
 TITLES = {
     "A": "no checkpointer: start over",
@@ -61,7 +62,7 @@ class State(TypedDict):
 def connect(environment: Environment) -> psycopg.Connection[Any]:
     """A connection to the gateway's database as `PostgresSaver` wants it (autocommit, no
     prepared statements). On the lab's own database a save is not flushed to disk at once: the
-    lab kills agents, never PostgreSQL (see `crashlab.Environment.flush_each_save`)."""
+    lab kills agents, never PostgreSQL (see `worker.Environment.flush_each_save`)."""
     options = "" if environment.flush_each_save else "-c synchronous_commit=off"
     return psycopg.Connection.connect(
         database_url.for_libpq(environment.database_url),  # a host list as libpq writes it
@@ -140,7 +141,7 @@ class LangGraphTask:
         reconciliation: Reconciliation | None,
         pipe: int,
     ) -> int:
-        """Run (or resume) `run` as a LangGraph graph in this worker (crashlab.Play)."""
+        """Run (or resume) `run` as a LangGraph graph in this worker (worker.Play)."""
         if self.graph is None:
             raise RuntimeError("the lab prepares the LangGraph runtime before its workers")
         if reconciliation is not None:

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
-from .crashlab import RUNNER, Outcome
+from .report import Outcome
 from .task import STEPS
+from .worker import RUNNER
 
 WIDTH, HEIGHT = 760, 660
 PANEL_WIDTH, PANEL_HEIGHT = 340, 200

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from oncegate.lab.crashlab import draw_crashes
+from oncegate.lab.model import draw_crashes
 from tests.e2e.test_lab import FIGURES
 
 

@@ -20,27 +20,27 @@ import pytest
 from oncegate.agent.checkpoints import JSON, Checkpoint, CheckpointError
 from oncegate.agent.client import KeyLifetime
 from oncegate.agent.runner import Action, StaleAction, Step, allow_resend, mark_done, run_agent
-from oncegate.lab import crashlab
+from oncegate.lab import model, worker
 from oncegate.lab.task import ACTION_STEPS, STEPS, support_task
 from oncegate.store.checkpoints import PostgresCheckpoints
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
-STRATEGY_C = crashlab.STRATEGIES["C"]
+STRATEGY_C = model.STRATEGIES["C"]
 
 
-def finish(worker: crashlab.Worker) -> tuple[list[str], int]:
+def finish(process: worker.Worker) -> tuple[list[str], int]:
     """Read the worker's reports to the end, killing it if it asks; its lines and exit code."""
     lines: list[str] = []
     buffer = b""
-    while chunk := os.read(worker.fd, 65536):
+    while chunk := os.read(process.fd, 65536):
         buffer += chunk
         *complete, buffer = buffer.split(b"\n")
         for line in complete:
             lines.append(line.decode())
             if line == b"kill-me":
-                os.kill(worker.pid, signal.SIGKILL)
-    os.close(worker.fd)
-    _, status = os.waitpid(worker.pid, 0)
+                os.kill(process.pid, signal.SIGKILL)
+    os.close(process.fd)
+    _, status = os.waitpid(process.pid, 0)
     return lines, os.waitstatus_to_exitcode(status)
 
 
@@ -66,18 +66,18 @@ def test_a_run_killed_at_any_point_resumes_and_performs_each_action_once(
     event: str, step: int, database_url: str, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
     run_id = f"resume-{uuid.uuid4().hex[:8]}"
-    environment = crashlab.Environment(
+    environment = worker.Environment(
         database_url, upstream.url, gateway.url, httpx.create_ssl_context()
     )
-    run = crashlab.Run(STRATEGY_C, 1, run_id, crashlab.Crash(step, False))
+    run = model.Run(STRATEGY_C, 1, run_id, model.Crash(step, False))
 
-    lines, code = finish(crashlab.fork_worker(run, environment, (event, step)))
+    lines, code = finish(worker.fork_worker(run, environment, (event, step)))
     assert code == -signal.SIGKILL and lines[-2:] == [f"{event} {step}", "kill-me"]
     checkpoint = asyncio.run(load(database_url, run_id))
     saved_before = step + 1 if event == "saved" else step
     assert (checkpoint.next_step if checkpoint else 1) == saved_before
 
-    lines, code = finish(crashlab.fork_worker(run, environment, None))
+    lines, code = finish(worker.fork_worker(run, environment, None))
     assert code == 0
     # The resumed process starts where the checkpoint says (nothing left after the last step's
     # checkpoint), and does each step once.

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from oncegate.lab import crashlab, stack
-from oncegate.lab.crashlab import Crash
+from oncegate.lab import crashlab, model, report, stack
+from oncegate.lab.model import Crash
 
 pytestmark = pytest.mark.slow
 FIGURES = {
@@ -105,9 +105,9 @@ def test_a_run_too_small_for_b_s_gap_says_so_and_how_many_runs_would_do() -> Non
     assert "show none 86% of the time" in result.stdout  # 0.9625 ** 4
     assert "--runs 121 shows the gap" in result.stdout and "--runs 888 puts" in result.stdout
     # Enough runs for a figure, or no B to measure: nothing to say.
-    assert crashlab.too_few_runs(crashlab.runs_for_a_figure()) is None
-    assert crashlab.too_few_runs(crashlab.runs_for_a_figure() - 1) is not None
-    assert crashlab.too_few_runs(1000) is None
+    assert model.too_few_runs(model.runs_for_a_figure()) is None
+    assert model.too_few_runs(model.runs_for_a_figure() - 1) is not None
+    assert model.too_few_runs(1000) is None
     assert "too few runs" not in lab("--runs", "1", "--strategies", "AC").stdout
 
 
@@ -131,7 +131,7 @@ def test_a_late_resume_needs_the_labs_own_gateway() -> None:
 
 def fixed_lab(
     database_url: str, crashes: list[Crash], strategies: str = "ABCD", late_resume: bool = False
-) -> crashlab.Outcome:
+) -> report.Outcome:
     """The lab on crash points chosen by hand (its own gateway and upstream, this module's
     database)."""
     with stack.running(database_url, None, None) as services:

@@ -139,10 +139,10 @@ def test_the_lab_refuses_a_host_list_it_could_not_write_through() -> None:
 
 
 def test_the_langgraph_labs_connection_follows_the_host_list(database_url: str) -> None:
-    from oncegate.lab import crashlab, langgraph_runtime
+    from oncegate.lab import langgraph_runtime, worker
 
     url = behind_a_dead_host(database_url)  # ?host=h:p,... : asyncpg's form, not libpq's
-    environment = crashlab.Environment(url, "", "", ssl.create_default_context())
+    environment = worker.Environment(url, "", "", ssl.create_default_context())
     with langgraph_runtime.connect(environment) as connection:
         assert connection.execute("SELECT count(*) FROM oncegate_keys").fetchone() is not None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from oncegate.lab.crashlab import GAP_SHARE, STRATEGIES, expectation
+from oncegate.lab.model import GAP_SHARE, STRATEGIES, expectation
 from oncegate.lab.task import COSTS, STEPS
 
 

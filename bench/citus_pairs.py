@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import shutil
 import signal
 import sys
 import time
@@ -265,6 +266,7 @@ def main() -> int:
         return 1
     finally:
         signal.alarm(0)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

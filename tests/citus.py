@@ -36,6 +36,7 @@ WORKERS = 2
 # second while still putting several shards on each worker.
 SHARD_COUNT = 8
 START_TIMEOUT = 60
+OWNER = "owner.pid"  # the process that started a cluster, so a later run can stop an orphan
 
 
 def unavailable() -> str | None:
@@ -86,6 +87,7 @@ class Cluster:
     ) -> Cluster:
         directory = directory or temporary_directory("oncegate-citus-")
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / OWNER).write_text(str(os.getpid()))
         _give_to_server_user(directory)
         nodes = [
             Node(name, free_port(), directory / name, directory / f"{name}.log")
@@ -195,6 +197,33 @@ class Cluster:
                     await connection.execute(statement)
             finally:
                 await connection.close()
+
+
+def stop_orphans(prefix: str = "oncegate-citus-") -> None:
+    """Stop the clusters of earlier runs that ended without stopping them (a test session killed
+    by a timeout runs no finalizer): those whose directory names an owner that is gone."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            owner = int((directory / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or not started yet
+        if _alive(owner):
+            continue
+        for data in directory.iterdir():
+            if (data / "postmaster.pid").exists():
+                with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                    _run([BIN / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"])
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def temporary_directory(prefix: str) -> Path:

@@ -131,6 +131,7 @@ def citus_cluster() -> Iterator[citus.Cluster]:
     why = citus.unavailable()
     if why is not None:
         pytest.skip(f"no Citus cluster: {why}")
+    citus.stop_orphans()
     cluster = citus.Cluster.start()
     try:
         yield cluster

@@ -97,6 +97,13 @@ def parse(url: str) -> DatabaseUrl:
     if not separator or scheme not in SCHEMES:
         raise InvalidDatabaseUrl("the database URL must be a postgresql:// URL")
     parts = urlsplit(url)
+    if "@" not in parts.netloc and ":" in parts.netloc and "@" in parts.path + parts.fragment:
+        # `user:pass/word@host`: the authority ended inside the password, whose first part
+        # would read as a host and a port, and the rest as the database: never say either.
+        raise InvalidDatabaseUrl(
+            "the database URL has an '@' after its host: percent-encode '/', '?' and '#' in the "
+            "password (%2F, %3F, %23), and '@' in a database name (%40)"
+        )
     try:
         parameters = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True)
     except ValueError:

@@ -77,10 +77,29 @@ def test_a_url_that_cannot_work_is_refused_with_a_sentence(url: str, says: str) 
         database_url.parse(url)
 
 
-def test_a_refusal_never_repeats_the_password() -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:hunter2@db:99999/x",
+        # A password with '/', '?' or '#' not percent-encoded (base64 has '/'): the URL's
+        # authority ends inside it, so its first part reads as a host and a port.
+        "postgresql://u:hunter2/more@db/x",
+        "postgresql://u:hunter2?more@db/x",
+        "postgresql://u:hunter2#more@db/x",
+        "postgresql://u:1234/hunter2@db/x",  # read as host u, port 1234, database hunter2@db/x
+    ],
+)
+def test_a_refusal_never_repeats_the_password(url: str) -> None:
     with pytest.raises(database_url.InvalidDatabaseUrl) as refused:
-        database_url.parse("postgresql://u:hunter2@db:99999/x")
-    assert "hunter2" not in str(refused.value)
+        database_url.parse(url)
+    assert "hunter2" not in str(refused.value) and "more" not in str(refused.value)
+
+
+def test_a_password_that_ends_the_authority_is_said_to_need_percent_encoding() -> None:
+    with pytest.raises(database_url.InvalidDatabaseUrl, match="percent-encode"):
+        database_url.parse("postgresql://u:a/b@db/x")
+    # Percent-encoded, the same password is read.
+    assert database_url.parse("postgresql://u:a%2Fb@db/x").describe() == "db:5432, database x"
 
 
 def test_the_host_a_connection_reached_is_named_as_the_url_names_it() -> None:

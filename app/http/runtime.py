@@ -26,7 +26,7 @@ from ..routing import RouteTable
 from ..settings import Settings
 from ..store.postgres import PostgresStore
 from ..upstream.client import HttpUpstream
-from . import admin, problems, proxy, ui
+from . import admin, problems, proxy, sessions, ui
 from .deps import Runtime
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def create_admin_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     app.include_router(admin.router)
     app.include_router(ui.router)
-    app.add_exception_handler(ui.LoginNeeded, ui.login_needed)
+    app.add_exception_handler(sessions.LoginNeeded, ui.login_needed)
     # One error format on both ports: FastAPI's own errors are turned into problems too.
     app.add_exception_handler(errors.GatewayError, _render_problem)
     app.add_exception_handler(RequestValidationError, _render_invalid_request)

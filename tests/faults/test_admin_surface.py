@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from oncegate.http import ui
+from oncegate.http import sessions, ui
 from tests.e2e.conftest import parse_head, prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_get
 from tests.helpers import new_key
@@ -197,7 +197,7 @@ async def test_a_logout_ends_the_session_everywhere_and_after_a_restart(
     operator: httpx.AsyncClient,
 ) -> None:
     # Each login is its own session, two in one second too: a logout ends that one alone.
-    assert ui.new_session(ADMIN_TOKEN, 1e9) != ui.new_session(ADMIN_TOKEN, 1e9)
+    assert sessions.new_session(ADMIN_TOKEN, 1e9) != sessions.new_session(ADMIN_TOKEN, 1e9)
     cookie = operator.cookies["oncegate_session"]
     queue = await operator.get("/admin/ui")
     assert queue.status_code == 200

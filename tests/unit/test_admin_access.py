@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
-from oncegate.http import admin, ui
+from oncegate.http import admin, sessions, ui
 
 # docs/security.md, "Whoever reaches the admin port without the token": /metrics, /healthz,
 # /readyz and the page's login form (with its style sheet).
@@ -39,8 +39,8 @@ def guards() -> dict[tuple[str, str], set[str]]:
     for route in [*admin.router.routes, *ui.router.routes]:
         assert isinstance(route, APIRoute)
         ran = calls(route.dependant)
-        guard = {name for name, call in (("token", admin.require_admin), ("session", ui._session))
-                 if call in ran}  # fmt: skip
+        checks = (("token", admin.require_admin), ("session", sessions.require_session))
+        guard = {name for name, call in checks if call in ran}
         for method in route.methods:
             found[(method, route.path)] = guard
     return found

@@ -7,6 +7,7 @@ a compare-and-set on its token and the key that had sealed it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import asyncpg
@@ -61,13 +62,7 @@ class Rekeying:
                     {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
                 ),
             )
-            for row in rows:
-                try:
-                    claim = (row["id"], row["fencing_token"])
-                    sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
-                except sealing.Unopenable as exc:
-                    unopenable.append((row["id"], str(exc)))
-                    continue
+            for row, sealed in _resealed(rows, keyring, unopenable):
                 resealed.append((row["id"], row["fencing_token"], sealed.body, sealed.headers))
             if resealed:
                 ids, tokens, bodies, sealed_headers = zip(*resealed, strict=True)
@@ -96,13 +91,7 @@ class Rekeying:
                     {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
                 ),
             )
-            for row in rows:
-                try:
-                    claim = (row["id"], row["fencing_token"])
-                    sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
-                except sealing.Unopenable as exc:
-                    unopenable.append((row["id"], str(exc)))
-                    continue
+            for row, sealed in _resealed(rows, keyring, unopenable):
                 by_shard.setdefault(shards.shard_of(row["key"]), []).append(
                     {"key": row["key"], "id": row["id"], "token": row["fencing_token"],
                      "was": row["sealed_with"], "body": sealed.body, "headers": sealed.headers}
@@ -129,3 +118,18 @@ class Rekeying:
             *QUERIES["rekey_remaining"].arguments({"newest": keyring.sealed_with}),
         )
         return remaining
+
+
+def _resealed(
+    rows: list[asyncpg.Record], keyring: Keyring, unopenable: list[tuple[int, str]]
+) -> Iterator[tuple[asyncpg.Record, sealing.SealedAnswer]]:
+    """Each row whose answer opens, with it sealed again under the newest key for the row's
+    claim (its id and fencing token); a row that does not open goes to `unopenable`, untouched."""
+    for row in rows:
+        try:
+            claim = (row["id"], row["fencing_token"])
+            sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
+        except sealing.Unopenable as exc:
+            unopenable.append((row["id"], str(exc)))
+            continue
+        yield row, sealed

@@ -4,12 +4,18 @@ each shape of replication (`store.Replication.risk`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import asyncpg
 import pytest
 
-from oncegate.store import Replication
+from oncegate.database_url import Host
+from oncegate.settings import StoreOptions
+from oncegate.store import Claim, Replication
 from oncegate.store.postgres import PostgresStore
-from oncegate.store.postgres.connections import reached
+from oncegate.store.postgres.connections import Primary, reached
+from oncegate.store.postgres.failover import RecentAnswers
 from tests.helpers import behind_a_dead_host
 
 
@@ -31,6 +37,39 @@ async def test_the_store_names_the_host_it_reached_and_sees_no_standby(database_
     finally:
         await store.close()
     assert replication.standbys == 0 and replication.risk() is None
+
+
+@pytest.mark.parametrize(("back_on_same_host", "counted"), [(True, 0), (False, 2)])
+async def test_answers_not_stored_in_an_outage_that_ended_on_the_same_host_are_not_counted_later(
+    database_url: str, caplog: pytest.LogCaptureFixture, back_on_same_host: bool, counted: int
+) -> None:
+    """Two answers could not be stored while PostgreSQL was away. It came back on the same host
+    (a restart): their keys are in flight there, no failover lost them, so a later failover must
+    not count them. Without the same host coming back, they are counted."""
+    url = behind_a_dead_host(database_url)
+    primary = Primary(url)
+    pool = await asyncpg.create_pool(url, min_size=1, max_size=2, init=primary.connected)
+    answers = RecentAnswers(pool, StoreOptions())
+    primary.on_same_host.append(answers.back_on_same_host)
+    try:
+        here = primary.host
+        assert here is not None
+        answers.unstored(Claim(id=1, token=1, key="a"))
+        answers.unstored(Claim(id=2, token=1, key="b"))
+        if back_on_same_host:
+            connection = await asyncpg.connect(url)
+            try:
+                await primary.connected(connection)
+            finally:
+                await connection.close()
+        with caplog.at_level(logging.INFO, logger="oncegate.store.postgres"):
+            answers.failed_over(Host("127.0.0.2", 5432), here)
+            while "failed over" not in caplog.text:  # the count runs in the background
+                await asyncio.sleep(0.01)
+    finally:
+        await answers.close()
+        await pool.close()
+    assert f"and the {counted} it could not store meanwhile" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize(

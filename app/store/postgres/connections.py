@@ -57,6 +57,7 @@ class Primary:
         self._url = database_url.parse(url)
         self.host: Host | None = None
         self.on_change: list[Callable[[Host, Host], None]] = []  # (the new host, the one before)
+        self.on_same_host: list[Callable[[], None]] = []  # a connection reached the same host
 
     @property
     def several_hosts(self) -> bool:
@@ -64,9 +65,13 @@ class Primary:
 
     async def connected(self, connection: asyncpg.Connection) -> None:
         """Every pool's `init`: note the host a new connection reached, and say so when it is
-        not the one before (a failover)."""
+        not the one before (a failover), or that it is the same (after an outage: a restart)."""
         host = self._url.host_at(reached(connection))
-        if host is None or host == self.host:
+        if host is None:
+            return
+        if host == self.host:
+            for same in self.on_same_host:
+                same()
             return
         before, self.host = self.host, host
         if before is not None:

@@ -40,9 +40,10 @@ log = logging.getLogger("oncegate.store.postgres")
 # asynchronous one under load by what its WAL receiver has not yet written; past 10 s of lag the
 # start-up warning about the standby is the problem to fix, not this count.
 WINDOW = 10.0
-# Answers that could not be stored are kept until a failover is seen; an outage that ends on the
-# same host (a restart) never clears them, so only the newest are kept: more than this many in
-# flight at one outage would already be a count to read in the log as "at least".
+# Answers that could not be stored are kept until a connection reaches PostgreSQL again: on the
+# same host (a restart) they are forgotten (their keys are in flight there, no failover lost
+# them), on another host they are counted. Only the newest are kept during one long outage: more
+# than this many would already be a count to read in the log as "at least".
 UNSTORED_KEPT = 10_000
 
 
@@ -64,6 +65,11 @@ class RecentAnswers:
         self._unstored.append((claim.id, claim.token))
         if len(self._unstored) > UNSTORED_KEPT:
             del self._unstored[: len(self._unstored) - UNSTORED_KEPT]
+
+    def back_on_same_host(self) -> None:
+        """PostgreSQL answers again where it did before: what could not be stored meanwhile was
+        not lost by a failover, and must not be counted at a later one."""
+        self._unstored.clear()
 
     def failed_over(self, now: Host, before: Host) -> None:
         """Count, on the new primary, what the failover cost (in the background: this runs in

@@ -105,6 +105,7 @@ class RequestPath:
         self._cleanups: set[asyncio.Task[bool]] = set()
         self._answers = RecentAnswers(pools.operator, options)
         pools.primary.on_change.append(self._answers.failed_over)
+        pools.primary.on_same_host.append(self._answers.back_on_same_host)
 
     def _batcher(
         self,

@@ -38,7 +38,7 @@ PARTS: Sequence[tuple[str, tuple[str, ...]]] = (
     ("store: batching, rows", ("oncegate/store/",)),
     (
         "upstream client (aiohttp)",
-        ("aiohttp/", "yarl/", "multidict/", "aiohappyeyeballs/", "oncegate/upstream.py"),
+        ("aiohttp/", "yarl/", "multidict/", "aiohappyeyeballs/", "oncegate/upstream/"),
     ),
     ("sealing", ("oncegate/sealing.py", "cryptography/")),
     ("headers, path, route", ("oncegate/headers.py", "oncegate/paths.py", "oncegate/routing.py")),

@@ -708,7 +708,8 @@ async def _floor(
             row = (await claims.fetch(claim.sql, *claim.arguments(arrays), timeout=30))[0]
             claimed = time.perf_counter()
             answer = {
-                "ids": [row["id"]], "tokens": [row["fencing_token"]], "statuses": [201],
+                "ids": [row["id"]], "keys": [key], "tokens": [row["fencing_token"]],
+                "statuses": [201],
                 "stored": [True], "headers": [FILL_HEADERS], "bodies": [FILL_BODY],
                 "sealed_with": [None], "sealed_headers": [None],
             }  # fmt: skip

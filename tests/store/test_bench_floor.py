@@ -11,7 +11,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import run as bench  # noqa: E402 - bench/ is on the path from here on
+import run as bench
 
 
 async def test_the_floor_row_claims_and_completes_with_the_gateways_statements(

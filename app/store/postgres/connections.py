@@ -1,5 +1,6 @@
-"""The store's connections: three asyncpg pools by job (`Pools`), and the one connection that
-listens for settled keys (`Listener`).
+"""The store's connections: three pools by job (`Pools`: the request path's two are the store's own
+`pool.Pool`, the operator's is asyncpg's), and the one connection that listens for settled keys
+(`Listener`).
 
 Design rules:
 - The pools do not reset connections on release. Nothing in the store changes session state
@@ -18,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import asyncpg
 
@@ -30,6 +30,7 @@ from ...settings import StoreOptions
 from .. import citus
 from ..errors import DRIVER_ERRORS
 from ..notify import Watch, Watchers
+from .pool import Pool
 
 log = logging.getLogger("oncegate.store.postgres")
 
@@ -101,8 +102,8 @@ class Pools:
     Citus coordinator (`citus`) they plan each call (`force_custom_plan`): Citus finds the one
     shard a statement goes to from its values, which a generic plan does not have."""
 
-    requests: asyncpg.Pool
-    answers: asyncpg.Pool
+    requests: Pool
+    answers: Pool
     operator: asyncpg.Pool
     primary: Primary
     citus: bool = False
@@ -110,12 +111,6 @@ class Pools:
     @classmethod
     async def open(cls, url: str, options: StoreOptions, min_size: int) -> Pools:
         primary = Primary(url)
-        common: dict[str, Any] = {
-            "reset": _no_reset,
-            "init": primary.connected,
-            "timeout": options.connect_timeout,
-            "command_timeout": options.command_timeout,
-        }
         connection = await asyncpg.connect(url, timeout=options.connect_timeout)
         try:
             on_citus = await citus.has_citus(connection)
@@ -126,29 +121,42 @@ class Pools:
         # enough to be JIT-compiled where PostgreSQL has JIT (Debian's does), about a second of
         # CPU per connection and statement; nothing on the request path gains from JIT.
         generic = {"plan_cache_mode": mode, "jit": "off"}
-        opened: list[asyncpg.Pool] = []
-        try:
-            for size, settings in (
-                (options.pool_size, generic),
-                (
-                    max(1, options.pool_size // 2),
-                    {**generic, "synchronous_commit": options.answer_commit},
-                ),
-                (OPERATOR_POOL_SIZE, {}),
-            ):
-                pool = await asyncpg.create_pool(
+
+        def request_pool(size: int, settings: dict[str, str]) -> Awaitable[Pool]:
+            async def connect() -> asyncpg.Connection:
+                connection: asyncpg.Connection = await asyncpg.connect(
                     url,
-                    min_size=min(min_size, size),
-                    max_size=size,
+                    timeout=options.connect_timeout,
+                    command_timeout=options.command_timeout,
                     server_settings=settings,
-                    **common,
                 )
-                opened.append(pool)
+                return connection
+
+            return Pool.open(
+                connect, primary.connected, size, min(min_size, size), options.acquire_timeout
+            )
+
+        requests = await request_pool(options.pool_size, generic)
+        answers = operator = None
+        try:
+            answers = await request_pool(
+                max(1, options.pool_size // 2),
+                {**generic, "synchronous_commit": options.answer_commit},
+            )
+            operator = await asyncpg.create_pool(
+                url,
+                min_size=min(min_size, OPERATOR_POOL_SIZE),
+                max_size=OPERATOR_POOL_SIZE,
+                reset=_no_reset,
+                init=primary.connected,
+                timeout=options.connect_timeout,
+                command_timeout=options.command_timeout,
+            )
         except BaseException:
-            for pool in opened:
-                await pool.close()
+            await requests.close()
+            if answers is not None:
+                await answers.close()
             raise
-        requests, answers, operator = opened
         return cls(requests, answers, operator, primary, citus=on_citus)
 
     async def close(self) -> None:

@@ -53,6 +53,7 @@ from .operations import (
     taken_by_rows,
     to_send,
 )
+from .pool import Pool
 from .rows import answer_columns, fetchrow, record_of
 
 log = logging.getLogger("oncegate.store.postgres")
@@ -150,7 +151,7 @@ class RequestPath:
         return row is not None
 
     async def _fetch_batch(
-        self, operation: str, pool: asyncpg.Pool, sent: Sequence[Keyed], **arrays: object
+        self, operation: str, pool: Pool, sent: Sequence[Keyed], **arrays: object
     ) -> list[asyncpg.Record]:
         """One batched statement: its parameters are arrays, one element per operation, the
         keys among them (each row is named by (key, id); on Citus the keys name the shard)."""

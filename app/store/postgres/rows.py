@@ -12,9 +12,10 @@ from ... import sealing
 from ...sealing import SealedAnswer
 from .. import Headers, Record
 from ..queries import QUERIES
+from .pool import Pool
 
 
-async def fetchrow(pool: asyncpg.Pool, operation: str, **parameters: object) -> Any:
+async def fetchrow(pool: Pool | asyncpg.Pool, operation: str, **parameters: object) -> Any:
     """One autocommitted statement, its first row (or None)."""
     query = QUERIES[operation]
     return await pool.fetchrow(query.sql, *query.arguments(parameters))

@@ -89,23 +89,61 @@ async def test_a_statement_postgres_refused_leaves_its_connection_in_the_pool(
         await pool.close()
 
 
-async def test_a_statement_cancelled_midway_closes_its_connection(opened: Opened) -> None:
-    pool = await open_pool(opened)
+async def test_a_statement_cancelled_midway_is_cancelled_in_postgres_and_its_connection_kept(
+    opened: Opened, postgres_url: str
+) -> None:
+    pool = await open_pool(opened, max_size=1)
     try:
         first = await backend_of(pool)
 
         async def sleep_in_postgres() -> None:
             async with pool.acquire() as connection:
-                await connection.execute("SELECT pg_sleep(30)")
+                await connection.execute("SELECT pg_sleep(30) -- cancelled by the test")
 
         sleeping = asyncio.create_task(sleep_in_postgres())
         await asyncio.sleep(0.3)
         sleeping.cancel()
         with pytest.raises(asyncio.CancelledError):
             await sleeping
+        # The same connection serves the next statement, once PostgreSQL has cancelled the
+        # first: the statement does not go on running in a backend nobody holds.
+        assert await backend_of(pool) == first
+        assert len(opened.connections) == 1
+        admin = await asyncpg.connect(postgres_url)
+        try:
+            running = await admin.fetchval(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE state = 'active' AND query LIKE '%cancelled by the test'"
+            )
+        finally:
+            await admin.close()
+        assert running == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_connection_given_back_inside_a_transaction_is_closed(opened: Opened) -> None:
+    pool = await open_pool(opened, max_size=1)
+    try:
+        first = await backend_of(pool)
+        async with pool.acquire() as connection:
+            await connection.execute("BEGIN")
         assert opened.connections[0].is_closed()
-        assert await backend_of(pool) != first  # a new connection, in the place it left
-        assert len(opened.connections) == 2
+        assert await backend_of(pool) != first
+        assert pool._size == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_lease_holds_one_connection_at_a_time(opened: Opened) -> None:
+    pool = await open_pool(opened)
+    try:
+        lease = pool.acquire()
+        await lease.__aenter__()
+        with pytest.raises(asyncpg.InterfaceError):
+            await lease.__aenter__()
+        await lease.__aexit__(None, None, None)
+        assert pool._size == 1
     finally:
         await pool.close()
 
@@ -113,7 +151,7 @@ async def test_a_statement_cancelled_midway_closes_its_connection(opened: Opened
 async def test_a_connection_postgres_ended_while_idle_is_replaced(
     opened: Opened, postgres_url: str
 ) -> None:
-    pool = await open_pool(opened)
+    pool = await open_pool(opened, max_size=1)
     try:
         first = await backend_of(pool)
         admin = await asyncpg.connect(postgres_url)
@@ -125,6 +163,7 @@ async def test_a_connection_postgres_ended_while_idle_is_replaced(
             while not opened.connections[0].is_closed():  # noqa: ASYNC110 (no event to wait on)
                 await asyncio.sleep(0.01)  # the loop sees the socket close
         assert await backend_of(pool) != first
+        assert pool._size == 1
     finally:
         await pool.close()
 
@@ -159,6 +198,7 @@ async def test_a_caller_that_waits_longer_than_its_timeout_gets_timeout_error(
                 pass
         await holding.__aexit__(None, None, None)
         assert not pool._waiters
+        assert pool._size == 1
         await backend_of(pool)  # the place is still usable
     finally:
         await pool.close()
@@ -188,6 +228,26 @@ async def test_a_connect_that_fails_frees_its_place(opened: Opened) -> None:
         with pytest.raises(ConnectionRefusedError):
             await backend_of(pool)
         assert await backend_of(pool) > 0  # the place was not lost with the failed connect
+    finally:
+        await pool.close()
+
+
+async def test_an_init_that_fails_closes_the_connection_and_frees_its_place(
+    opened: Opened,
+) -> None:
+    refusals = [RuntimeError("init refused by the test")]
+
+    async def init(connection: asyncpg.Connection) -> None:
+        if refusals:
+            raise refusals.pop()
+
+    pool = await Pool.open(opened.connect, init, 1, acquire_timeout=HANG)
+    try:
+        with pytest.raises(RuntimeError):
+            await backend_of(pool)
+        assert opened.connections[0].is_closed()
+        assert await backend_of(pool) > 0
+        assert pool._size == 1
     finally:
         await pool.close()
 
@@ -222,6 +282,7 @@ async def test_connections_idle_past_their_lifetime_are_closed_down_to_min_size(
         pool._trim()
         await asyncio.wait_for(asyncio.gather(*pool._closing), HANG)
         assert sum(not connection.is_closed() for connection in opened.connections) == 1
+        assert pool._size == 1
         assert await backend_of(pool) > 0
     finally:
         await pool.close()

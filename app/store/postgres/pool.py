@@ -3,25 +3,30 @@ task, no future and no timer when one is idle.
 
 asyncpg's own pool wraps every acquire in `wait_for` (a task) and every release in `shield` (a
 second task), arms and cancels an idle timer, and builds a proxy object around the connection.
-On this path that was the most expensive part of a statement: a lone claim took 0.73 ms through
-it and 0.44 ms on a bare connection, and 240 against 90 µs of the gateway's CPU
-(`bench/run.py`'s 1-connection rows; docs/performance.md). Here an idle connection is popped from
-a list and pushed back after the statement; only a pool that is empty or full waits.
+For a lone statement that cost more than the statement: a one-row claim through the store took
+0.76 ms p50 and 231 µs of client CPU with it, 0.44 ms and 131 µs with this pool, against 0.42 ms
+and 85 µs on a bare connection (docs/performance.md). Here an idle connection is popped from a
+list and pushed back after the statement; only a pool that is empty or full waits.
 
 Design rules:
 - Last in, first out: the connections in use stay hot, the extra ones go quiet at the bottom of
   the list, and one that has been idle for `IDLE_LIFETIME` is closed (PostgreSQL's backend with
-  it), as asyncpg's pool did. `min_size` stay open.
-- A connection goes back to the list only if its statement ended cleanly, or with an error
+  it), as asyncpg's pool did, down to `min_size` (opened at the start; one that breaks is
+  replaced when a statement next needs it). Connections are not recycled after a number of
+  queries: they run the same dozen prepared statements for ever.
+- A connection goes back to the list after its statement ended cleanly, with an error
   PostgreSQL answered (a constraint, a refused value: the autocommitted statement changed
-  nothing and the connection is as it was). Cancelled mid-statement, broken, or left inside a
-  transaction, it is closed; its place is free for a new one.
+  nothing), or cancelled or timed out midway: asyncpg has then asked PostgreSQL to cancel the
+  statement, and the connection's next statement waits until it has (closing the connection
+  instead would leave the statement running in its backend, and a new backend beside it).
+  Broken, or left inside a transaction, it is closed; its place is free for a new one.
 - A new connection is opened the way the pool's `connect` says (URL, timeouts, the session's
   settings) and then passed to `init` (`Primary.connected`): with several hosts in the URL, it
   reaches whichever takes writes, so the pool follows a failover by itself.
 - When every place is taken, callers wait in arrival order, at most `timeout` (TimeoutError, an
   outage to the store), and are handed the next connection given back or the place of one that
-  closed.
+  closed (then they open a connection in it, within the connect timeout). `fetchrow` waits at
+  most the pool's `acquire_timeout`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from typing import Any
 import asyncpg
 
 log = logging.getLogger("oncegate.store.postgres")
+
+# What a connection's statement may have ended with, and the connection still be reused.
+_REUSABLE = (asyncpg.PostgresError, asyncio.CancelledError, TimeoutError)
 
 # How long a connection may sit unused before it is closed (asyncpg's pool default), and how
 # often that is looked at.
@@ -124,7 +132,7 @@ class Pool:
             async with asyncio.timeout(within):
                 connection = await waiter
         except BaseException:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # Handed a connection (or a place) as the wait ended: pass it on.
                 given = waiter.result()
                 if given is None:
@@ -136,7 +144,9 @@ class Pool:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
             raise
-        if connection is None:  # a place freed by a connection that closed: open one
+        if connection is None or connection.is_closed():
+            # A place freed by a connection that closed (or the connection handed over closed
+            # before this caller woke): open one in it.
             return await self._open()
         return connection
 
@@ -153,6 +163,10 @@ class Pool:
             connection.terminate()
             self._free_place()
             raise
+        if self._closed:  # closed while this one was opening
+            connection.terminate()
+            self._free_place()
+            raise asyncpg.InterfaceError("the store's connections are closed")
         return connection
 
     def give_back(self, connection: asyncpg.Connection, reusable: bool) -> None:
@@ -228,6 +242,8 @@ class Lease:
         self._connection: asyncpg.Connection | None = None
 
     async def __aenter__(self) -> asyncpg.Connection:
+        if self._connection is not None:
+            raise asyncpg.InterfaceError("a lease holds one connection at a time")
         self._connection = await self._pool.take(self._timeout)
         return self._connection
 
@@ -239,8 +255,7 @@ class Lease:
     ) -> None:
         connection, self._connection = self._connection, None
         if connection is not None:
-            # A statement PostgreSQL answered with an error left the connection as it was;
-            # anything else (cancelled mid-statement, a broken socket) may not have.
-            self._pool.give_back(
-                connection, reusable=error is None or isinstance(error, asyncpg.PostgresError)
-            )
+            # A statement PostgreSQL answered with an error left the connection as it was; one
+            # cancelled or timed out is being cancelled in PostgreSQL too (the module's rules);
+            # anything else (a broken socket, a driver error) may have broken it.
+            self._pool.give_back(connection, reusable=error is None or isinstance(error, _REUSABLE))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib
 import os
 import sys
@@ -33,6 +32,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from oncegate.http.server import quiet_collector
 from oncegate.upstream import AnswerLost, NotSent
 from oncegate.upstream.client import HttpUpstream
 
@@ -155,10 +155,10 @@ def _fastapi_app(lifespan: Any, forward: Any) -> FastAPI:
 
 def from_environment() -> Any:
     application = create_app(os.environ[UPSTREAM_VARIABLE], os.environ.get(STACK_VARIABLE, "asgi"))
-    # As the gateway does before it serves (app/http/server.py): what is loaded by now is never
-    # garbage, so the cyclic collector stops walking it. The line every row is compared to
-    # gets the same treatment as the rows.
-    gc.freeze()
+    # As the gateway does before it serves (imported, not copied): the cyclic collector stops
+    # walking what is loaded by now, and collects young objects less often. The line every row
+    # is compared to gets the same treatment as the rows.
+    quiet_collector()
     return application
 
 

@@ -81,6 +81,7 @@ class Gateway:
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
         self._inflight: set[asyncio.Task[Answer]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._unopenable_logged: set[str] = set()
         # Who waits for a key in flight, at most `waiters` (in all, on one key).
         self._waiting = WaitingRoom(*waiters)
@@ -176,7 +177,10 @@ class Gateway:
     async def _forward_protected(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> Answer:
-        task = asyncio.create_task(self._forward_and_settle(route, request, claim, scope))
+        loop = self._loop
+        if loop is None:  # the first forward's; kept (asking costs a getpid() on Python 3.11)
+            loop = self._loop = asyncio.get_running_loop()
+        task = loop.create_task(self._forward_and_settle(route, request, claim, scope))
         self._inflight.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)

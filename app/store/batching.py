@@ -71,12 +71,18 @@ class Batcher(Generic[Item, Outcome]):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
         self._closed = False
+        # The loop of the first operation, kept: a batcher's futures belong to one loop, and
+        # asking for it again costs a getpid() system call per call on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self, item: Item) -> Outcome:
         """Queue `item`, and return its outcome once the statement that carried it returned."""
         if self._closed:
             raise RuntimeError(f"the {self.operation} batcher is closed")
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Outcome] = loop.create_future()
         self._queued.append((item, future))
         self._queued_weight += self._weigh(item)
         self._dispatch()
@@ -112,10 +118,13 @@ class Batcher(Generic[Item, Outcome]):
         while self._queued and (not self._in_flight or self._full()):
             self._send_next()
         if self._queued and self._stall_timer is None:
-            self._stall_timer = asyncio.get_running_loop().call_later(self._stall, self._stalled)
+            self._stall_timer = self._running_loop().call_later(self._stall, self._stalled)
         elif not self._queued and self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
 
     def _stalled(self) -> None:
         self._stall_timer = None
@@ -141,7 +150,9 @@ class Batcher(Generic[Item, Outcome]):
         batch = self._queued[:taken]
         del self._queued[:taken]
         self._queued_weight -= weight
-        task = asyncio.create_task(self._carry(batch), name=f"store {self.operation} batch")
+        task = self._running_loop().create_task(
+            self._carry(batch), name=f"store {self.operation} batch"
+        )
         self._in_flight.add(task)
         task.add_done_callback(self._landed)
 

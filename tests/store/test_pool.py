@@ -54,6 +54,15 @@ async def backend_of(pool: Pool) -> int:
         return pid
 
 
+async def admin_value(url: str, sql: str, *arguments: object) -> object:
+    """One value of a statement on a connection of its own, outside every pool."""
+    admin = await asyncpg.connect(url)
+    try:
+        return await admin.fetchval(sql, *arguments)
+    finally:
+        await admin.close()
+
+
 async def test_min_size_connections_are_opened_at_once_and_passed_to_init(opened: Opened) -> None:
     pool = await open_pool(opened, max_size=4, min_size=2)
     try:
@@ -109,14 +118,11 @@ async def test_a_statement_cancelled_midway_is_cancelled_in_postgres_and_its_con
         # first: the statement does not go on running in a backend nobody holds.
         assert await backend_of(pool) == first
         assert len(opened.connections) == 1
-        admin = await asyncpg.connect(postgres_url)
-        try:
-            running = await admin.fetchval(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE state = 'active' AND query LIKE '%cancelled by the test'"
-            )
-        finally:
-            await admin.close()
+        running = await admin_value(
+            postgres_url,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE state = 'active' AND query LIKE '%cancelled by the test'",
+        )
         assert running == 0
     finally:
         await pool.close()
@@ -154,11 +160,7 @@ async def test_a_connection_postgres_ended_while_idle_is_replaced(
     pool = await open_pool(opened, max_size=1)
     try:
         first = await backend_of(pool)
-        admin = await asyncpg.connect(postgres_url)
-        try:
-            assert await admin.fetchval("SELECT pg_terminate_backend($1)", first)
-        finally:
-            await admin.close()
+        assert await admin_value(postgres_url, "SELECT pg_terminate_backend($1)", first)
         async with asyncio.timeout(HANG):
             while not opened.connections[0].is_closed():  # noqa: ASYNC110 (no event to wait on)
                 await asyncio.sleep(0.01)  # the loop sees the socket close

@@ -79,10 +79,7 @@ class Batcher(Generic[Item, Outcome]):
         """Queue `item`, and return its outcome once the statement that carried it returned."""
         if self._closed:
             raise RuntimeError(f"the {self.operation} batcher is closed")
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Outcome] = loop.create_future()
+        future: asyncio.Future[Outcome] = self._running_loop().create_future()
         self._queued.append((item, future))
         self._queued_weight += self._weigh(item)
         self._dispatch()
@@ -124,7 +121,9 @@ class Batcher(Generic[Item, Outcome]):
             self._stall_timer = None
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop or asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def _stalled(self) -> None:
         self._stall_timer = None

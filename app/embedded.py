@@ -315,12 +315,13 @@ def _drop_dead_handles(path: Path) -> None:
         pids = json.loads(path.read_text())
     except ValueError:
         pids = []
-    alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+    alive = [pid for pid in pids if isinstance(pid, int) and process_alive(pid)]
     if alive != pids:
         path.write_text(json.dumps(alive))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

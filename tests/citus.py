@@ -26,6 +26,7 @@ from pathlib import Path
 
 import asyncpg
 
+from oncegate import embedded
 from tests.helpers import free_port
 
 BIN = Path("/usr/lib/postgresql/15/bin")
@@ -207,23 +208,13 @@ def stop_orphans(prefix: str = "oncegate-citus-") -> None:
             owner = int((directory / OWNER).read_text())
         except (OSError, ValueError):
             continue  # not one of ours, or not started yet
-        if _alive(owner):
+        if embedded.process_alive(owner):
             continue
         for data in directory.iterdir():
             if (data / "postmaster.pid").exists():
                 with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
                     _run([BIN / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"])
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def temporary_directory(prefix: str) -> Path:

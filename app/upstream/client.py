@@ -120,6 +120,8 @@ class HttpUpstream:
             request_class=_Request,
         )
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # The headers sent whatever `Connection` names, per key header: the key.
+        self._keeps: dict[str, frozenset[str]] = {}
 
     async def aclose(self) -> None:
         await self._session.close()
@@ -148,9 +150,10 @@ class HttpUpstream:
         started = time.perf_counter()
         attempt = _Attempt()
         current = _ATTEMPT.set(attempt)
-        outgoing = headers.end_to_end(
-            request_headers, drop=headers.REQUEST_ONLY, keep=frozenset({key_header})
-        )
+        keep = self._keeps.get(key_header)
+        if keep is None:
+            keep = self._keeps[key_header] = frozenset({key_header})
+        outgoing = headers.end_to_end(request_headers, drop=headers.REQUEST_ONLY, keep=keep)
         # The `forward` span, when tracing: the upstream's trace context names it.
         with tracing.forwarding(outgoing) as forwarded:
             try:

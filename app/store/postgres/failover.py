@@ -52,7 +52,7 @@ class RecentAnswers:
         self._pool = pool
         self._options = options
         self._stored: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._unstored: list[tuple[int, int]] = []
+        self._unstored: collections.deque[tuple[int, int]] = collections.deque(maxlen=UNSTORED_KEPT)
         self._checks: set[asyncio.Task[None]] = set()
 
     def stored(self, claim: Claim) -> None:
@@ -62,9 +62,7 @@ class RecentAnswers:
             self._stored.popleft()
 
     def unstored(self, claim: Claim) -> None:
-        self._unstored.append((claim.id, claim.token))
-        if len(self._unstored) > UNSTORED_KEPT:
-            del self._unstored[: len(self._unstored) - UNSTORED_KEPT]
+        self._unstored.append((claim.id, claim.token))  # the oldest go past UNSTORED_KEPT
 
     def back_on_same_host(self) -> None:
         """PostgreSQL answers again where it did before: what could not be stored meanwhile was
@@ -75,7 +73,8 @@ class RecentAnswers:
         """Count, on the new primary, what the failover cost (in the background: this runs in
         the pool's connection set-up)."""
         stored = [(record_id, token) for _, record_id, token in self._stored]
-        unstored, self._unstored = self._unstored, []
+        unstored = list(self._unstored)
+        self._unstored.clear()
         self._stored.clear()
         check = asyncio.create_task(self._count(now, before, stored, unstored))
         self._checks.add(check)

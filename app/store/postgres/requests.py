@@ -158,7 +158,7 @@ class RequestPath:
         name = self._query(operation)
         arrays["keys"] = [each.key for each in sent]
         query = QUERIES[name]
-        async with pool.acquire(timeout=self._options.acquire_timeout) as connection:
+        async with pool.acquire() as connection:  # within the pool's acquire timeout
             rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
             if self._shards is not None and operation in SETTLES:
                 waited = [row["id"] for row in rows if row["waited"]]
@@ -194,7 +194,6 @@ class RequestPath:
             **anchor,
             routes=[wanted.route for wanted in sent],
             scopes=[wanted.scope for wanted in sent],
-            keys=[wanted.key for wanted in sent],
             fingerprints=[wanted.fingerprint for wanted in sent],
             leases=[wanted.lease for wanted in sent],
             ttls=[wanted.ttl for wanted in sent],

@@ -287,6 +287,7 @@ async def test_twenty_copies_with_one_key_in_the_body_are_one_payment(
     )  # fmt: skip
     assert {answer.status_code for answer in answers} == {201}
     assert len({answer.content for answer in answers}) == 1
+    assert sum(answer.headers.get("idempotent-replayed") == "true" for answer in answers) == 19
     [action] = performed(upstream, marker)
     assert action["idempotency_key"] == key
 

@@ -372,6 +372,49 @@ async def test_on_unknown_forward_sends_the_retry_again_with_the_same_key(
     assert [action["idempotency_key"] for action in upstream.actions(key)] == [key, key]
 
 
+async def test_a_dead_gateways_lease_runs_out_and_the_key_turns_unknown(
+    module_dir: Path,
+    database_url: str,
+    route_config: list[dict[str, Any]],
+    client: httpx.AsyncClient,
+    upstream: DemoUpstream,
+    db: asyncpg.Connection,
+) -> None:
+    doomed = GatewayProcess(module_dir, database_url, route_config, name="doomed")
+    try:
+        key = new_key()
+        async with httpx.AsyncClient(base_url=doomed.url, timeout=30) as doomed_client:
+            request = asyncio.create_task(
+                doomed_client.post(
+                    "/lease/emails", json={}, headers=keyed(key, **{"X-Demo-Delay": "1.5"})
+                )
+            )
+            # Kill it while the upstream works on the request: the action is recorded on
+            # arrival, the answer comes 1.5 s later.
+            for _ in range(200):
+                if upstream.actions(key):
+                    break
+                await asyncio.sleep(0.02)
+            doomed.process.signal(signal.SIGKILL)
+            with pytest.raises(httpx.TransportError):
+                await request
+    finally:
+        doomed.stop()
+    waiting = await client.post("/lease/emails", json={}, headers=keyed(key))
+    assert waiting.status_code == 409 and problem_name(waiting) == "request-in-progress"
+    assert waiting.headers["retry-after"]
+    # The lease runs out now rather than in 8 s: set to a moment past by PostgreSQL's clock (a
+    # value, not arithmetic on the column, which Citus refuses in an UPDATE).
+    past = await db.fetchval("SELECT now() - interval '1 second'")
+    await db.execute("UPDATE oncegate_keys SET lease_expires_at = $2 WHERE key = $1", key, past)
+    found = await row(db, key)
+    assert found is not None and found["effective_state"] == "unknown"
+    unknown = await client.post("/lease/emails", json={}, headers=keyed(key))
+    assert unknown.status_code == 409 and problem_name(unknown) == "outcome-unknown"
+    assert "retry-after" not in unknown.headers  # only an operator's resolution ends it
+    assert len(upstream.actions(key)) == 1
+
+
 # --- beyond the table: scopes, headers, sizes, concurrency, hang-ups, shutdown ----------------
 
 

@@ -32,6 +32,9 @@ def routes(upstream: str) -> list[dict[str, object]]:
         # A route's `wait` (contract section 10): duplicates wait without asking.
         {"name": "waiting", "match": "/waiting", "upstream": upstream, "strip_prefix": True,
          "wait": "10s"},
+        # An upstream slower than this timeout leaves the key `unknown`.
+        {"name": "brief", "match": "/brief", "upstream": upstream, "strip_prefix": True,
+         "timeout": "1s"},
     ]  # fmt: skip
 
 
@@ -179,6 +182,7 @@ async def test_the_wait_is_capped_by_the_route_and_ends_in_409(
     waited = await clients[1].post("/short/emails", json={}, headers=headers(key, wait=30))
     assert waited.status_code == 409 and problem_name(waited) == "request-in-progress"
     assert waited.headers["preference-applied"] == "wait=1"  # the route's max_wait
+    assert waited.headers["retry-after"]
     assert (await first).status_code == 201
     assert len(upstream.actions(key)) == 1
 
@@ -209,6 +213,25 @@ async def test_waiters_on_a_gateway_killed_mid_flight_get_409(
     # Its lease (2 x the 30 s timeout) still runs: still in flight, as far as anyone can know.
     assert waited.status_code == 409 and problem_name(waited) == "request-in-progress"
     assert waited.headers["preference-applied"] == "wait=1"
+    assert waited.headers["retry-after"]
+    assert len(upstream.actions(key)) == 1
+
+
+async def test_a_waiter_whose_key_turns_unknown_gets_409_outcome_unknown(
+    clients: list[httpx.AsyncClient], upstream: DemoUpstream
+) -> None:
+    key = new_key()
+    # The upstream answers after 2 s, past the route's 1 s timeout: the key turns `unknown`.
+    first = asyncio.create_task(
+        clients[0].post("/brief/emails", json={}, headers=headers(key, **{"X-Demo-Delay": "2"}))
+    )
+    await asyncio.sleep(0.2)
+    waited = await clients[1].post("/brief/emails", json={}, headers=headers(key, wait=10))
+    timed_out = await first
+    assert timed_out.status_code == 504 and problem_name(timed_out) == "outcome-unknown"
+    assert waited.status_code == 409 and problem_name(waited) == "outcome-unknown"
+    assert waited.headers["preference-applied"] == "wait=10"
+    assert "retry-after" not in waited.headers  # only an operator's resolution ends it
     assert len(upstream.actions(key)) == 1
 
 
@@ -247,5 +270,6 @@ async def test_prefer_wait_asks_for_its_own_time_on_a_route_with_wait(
     briefly = await clients[2].post("/waiting/emails", json={}, headers=headers(key, wait=1))
     assert at_once.status_code == 409 and "preference-applied" not in at_once.headers
     assert briefly.status_code == 409 and briefly.headers["preference-applied"] == "wait=1"
+    assert at_once.headers["retry-after"] and briefly.headers["retry-after"]
     assert (await first).status_code == 201
     assert len(upstream.actions(key)) == 1

@@ -108,8 +108,11 @@ class Wait:
             return cls(route.wait, route.name, store, room, request.client_gone, applied=None)
         if not requested:
             return None  # `Prefer: wait=0`: answer at once, whatever the route's `wait`
-        seconds = min(requested, math.ceil(route.max_wait))
-        return cls(seconds, route.name, store, room, request.client_gone, applied=f"wait={seconds}")
+        # Never past the route's max_wait; the header says whole seconds (RFC 7240's `wait`), so
+        # a max_wait of 1.5 s waits 1.5 s and says wait=1.
+        seconds = min(float(requested), route.max_wait)
+        applied = f"wait={math.floor(seconds)}"
+        return cls(seconds, route.name, store, room, request.client_gone, applied=applied)
 
     async def until_settled(self, record: Record, scope: bytes, key: str) -> bool:
         """Wait for `record`'s claim to settle: True when it did (or changed), False when the

@@ -27,7 +27,7 @@ from oncegate.service import (
     TakeOver,
     decide,
 )
-from oncegate.service.waiting import WaitingRoom
+from oncegate.service.waiting import Wait, WaitingRoom
 from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream.client import HttpUpstream
@@ -345,6 +345,15 @@ async def test_a_route_with_wait_holds_a_duplicate_without_being_asked(
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert not [name for name, _ in answer.headers if name == "preference-applied"]  # not asked
     assert upstream.requests("rw1") == []
+
+
+async def test_prefer_wait_never_waits_past_a_fractional_max_wait() -> None:
+    plain = request("mw1")
+    asked = ProxyRequest(plain.method, plain.path, plain.query,
+                         [*plain.headers, ("prefer", "wait=10")], plain.body)  # fmt: skip
+    wait = Wait.asked(asked, served_route(max_wait="1500ms"), MemoryStore(), WaitingRoom(10, 10))
+    assert wait is not None and wait.applied == "wait=1"  # whole seconds, never more than granted
+    assert wait._deadline - asyncio.get_running_loop().time() <= 1.5
 
 
 async def test_prefer_wait_0_answers_at_once_on_a_route_with_wait(upstream: FakeUpstream) -> None:

@@ -156,7 +156,7 @@ def unavailable(exc: BaseException, failure: str) -> errors.StoreUnavailable:
         return errors.StoreUnavailable(f"{failure}: {reason(exc)}")
     return errors.StoreUnavailable(
         "the idempotency store (PostgreSQL) is unavailable; the request was not forwarded. "
-        "Retry with the same Idempotency-Key."
+        "Retry with the same idempotency key."
     )
 
 

@@ -41,11 +41,9 @@ import asyncio
 import math
 import os
 import platform
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -60,7 +58,7 @@ sys.path.insert(0, str(BENCH))  # `python -m bench.batch_shapes` too: run.py imp
 import quick  # noqa: E402 - bench/ is on the path from here on
 import run  # noqa: E402
 
-from oncegate import embedded, keys, schema  # noqa: E402
+from oncegate import keys  # noqa: E402
 
 ROUTE = "default"
 SCOPE = keys.scope(ROUTE, [[]])
@@ -412,56 +410,47 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(math.ceil(budget))
-    work = Path(tempfile.mkdtemp(prefix="oncegate-batch-shapes-"))
-    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
-    server = None
     try:
-        server = embedded.start(work / "data")
-        schema.upgrade(server.url)
-        postmaster = run._postmaster_pid(server.pgdata)
-        if postmaster is None:
-            raise RuntimeError(f"no postmaster.pid in {server.pgdata}")
-        print(machine_line(server.url))
-        print(
-            f"{arguments.tasks} asyncio tasks, each a claim then a complete on a new key, "
-            f"back to back; claim pool {CLAIM_POOL} connections (synchronous commit), answer "
-            f"pool {ANSWER_POOL} (synchronous_commit = off); table oncegate_keys from the "
-            f"migrations, emptied before each run; {arguments.warmup:g} s warm-up + "
-            f"{arguments.duration:g} s per run, {arguments.repeats} run(s) per shape "
-            "(interleaved), median (min-max); CPU from /proc"
-        )
-        print(f"before: {load_line()}")
-        samples: dict[int, list[Sample]] = {max_rows: [] for max_rows in arguments.rows}
-        for repeat in range(arguments.repeats):
-            for max_rows in samples:
-                sample = asyncio.run(
-                    measure(server.url, postmaster, max_rows, arguments, f"r{repeat}-m{max_rows}")
-                )
-                samples[max_rows].append(sample)
-                run.progress(
-                    f"at most {max_rows} rows: {sample.pairs_per_second:,.0f} pairs/s, "
-                    f"PostgreSQL {sample.postgres_ms_per_pair:.3f} ms/pair, "
-                    f"client {sample.client_ms_per_pair:.3f} ms/pair, rows per statement "
-                    f"{sample.claim_rows_per_statement:.1f} / "
-                    f"{sample.complete_rows_per_statement:.1f}"
-                )
-        print(f"after: {load_line()}")
-        print(f"\n$ {quick.command_line()}\n")
-        print(table(samples))
-        signal.alarm(0)
-        return 1 if any(s.failures for measured in samples.values() for s in measured) else 0
+        with quick.embedded_postgres("oncegate-batch-shapes-", arguments.keep) as server:
+            postmaster = run._postmaster_pid(server.pgdata)
+            if postmaster is None:
+                raise RuntimeError(f"no postmaster.pid in {server.pgdata}")
+            print(machine_line(server.url))
+            print(
+                f"{arguments.tasks} asyncio tasks, each a claim then a complete on a new key, "
+                f"back to back; claim pool {CLAIM_POOL} connections (synchronous commit), answer "
+                f"pool {ANSWER_POOL} (synchronous_commit = off); table oncegate_keys from the "
+                f"migrations, emptied before each run; {arguments.warmup:g} s warm-up + "
+                f"{arguments.duration:g} s per run, {arguments.repeats} run(s) per shape "
+                "(interleaved), median (min-max); CPU from /proc"
+            )
+            print(f"before: {load_line()}")
+            samples: dict[int, list[Sample]] = {max_rows: [] for max_rows in arguments.rows}
+            for repeat in range(arguments.repeats):
+                for max_rows in samples:
+                    sample = asyncio.run(
+                        measure(
+                            server.url, postmaster, max_rows, arguments, f"r{repeat}-m{max_rows}"
+                        )
+                    )
+                    samples[max_rows].append(sample)
+                    run.progress(
+                        f"at most {max_rows} rows: {sample.pairs_per_second:,.0f} pairs/s, "
+                        f"PostgreSQL {sample.postgres_ms_per_pair:.3f} ms/pair, "
+                        f"client {sample.client_ms_per_pair:.3f} ms/pair, rows per statement "
+                        f"{sample.claim_rows_per_statement:.1f} / "
+                        f"{sample.complete_rows_per_statement:.1f}"
+                    )
+            print(f"after: {load_line()}")
+            print(f"\n$ {quick.command_line()}\n")
+            print(table(samples))
+            signal.alarm(0)
+            return 1 if any(s.failures for measured in samples.values() for s in measured) else 0
     except (RuntimeError, TimeoutError, asyncpg.PostgresError, OSError) as exc:
         print(f"batch_shapes failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.alarm(0)
-        if server is not None:
-            server.stop()
-            quick.stop_orphaned_postgres(server.pgdata)
-        if arguments.keep:
-            print(f"temporary directory kept: {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

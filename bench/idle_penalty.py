@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +40,7 @@ sys.path.insert(0, str(BENCH))
 import quick  # noqa: E402 - bench/ is on the path from here on
 import run  # noqa: E402
 
-from oncegate import embedded, keys, schema  # noqa: E402
+from oncegate import keys  # noqa: E402
 from oncegate.store.queries import QUERIES  # noqa: E402
 
 WARMUP_PAIRS = 2000
@@ -147,45 +145,37 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(BUDGET)
-    work = Path(tempfile.mkdtemp(prefix="oncegate-idle-penalty-"))
-    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
-    server = None
     try:
-        server = embedded.start(work / "data")
-        schema.upgrade(server.url)
-        asyncio.run(measure(server.url, "none", 0.0, WARMUP_PAIRS, "warm-up"))
-        plan = [("none", 0.0)] + [
-            (how, pause) for pause in arguments.pauses for how in ("busy", "sleep")
-        ]
-        runs: dict[tuple[str, float], list[list[float]]] = {step: [] for step in plan}
-        for repeat in range(arguments.repeats):
-            for how, pause in plan:
-                tag = f"r{repeat}-{how}-{pause}"
-                medians = asyncio.run(measure(server.url, how, pause, arguments.pairs, tag))
-                runs[how, pause].append(medians)
-                run.progress(
-                    f"{how} {pause:g} ms: claim {medians[0]:.3f} complete {medians[1]:.3f} ms"
-                )
-        print(f"\n$ {quick.command_line()}\n")
-        print(
-            f"{arguments.pairs} pairs per run, {arguments.repeats} runs per row (interleaved), "
-            f"after {WARMUP_PAIRS} pairs of warm-up; medians of the runs' medians"
-        )
-        rows = [
-            (how, pause, [statistics.median(column) for column in zip(*measured, strict=True)])
-            for (how, pause), measured in runs.items()
-        ]
-        print(table(rows))
-        return 0
+        with quick.embedded_postgres("oncegate-idle-penalty-") as server:
+            asyncio.run(measure(server.url, "none", 0.0, WARMUP_PAIRS, "warm-up"))
+            plan = [("none", 0.0)] + [
+                (how, pause) for pause in arguments.pauses for how in ("busy", "sleep")
+            ]
+            runs: dict[tuple[str, float], list[list[float]]] = {step: [] for step in plan}
+            for repeat in range(arguments.repeats):
+                for how, pause in plan:
+                    tag = f"r{repeat}-{how}-{pause}"
+                    medians = asyncio.run(measure(server.url, how, pause, arguments.pairs, tag))
+                    runs[how, pause].append(medians)
+                    run.progress(
+                        f"{how} {pause:g} ms: claim {medians[0]:.3f} complete {medians[1]:.3f} ms"
+                    )
+            print(f"\n$ {quick.command_line()}\n")
+            print(
+                f"{arguments.pairs} pairs per run, {arguments.repeats} runs per row (interleaved), "
+                f"after {WARMUP_PAIRS} pairs of warm-up; medians of the runs' medians"
+            )
+            rows = [
+                (how, pause, [statistics.median(column) for column in zip(*measured, strict=True)])
+                for (how, pause), measured in runs.items()
+            ]
+            print(table(rows))
+            return 0
     except (RuntimeError, TimeoutError, asyncpg.PostgresError, OSError) as exc:
         print(f"idle_penalty failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.alarm(0)
-        if server is not None:
-            server.stop()
-            quick.stop_orphaned_postgres(server.pgdata)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 BODY = json.dumps(
@@ -290,6 +291,30 @@ def stop_orphaned_postgres(pgdata: Path) -> None:
         deadline = time.monotonic() + STOP_TIMEOUT
         while pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
+    """An embedded PostgreSQL (`oncegate.embedded`) with oncegate's migrations, in a fresh
+    temporary directory named with `prefix`: stopped on the way out, whatever happened, and the
+    directory removed unless `keep`."""
+    from oncegate import embedded, schema  # the scripts that start one put the root on the path
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
+    server = None
+    try:
+        server = embedded.start(work / "data")
+        schema.upgrade(server.url)
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+            stop_orphaned_postgres(server.pgdata)
+        if keep:
+            print(f"temporary directory kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 # A real server to measure against, and how answers are committed there (bench/answer_commit.py).

@@ -297,7 +297,8 @@ def stop_orphaned_postgres(pgdata: Path) -> None:
 def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
     """An embedded PostgreSQL (`oncegate.embedded`) with oncegate's migrations, in a fresh
     temporary directory named with `prefix`: stopped on the way out, whatever happened, and the
-    directory removed unless `keep`."""
+    directory removed unless `keep`. A SIGALRM budget of the caller's is cancelled before the
+    clean-up, so running out of it cannot cut the server's stop short."""
     from oncegate import embedded, schema  # the scripts that start one put the root on the path
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
@@ -308,6 +309,7 @@ def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
         schema.upgrade(server.url)
         yield server
     finally:
+        signal.alarm(0)
         if server is not None:
             server.stop()
             stop_orphaned_postgres(server.pgdata)

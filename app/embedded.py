@@ -309,15 +309,23 @@ def _log_tail(pgdata: Path, lines: int = 5) -> str:
 
 
 def _drop_dead_handles(path: Path) -> None:
+    """Keep in pgserver's list of the server's users only the processes still alive. pgserver
+    rewrites the list in place (truncate, then write): a process killed in between leaves it
+    empty or cut short, and pgserver then fails on it at every start, so such a list is
+    rewritten too."""
     if not path.exists():
         return
     try:
         pids = json.loads(path.read_text())
     except ValueError:
-        pids = []
-    alive = [pid for pid in pids if isinstance(pid, int) and process_alive(pid)]
+        pids = None  # cut short by a kill in the middle of a write
+    listed = pids if isinstance(pids, list) else []
+    alive = [pid for pid in listed if isinstance(pid, int) and process_alive(pid)]
     if alive != pids:
-        path.write_text(json.dumps(alive))
+        # Whole or not at all: written beside it, then renamed over it.
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(alive))
+        os.replace(partial, path)
 
 
 def process_alive(pid: int) -> bool:

@@ -54,10 +54,12 @@ class Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
+                self.stop()  # closes its log: a failed start leaves nothing to later tests
                 raise RuntimeError(f"{self.args} exited early:\n{self.output()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 return
             time.sleep(0.05)
+        self.stop()
         raise RuntimeError(f"{self.args} did not listen on {port}:\n{self.output()}")
 
     def signal(self, number: int) -> None:

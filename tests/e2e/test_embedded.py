@@ -4,6 +4,7 @@ the server on exit, and never opens a directory it did not create to other users
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -300,6 +301,32 @@ def test_a_restart_right_after_postgres_was_killed_recovers_by_itself(
     assert gateway.wait() == 0
     assert "Traceback" not in gateway.output()
     assert len(upstream.actions(key)) == 1
+
+
+def test_a_list_of_handles_cut_short_by_a_kill_does_not_stop_the_next_start(
+    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
+) -> None:
+    """pgserver rewrites its list of the server's users in place; a gateway killed in between
+    (seen under load in the test above) leaves it empty, and every later start failed on it."""
+    key = str(uuid.uuid4())
+    gateway, url = serve(data_dir, upstream, tmp_path / "first.log")
+    assert httpx.post(url + "/emails", json={}, headers={"Idempotency-Key": key}).status_code == 201
+    flush(url)
+    gateway.stop()
+    assert gateway.wait() == 0
+    handles = data_dir / "pgdata" / ".handle_pids.json"
+    assert handles.exists()
+    for cut_short in ("", "[12"):
+        handles.write_text(cut_short)
+        gateway, url = serve(data_dir, upstream, tmp_path / f"after-{len(cut_short)}.log")
+        try:
+            replay = httpx.post(url + "/emails", json={}, headers={"Idempotency-Key": key})
+            assert replay.headers["idempotent-replayed"] == "true"
+        finally:
+            gateway.stop()
+        assert gateway.wait() == 0
+        assert "Traceback" not in gateway.output()
+        assert isinstance(json.loads(handles.read_text()), list)
 
 
 def test_a_dead_postgres_is_restarted_while_the_gateway_runs(

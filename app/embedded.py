@@ -97,6 +97,7 @@ class EmbeddedPostgres:
     def _watch(self, interval: float) -> None:
         failing = False
         while not self._stopping.wait(interval):
+            self._keep_handle()
             if _postmaster(self.pgdata) is not None:
                 continue
             try:
@@ -122,6 +123,18 @@ class EmbeddedPostgres:
                     self.data_dir,
                 )
 
+    def _keep_handle(self) -> None:
+        """Put this process back on pgserver's list of the server's users if it is missing: a
+        list that a process killed mid-write left unreadable is rebuilt from nothing
+        (`_drop_dead_handles`), and without its handle another gateway leaving last would stop
+        the server under this one."""
+        with _pgserver().PostgresServer._lock:
+            try:
+                _drop_dead_handles(self.pgdata / _HANDLES)
+                self._server.global_process_id_list.get_and_add(os.getpid())
+            except (OSError, ValueError) as exc:  # tried again at the next tick
+                log.warning("could not check the embedded PostgreSQL's list of users: %s", exc)
+
     def _restart(self) -> int | None:
         """Start the server again if it is still down; the PID it got, or None if another
         process sharing the data directory already did it."""
@@ -144,6 +157,7 @@ class EmbeddedPostgres:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
+        self._keep_handle()  # pgserver stops the server when this handle is the last one
         postgres_server = _pgserver()
         with postgres_server.PostgresServer._lock:
             # What pgserver remembers may be a server that died, or one another gateway
@@ -156,6 +170,12 @@ class EmbeddedPostgres:
             self._server.cleanup()
         except psutil.Error as exc:  # the server died between the look above and pgserver's
             log.warning("the embedded PostgreSQL had already stopped: %s", exc)
+        except ValueError as exc:  # its list of users was cut short since, by another process
+            log.warning(
+                "the embedded PostgreSQL's list of users is unreadable (%s); the server was "
+                "left running, and the next start repairs the list",
+                exc,
+            )
 
 
 def start(data_dir: Path) -> EmbeddedPostgres:
@@ -166,11 +186,11 @@ def start(data_dir: Path) -> EmbeddedPostgres:
     _make_directories(data_dir)
     if os.geteuid() == 0:
         _check_reachable(pgdata, postgres_server)
-    with postgres_server.PostgresServer._lock:  # the lock pgserver takes around its handle list
-        _drop_dead_handles(pgdata / _HANDLES)
-        if pgdata.exists() and _postmaster(pgdata) is None:
-            _clear_dead_server(pgdata)
     try:
+        with postgres_server.PostgresServer._lock:  # pgserver's lock around its handle list
+            _drop_dead_handles(pgdata / _HANDLES)
+            if pgdata.exists() and _postmaster(pgdata) is None:
+                _clear_dead_server(pgdata)
         server = postgres_server.get_server(pgdata, cleanup_mode="stop")
     except (subprocess.SubprocessError, OSError) as exc:
         raise errors.StoreUnavailable(

@@ -54,13 +54,20 @@ class Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                self.stop()  # closes its log: a failed start leaves nothing to later tests
+                self._give_up()
                 raise RuntimeError(f"{self.args} exited early:\n{self.output()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 return
             time.sleep(0.05)
-        self.stop()
+        self._give_up()
         raise RuntimeError(f"{self.args} did not listen on {port}:\n{self.output()}")
+
+    def _give_up(self) -> None:
+        """Stop a start that failed and close its log, so it leaves nothing to later tests; the
+        caller's error, with the log, is what the test reports."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.stop()
+        self._log_file.close()
 
     def signal(self, number: int) -> None:
         if self.popen.poll() is None:

@@ -326,7 +326,39 @@ def test_a_list_of_handles_cut_short_by_a_kill_does_not_stop_the_next_start(
             gateway.stop()
         assert gateway.wait() == 0
         assert "Traceback" not in gateway.output()
-        assert isinstance(json.loads(handles.read_text()), list)
+        assert json.loads(handles.read_text()) == []
+        assert postmaster(data_dir) is None  # the last one out still stops the server
+
+
+def test_a_gateway_whose_handle_was_lost_puts_it_back_and_keeps_its_server(
+    data_dir: Path, upstream: DemoUpstream, tmp_path: Path
+) -> None:
+    """A list of handles cut short is rebuilt from nothing; a gateway that was on it and still
+    runs puts itself back, so another gateway leaving last does not stop the server under it."""
+    key = str(uuid.uuid4())
+    first, first_url = serve(data_dir, upstream, tmp_path / "first.log")
+    try:
+        assert (
+            httpx.post(first_url + "/emails", json={}, headers={"Idempotency-Key": key})
+        ).status_code == 201
+        handles = data_dir / "pgdata" / ".handle_pids.json"
+        handles.write_text("")
+        second, _ = serve(data_dir, upstream, tmp_path / "second.log")
+        deadline = time.monotonic() + RECOVERY_TIMEOUT
+        while first.pid not in json.loads(handles.read_text() or "[]"):
+            assert time.monotonic() < deadline, f"{first.pid} never back in {handles.read_text()}"
+            time.sleep(0.1)
+        server = postmaster(data_dir)
+        second.stop()
+        assert second.wait() == 0
+        assert postmaster(data_dir) == server  # not stopped: the first gateway still uses it
+        replay = httpx.post(first_url + "/emails", json={}, headers={"Idempotency-Key": key})
+        assert replay.headers["idempotent-replayed"] == "true"
+    finally:
+        first.stop()
+    assert first.wait() == 0
+    assert "Traceback" not in first.output()
+    assert postmaster(data_dir) is None
 
 
 def test_a_dead_postgres_is_restarted_while_the_gateway_runs(

@@ -344,12 +344,14 @@ def test_a_gateway_whose_handle_was_lost_puts_it_back_and_keeps_its_server(
         handles = data_dir / "pgdata" / ".handle_pids.json"
         handles.write_text("")
         second, _ = serve(data_dir, upstream, tmp_path / "second.log")
-        deadline = time.monotonic() + RECOVERY_TIMEOUT
-        while first.pid not in json.loads(handles.read_text() or "[]"):
-            assert time.monotonic() < deadline, f"{first.pid} never back in {handles.read_text()}"
-            time.sleep(0.1)
-        server = postmaster(data_dir)
-        second.stop()
+        try:
+            deadline = time.monotonic() + RECOVERY_TIMEOUT
+            while first.pid not in json.loads(handles.read_text() or "[]"):
+                assert time.monotonic() < deadline, f"{first.pid} not back: {handles.read_text()}"
+                time.sleep(0.1)
+            server = postmaster(data_dir)
+        finally:
+            second.stop()
         assert second.wait() == 0
         assert postmaster(data_dir) == server  # not stopped: the first gateway still uses it
         replay = httpx.post(first_url + "/emails", json={}, headers={"Idempotency-Key": key})

@@ -27,11 +27,9 @@ import argparse
 import asyncio
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,8 +38,6 @@ from pathlib import Path
 import asyncpg
 import quick
 import run
-
-from oncegate import embedded, schema
 
 STARTUP_TIMEOUT = 60.0
 WARMUP = 2.0
@@ -112,64 +108,60 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     arguments = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="oncegate-capacity-"))
-    work.chmod(0o755)  # as root the embedded PostgreSQL runs as its own user
-    server = embedded.start(work / "data")
     started: list[subprocess.Popen[bytes]] = []
-    try:
-        url = server.url
-        schema.upgrade(url)
-        environment = {name: value for name, value in os.environ.items()
-                       if not name.startswith("ONCEGATE_")}  # fmt: skip
-        environment["ONCEGATE_DATABASE_URL"] = url
-        upstream_port, port, admin_port = (quick.free_port() for _ in range(3))
-        commands = [
-            quick.oncegate("demo-upstream", "--host", quick.HOST, "--port", str(upstream_port)),
-            quick.oncegate("serve", "--upstream", f"http://{quick.HOST}:{upstream_port}",
-                           "--host", quick.HOST, "--port", str(port),
-                           "--admin-port", str(admin_port), "--log-level", "warning"),
-        ]  # fmt: skip
-        for name, command in zip(("upstream", "gateway"), commands, strict=True):
-            with (work / f"{name}.log").open("wb") as log:
-                process = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=environment,
+    with quick.embedded_postgres("oncegate-capacity-") as server:
+        work = server.data_dir.parent  # the temporary directory: the servers' logs go there too
+        try:
+            url = server.url
+            environment = {name: value for name, value in os.environ.items()
+                           if not name.startswith("ONCEGATE_")}  # fmt: skip
+            environment["ONCEGATE_DATABASE_URL"] = url
+            upstream_port, port, admin_port = (quick.free_port() for _ in range(3))
+            commands = [
+                quick.oncegate("demo-upstream", "--host", quick.HOST, "--port", str(upstream_port)),
+                quick.oncegate("serve", "--upstream", f"http://{quick.HOST}:{upstream_port}",
+                               "--host", quick.HOST, "--port", str(port),
+                               "--admin-port", str(admin_port), "--log-level", "warning"),
+            ]  # fmt: skip
+            for name, command in zip(("upstream", "gateway"), commands, strict=True):
+                with (work / f"{name}.log").open("wb") as log:
+                    process = subprocess.Popen(
+                        command,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=environment,
+                    )
+                    started.append(process)
+            for process, (name, listening) in zip(
+                started, (("upstream", upstream_port), ("gateway", port)), strict=True
+            ):
+                quick.wait_listening(process, listening, work / f"{name}.log", STARTUP_TIMEOUT)
+            upstream, gateway = started
+            groups = {"gateway": [gateway.pid], "postgres": [postmaster_pid(server.pgdata)],
+                      "upstream": [upstream.pid]}  # fmt: skip
+            asyncio.run(drive(port, arguments.connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}"))
+            samples = []
+            for _ in range(arguments.repeats):
+                before, busy = run.cpu_seconds(groups), run.machine_busy_seconds()
+                client = run.own_seconds()
+                result = asyncio.run(
+                    drive(port, arguments.connections, arguments.duration, uuid.uuid4().hex[:12])
                 )
-                started.append(process)
-        for process, (name, listening) in zip(
-            started, (("upstream", upstream_port), ("gateway", port)), strict=True
-        ):
-            quick.wait_listening(process, listening, work / f"{name}.log", STARTUP_TIMEOUT)
-        upstream, gateway = started
-        groups = {"gateway": [gateway.pid], "postgres": [postmaster_pid(server.pgdata)],
-                  "upstream": [upstream.pid]}  # fmt: skip
-        asyncio.run(drive(port, arguments.connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}"))
-        samples = []
-        for _ in range(arguments.repeats):
-            before, busy = run.cpu_seconds(groups), run.machine_busy_seconds()
-            client = run.own_seconds()
-            result = asyncio.run(
-                drive(port, arguments.connections, arguments.duration, uuid.uuid4().hex[:12])
-            )
-            after, busy_after = run.cpu_seconds(groups), run.machine_busy_seconds()
-            client = run.own_seconds() - client
-            if result.errors:
-                print(f"errors: {dict(result.errors)}", file=sys.stderr)
-                return 1
-            used = [after[name] - before[name] for name in ("gateway", "postgres", "upstream")]
-            samples.append(
-                Sample(result.requests, result.elapsed, *used, client, busy_after - busy)
-            )
-        peak = peak_memory_kib(gateway.pid)
-        keys, size = asyncio.run(table_size(url))
-    finally:
-        for process in reversed(started):
-            quick.stop(process)
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+                after, busy_after = run.cpu_seconds(groups), run.machine_busy_seconds()
+                client = run.own_seconds() - client
+                if result.errors:
+                    print(f"errors: {dict(result.errors)}", file=sys.stderr)
+                    return 1
+                used = [after[name] - before[name] for name in ("gateway", "postgres", "upstream")]
+                samples.append(
+                    Sample(result.requests, result.elapsed, *used, client, busy_after - busy)
+                )
+            peak = peak_memory_kib(gateway.pid)
+            keys, size = asyncio.run(table_size(url))
+        finally:
+            for process in reversed(started):
+                quick.stop(process)
     gateway_ms = statistics.median(sample.per_forward(sample.gateway) for sample in samples)
     postgres_ms = statistics.median(sample.per_forward(sample.postgres) for sample in samples)
     print(f"$ .venv/bin/python bench/capacity.py {' '.join(sys.argv[1:])}".rstrip())

@@ -63,11 +63,10 @@ class Process:
         raise RuntimeError(f"{self.args} did not listen on {port}:\n{self.output()}")
 
     def _give_up(self) -> None:
-        """Stop a start that failed and close its log, so it leaves nothing to later tests; the
-        caller's error, with the log, is what the test reports."""
+        """Stop a start that failed, so it leaves nothing to later tests; the caller's error,
+        with the log, is what the test reports."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.stop()
-        self._log_file.close()
 
     def signal(self, number: int) -> None:
         if self.popen.poll() is None:
@@ -77,14 +76,16 @@ class Process:
         return self.popen.wait(timeout)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.popen.wait(5)
-        self._log_file.close()
+        try:
+            if self.popen.poll() is None:
+                self.signal(signal.SIGTERM)
+                try:
+                    self.popen.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.signal(signal.SIGKILL)
+                    self.popen.wait(5)
+        finally:
+            self._log_file.close()  # whatever happened: an open log fails a later test
 
 
 class DemoUpstream:

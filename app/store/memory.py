@@ -86,6 +86,8 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._rows: dict[tuple[bytes, str], _Row] = {}
+        # Where each row is, by id: a row keeps its id and its place from its claim to its end.
+        self._places: dict[int, tuple[bytes, str]] = {}
         self._ids = itertools.count(1)
         self._watchers = Watchers()
         self._ended_sessions: dict[bytes, float] = {}
@@ -124,6 +126,7 @@ class MemoryStore:
             created_at=now,
         )  # fmt: skip
         self._rows[(scope, key)] = row
+        self._places[row.id] = (scope, key)
         return Claim(row.id, row.token, row.key)
 
     async def get(self, scope: bytes, key: str) -> Record | None:
@@ -187,7 +190,7 @@ class MemoryStore:
         row = self._held(claim, ("in_progress",))
         if row is None:
             return False
-        del self._rows[(row.scope, row.key)]
+        self._delete(row)
         self._settled(row)
         return True
 
@@ -205,7 +208,7 @@ class MemoryStore:
         now = self._clock()
         doomed = [place for place, row in self._rows.items() if state_of(row, now) == "expired"]
         for place in doomed[:batch_size]:
-            del self._rows[place]
+            self._delete(self._rows[place])
         return min(len(doomed), batch_size)
 
     async def schema_revision(self) -> str | None:
@@ -257,7 +260,7 @@ class MemoryStore:
             return None
         if state_of(row, self._clock()) == "in_progress":
             return False
-        del self._rows[(row.scope, row.key)]
+        self._delete(row)
         return True
 
     async def resolve_completed(
@@ -292,7 +295,7 @@ class MemoryStore:
         row = self._by_id(record_id)
         if row is None or state_of(row, self._clock()) != "unknown":
             return False
-        del self._rows[(row.scope, row.key)]
+        self._delete(row)
         return True
 
     async def queue(
@@ -358,7 +361,12 @@ class MemoryStore:
         )
 
     def _by_id(self, record_id: int) -> _Row | None:
-        return next((row for row in self._rows.values() if row.id == record_id), None)
+        place = self._places.get(record_id)
+        return None if place is None else self._rows.get(place)
+
+    def _delete(self, row: _Row) -> None:
+        del self._rows[(row.scope, row.key)]
+        del self._places[row.id]
 
     def _held(self, claim: Claim, states: tuple[str, ...]) -> _Row | None:
         row = self._by_id(claim.id)

@@ -134,6 +134,10 @@ FORWARD = Configuration("oncegate forward", "gateway", 0)
 # what FORWARD costs.
 WAITED_ROUTE = "/waited"
 WAIT_FORWARD = Configuration("oncegate forward, route wait", "gateway", 0, WAITED_ROUTE + PATH)
+# The gateway's request path with the in-memory store (bench/memory_gateway.py): no statement
+# sent, so the bare proxy's row, this one and FORWARD split a forward's proxy CPU into the server
+# stack, the gateway's own Python and the store (`split_line`).
+IN_MEMORY = Configuration("oncegate forward, in-memory store", "memory", 0)
 REPLAY = Configuration("oncegate replay", "gateway", 100)
 MIX = Configuration("oncegate mix 80/20", "gateway", 20)
 # The same gateway with ONCEGATE_ENCRYPTION_KEYS: what sealing every stored answer costs.
@@ -143,13 +147,13 @@ IDEMKIT_FORWARD = Configuration("idemkit forward", "idemkit", 0)
 IDEMKIT_REPLAY = Configuration("idemkit replay", "idemkit", 100)
 IDEMKIT_MIX = Configuration("idemkit mix 80/20", "idemkit", 20)
 MAIN = (
-    DIRECT, BARE, FORWARD, WAIT_FORWARD, REPLAY, MIX, SEALED_FORWARD, SEALED_REPLAY,
+    DIRECT, BARE, FORWARD, WAIT_FORWARD, IN_MEMORY, REPLAY, MIX, SEALED_FORWARD, SEALED_REPLAY,
     IDEMKIT_FORWARD, IDEMKIT_REPLAY, IDEMKIT_MIX,
 )  # fmt: skip
 # No proxy: the gateway's own claim and complete statements, one after the other on asyncpg
 # (its pools' settings) against the same PostgreSQL: the floor of a forward's added latency.
 FLOOR = Configuration("raw claim+complete floor (asyncpg)", "floor", 0)
-LATENCY = (BARE, FORWARD, REPLAY, MIX, FLOOR)
+LATENCY = (BARE, FORWARD, IN_MEMORY, REPLAY, MIX, FLOOR)
 SWEPT = (BARE, FORWARD, REPLAY)
 PEERS = {FORWARD: IDEMKIT_FORWARD, REPLAY: IDEMKIT_REPLAY, MIX: IDEMKIT_MIX}
 # The same rows with two worker processes per proxy (`serve --workers 2`, the bare proxy's
@@ -351,7 +355,8 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
     ports = {
         name: quick.free_port()
         for name in (
-            "upstream", "gateway", "sealed", "bare", "idemkit", "bare2", "gateway2", "baseline"
+            "upstream", "gateway", "sealed", "bare", "idemkit", "bare2", "gateway2", "baseline",
+            "memory",
         )
     }  # fmt: skip
     admin_ports = {
@@ -429,6 +434,15 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
         )  # fmt: skip
         bare = _start(bare_proxy("bare", workers), work / "bare.log", environment, started)
         extra: dict[str, subprocess.Popen[bytes]] = {}
+        if arguments.workers == 1:  # one process, as IN_MEMORY's row is read against FORWARD's
+            extra["memory"] = _start(
+                [sys.executable, str(BENCH / "memory_gateway.py"), "--upstream",
+                 f"http://{HOST}:{ports['upstream']}", "--config", str(waited), "--host", HOST,
+                 "--port", str(ports["memory"])],
+                work / "memory.log",
+                environment,
+                started,
+            )  # fmt: skip
         if arguments.baseline is not None:
             command = serve("baseline")
             command[0] = str(arguments.baseline / ".venv" / "bin" / "python")
@@ -1144,6 +1158,33 @@ def wait_line(results: Results, connections: int) -> str:
     )
 
 
+def split_line(results: Results, connections: int) -> str:
+    """A forward's proxy CPU in three parts (medians): the server stack (the bare proxy's), the
+    gateway's own Python (the in-memory store's row less the bare proxy's) and the store (the
+    forward less the in-memory row), with PostgreSQL's own CPU beside it; at 1 connection, the
+    same split of the p50 added over the bare proxy."""
+    bare, memory, forward = (
+        results.median(configuration, connections, _proxy_cpu)
+        for configuration in (BARE, IN_MEMORY, FORWARD)
+    )
+    if math.isnan(memory):
+        return ""
+    line = (
+        f"\nsplit of a forward's proxy CPU: the stack {bare:.3f} ms; the gateway's own Python "
+        f"{memory - bare:+.3f} ms; the store, on the gateway's side, {forward - memory:+.3f} ms "
+        f"(PostgreSQL's own CPU: {results.median(FORWARD, connections, _postgres_cpu):.3f} ms)"
+    )
+    if connections == 1:
+        bare_p50, memory_p50, forward_p50 = (
+            results.median(configuration, 1, _p50) for configuration in (BARE, IN_MEMORY, FORWARD)
+        )
+        line += (
+            f"\nsplit of a forward's p50: the bare proxy {bare_p50:.2f} ms; the gateway's own "
+            f"{memory_p50 - bare_p50:+.2f} ms; the store {forward_p50 - memory_p50:+.2f} ms"
+        )
+    return line
+
+
 def latency_table(results: Results) -> str:
     """The 1-connection rows: what a forward adds over the bare proxy at p50, against the floor
     row, the gateway's own statements measured raw (claim and complete there are medians; on
@@ -1658,10 +1699,14 @@ def main() -> int:
             target_lines: list[str] = []
             if arguments.main:
                 main_rows = MAIN if arguments.baseline is None else MAIN + BASELINE
+                latency_rows = LATENCY
+                if arguments.workers > 1:  # no in-memory gateway (`servers`)
+                    main_rows = tuple(row for row in main_rows if row is not IN_MEMORY)
+                    latency_rows = tuple(row for row in LATENCY if row is not IN_MEMORY)
                 plan = [(configuration, arguments.connections) for configuration in main_rows]
                 if arguments.workers == 1:
                     plan += [(two, arguments.connections) for two in TWO_WORKERS]
-                plan += [(configuration, 1) for configuration in LATENCY]
+                plan += [(configuration, 1) for configuration in latency_rows]
                 if arguments.baseline is not None:
                     plan.append((BASE_FORWARD, 1))
                 run_plan(running, plan, arguments, results)
@@ -1670,6 +1715,7 @@ def main() -> int:
                 print(main_table(results, arguments.connections, main_rows))
                 print_batch_lines(results, main_rows, [arguments.connections])
                 print(wait_line(results, arguments.connections))
+                print(split_line(results, arguments.connections))
                 two = workers_table(results, arguments.connections)
                 if two is not None:
                     print(f"\ntwo workers per proxy, {arguments.connections} connections:\n")
@@ -1677,7 +1723,8 @@ def main() -> int:
                     print_batch_lines(results, TWO_WORKERS, [arguments.connections])
                 print("\n1 connection (the latency target):\n")
                 print(latency_table(results))
-                print_batch_lines(results, LATENCY, [1])
+                print_batch_lines(results, latency_rows, [1])
+                print(split_line(results, 1))
                 if arguments.profile is not None:
                     for level, profiled in (
                         (arguments.connections, (BARE, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD)),

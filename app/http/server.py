@@ -25,6 +25,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -109,7 +110,7 @@ def _address(sock: socket.socket) -> str:
 def _work(
     settings: Settings, database_url: str, sockets: list[socket.socket], received: list[int]
 ) -> None:
-    loop_factory = _config(None).get_loop_factory()
+    loop_factory = uvicorn_config(None).get_loop_factory()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_serve(settings, database_url, sockets, received))
 
@@ -181,8 +182,8 @@ async def _serve_traced(
 ) -> None:
     async with running(settings, database_url) as runtime:
         servers = [
-            _Server(_config(tracing.wrap(create_proxy_app(runtime)))),
-            _Server(_config(create_admin_app(runtime))),
+            _Server(uvicorn_config(tracing.wrap(create_proxy_app(runtime)))),
+            _Server(uvicorn_config(create_admin_app(runtime))),
         ]
         loop = asyncio.get_running_loop()
 
@@ -218,9 +219,12 @@ def _recorded(number: int, received: list[int], stop: Callable[[], None]) -> Non
     stop()
 
 
-def _config(app: object) -> uvicorn.Config:
+def uvicorn_config(app: object, **where: Any) -> uvicorn.Config:
+    """How the gateway serves an ASGI application: its sockets come from `run`, or `where`
+    (host, port) says where to listen (bench/store_share.py)."""
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
+        **where,
         lifespan="off",  # `running` owns the resources of both applications
         http=protocol.HttpProtocol,  # upgrade offers are ignored, bodies kept (protocol.py)
         ws="none",  # no WebSocket: an upgrade to it is an offer like any other

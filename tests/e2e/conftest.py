@@ -30,14 +30,20 @@ PROBLEM = "application/problem+json"
 
 
 class Process:
-    """A started `oncegate` command."""
+    """A started `oncegate` command (or another `program` of this Python's)."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        program: Sequence[str] = ("-m", "oncegate.cli"),
+    ) -> None:
         self.args = args
         self.log = log
         self._log_file = log.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "oncegate.cli", *args],
+            [sys.executable, *program, *args],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

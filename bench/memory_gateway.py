@@ -1,0 +1,61 @@
+"""The gateway's request path with the in-memory store: `bench/run.py`'s row "oncegate forward,
+in-memory store", which splits what a forward costs the gateway's process into the server stack
+(the bare proxy's row), the gateway's own Python (this row less the bare proxy's) and the store
+(the forward row less this one).
+
+It is built as `oncegate serve` builds its proxy port (app/http/runtime.py): the same settings
+and routes (`--upstream`, `--config`), logging, metrics, `Gateway`, `ProxyApp` and uvicorn
+options; only the store differs: `oncegate.store.memory.MemoryStore`, whose claims and completes
+are answered in the process, no statement sent. It is an instrument, never a way to run the
+gateway: the in-memory store knows no other process and forgets everything when it stops.
+
+    .venv/bin/python bench/memory_gateway.py --upstream URL [--config FILE] [--port PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import uvicorn
+
+from oncegate import logs, metrics, service, settings
+from oncegate.http import proxy, server
+from oncegate.routing import RouteTable
+from oncegate.store.memory import MemoryStore
+from oncegate.upstream.client import HttpUpstream
+
+
+async def serve(config: settings.Settings) -> None:
+    upstream = HttpUpstream()
+    gateway = service.Gateway(
+        MemoryStore(), upstream, config.keyring(), (config.max_waiters, config.max_waiters_per_key)
+    )
+    application = proxy.ProxyApp(gateway, RouteTable(config.routes))
+    server.quiet_collector()  # as the gateway does right before it serves
+    try:
+        await uvicorn.Server(
+            server.uvicorn_config(application, host=config.host, port=config.port)
+        ).serve()
+    finally:
+        await gateway.drain()
+        await upstream.aclose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", required=True, metavar="URL")
+    parser.add_argument("--config", metavar="FILE")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8095)
+    arguments = parser.parse_args()
+    config = settings.load(vars(arguments))
+    logs.configure(config.log_format, config.log_level)
+    metrics.setup()
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

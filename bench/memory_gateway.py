@@ -3,11 +3,12 @@ in-memory store", which splits what a forward costs the gateway's process into t
 (the bare proxy's row), the gateway's own Python (this row less the bare proxy's) and the store
 (the forward row less this one).
 
-It is built as `oncegate serve` builds its proxy port (app/http/runtime.py): the same settings
-and routes (`--upstream`, `--config`), logging, metrics, `Gateway`, `ProxyApp` and uvicorn
-options; only the store differs: `oncegate.store.memory.MemoryStore`, whose claims and completes
-are answered in the process, no statement sent. It is an instrument, never a way to run the
-gateway: the in-memory store knows no other process and forgets everything when it stops.
+It is built as `oncegate serve` builds its proxy port (app/http/runtime.py, app/http/server.py):
+the same settings and routes (`--upstream`, `--config`), logging, metrics, `Gateway`, `ProxyApp`,
+event loop (uvloop) and uvicorn options. Only the store differs: `oncegate.store.memory`'s, whose
+claims and completes are answered in the process, no statement sent. It is an instrument, never a
+way to run the gateway: the in-memory store knows no other process and forgets everything when
+it stops.
 
     .venv/bin/python bench/memory_gateway.py --upstream URL [--config FILE] [--port PORT]
 """
@@ -53,7 +54,9 @@ def main() -> int:
     config = settings.load(vars(arguments))
     logs.configure(config.log_format, config.log_level)
     metrics.setup()
-    asyncio.run(serve(config))
+    # The gateway's event loop (uvloop where installed), as `serve` runs it (app/http/server.py).
+    with asyncio.Runner(loop_factory=server.uvicorn_config(None).get_loop_factory()) as runner:
+        runner.run(serve(config))
     return 0
 
 

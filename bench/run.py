@@ -1727,7 +1727,10 @@ def main() -> int:
                 print(split_line(results, 1))
                 if arguments.profile is not None:
                     for level, profiled in (
-                        (arguments.connections, (BARE, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD)),
+                        (
+                            arguments.connections,
+                            (BARE, IN_MEMORY, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD),
+                        ),
                         (arguments.connections, (BARE, *BASELINE)),
                         (1, (*LATENCY, BASE_FORWARD)),
                     ):

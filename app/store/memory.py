@@ -1,4 +1,5 @@
-"""An in-memory `Store`, for pure tests of the state machine in one process.
+"""An in-memory `Store`, for pure tests of the state machine in one process, and for the bench's
+instrument that measures the gateway without its store (bench/memory_gateway.py).
 
 It is never the gateway's store: it forgets everything on exit and knows no other process. It
 exists so that `service.Gateway` can be driven through laps no timing makes happen on demand
@@ -81,10 +82,16 @@ def state_of(row: _Row, now: float) -> State:
 
 
 class MemoryStore:
-    """The `Store` Protocol on a dict. `clock` gives seconds (wall time by default)."""
+    """The `Store` Protocol on a dict. `clock` gives seconds (wall time by default).
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    `capacity`: at most this many keys; a claim beyond it first drops the oldest key, if it is
+    settled. For bench/memory_gateway.py, whose store lives through a whole benchmark: the
+    gateway keeps none of its keys in its own process, and neither should the instrument that
+    stands in for it. Unbounded by default."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, capacity: int | None = None) -> None:
         self._clock = clock
+        self._capacity = capacity
         self._rows: dict[tuple[bytes, str], _Row] = {}
         # Where each row is, by id: a row keeps its id and its place from its claim to its end.
         self._places: dict[int, tuple[bytes, str]] = {}
@@ -125,6 +132,10 @@ class MemoryStore:
             state="in_progress", token=1, lease_expires_at=now + lease, expires_at=now + ttl,
             created_at=now,
         )  # fmt: skip
+        if self._capacity is not None and len(self._rows) >= self._capacity:
+            oldest = next(iter(self._rows.values()))  # a dict keeps its keys in claim order
+            if state_of(oldest, now) != "in_progress":
+                self._delete(oldest)
         self._rows[(scope, key)] = row
         self._places[row.id] = (scope, key)
         return Claim(row.id, row.token, row.key)

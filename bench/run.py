@@ -434,7 +434,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
         )  # fmt: skip
         bare = _start(bare_proxy("bare", workers), work / "bare.log", environment, started)
         extra: dict[str, subprocess.Popen[bytes]] = {}
-        if arguments.workers == 1:  # one process, as IN_MEMORY's row is read against FORWARD's
+        if arguments.workers == 1 and arguments.main:  # one process: read against FORWARD's
             extra["memory"] = _start(
                 [sys.executable, str(BENCH / "memory_gateway.py"), "--upstream",
                  f"http://{HOST}:{ports['upstream']}", "--config", str(waited), "--host", HOST,
@@ -1158,22 +1158,30 @@ def wait_line(results: Results, connections: int) -> str:
     )
 
 
+def print_if(text: str) -> None:
+    if text:
+        print(text)
+
+
 def split_line(results: Results, connections: int) -> str:
     """A forward's proxy CPU in three parts (medians): the server stack (the bare proxy's), the
     gateway's own Python (the in-memory store's row less the bare proxy's) and the store (the
     forward less the in-memory row), with PostgreSQL's own CPU beside it; at 1 connection, the
     same split of the p50 added over the bare proxy."""
+    if not results.get(IN_MEMORY, connections):
+        return ""  # not measured (--workers above 1)
+    line = ""
     bare, memory, forward = (
         results.median(configuration, connections, _proxy_cpu)
         for configuration in (BARE, IN_MEMORY, FORWARD)
     )
-    if math.isnan(memory):
-        return ""
-    line = (
-        f"\nsplit of a forward's proxy CPU: the stack {bare:.3f} ms; the gateway's own Python "
-        f"{memory - bare:+.3f} ms; the store, on the gateway's side, {forward - memory:+.3f} ms "
-        f"(PostgreSQL's own CPU: {results.median(FORWARD, connections, _postgres_cpu):.3f} ms)"
-    )
+    if not math.isnan(bare + memory + forward):  # CPU is known (PostgreSQL's processes found)
+        line += (
+            f"\nsplit of a forward's proxy CPU: the stack {bare:.3f} ms; the gateway's own "
+            f"Python {memory - bare:+.3f} ms; the store, on the gateway's side, "
+            f"{forward - memory:+.3f} ms (PostgreSQL's own CPU: "
+            f"{results.median(FORWARD, connections, _postgres_cpu):.3f} ms)"
+        )
     if connections == 1:
         bare_p50, memory_p50, forward_p50 = (
             results.median(configuration, 1, _p50) for configuration in (BARE, IN_MEMORY, FORWARD)
@@ -1715,7 +1723,7 @@ def main() -> int:
                 print(main_table(results, arguments.connections, main_rows))
                 print_batch_lines(results, main_rows, [arguments.connections])
                 print(wait_line(results, arguments.connections))
-                print(split_line(results, arguments.connections))
+                print_if(split_line(results, arguments.connections))
                 two = workers_table(results, arguments.connections)
                 if two is not None:
                     print(f"\ntwo workers per proxy, {arguments.connections} connections:\n")
@@ -1724,7 +1732,7 @@ def main() -> int:
                 print("\n1 connection (the latency target):\n")
                 print(latency_table(results))
                 print_batch_lines(results, latency_rows, [1])
-                print(split_line(results, 1))
+                print_if(split_line(results, 1))
                 if arguments.profile is not None:
                     for level, profiled in (
                         (

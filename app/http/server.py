@@ -221,7 +221,7 @@ def _recorded(number: int, received: list[int], stop: Callable[[], None]) -> Non
 
 def uvicorn_config(app: object, **where: Any) -> uvicorn.Config:
     """How the gateway serves an ASGI application: its sockets come from `run`, or `where`
-    (host, port) says where to listen (bench/store_share.py)."""
+    (host, port) says where to listen (bench/memory_gateway.py)."""
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         **where,

@@ -1,7 +1,10 @@
 """`bench/memory_gateway.py`, the bench's in-memory row, is the gateway's request path with only
 the store swapped: `make bench` reads the gateway's own Python as its CPU less the bare proxy's,
 which holds only if it does what the gateway does (claim, forward once, store, replay, refuse a
-changed retry), not a shortcut."""
+changed retry) on the gateway's event loop, not a shortcut.
+
+A test of the bench's instrument, not of the gateway: what the gateway does is shown on
+PostgreSQL (tests/e2e), never on the in-memory store."""
 
 from __future__ import annotations
 
@@ -19,7 +22,21 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "memory_gateway.py"
 
 
 @pytest.fixture(scope="module")
-def memory_gateway(module_dir: Path, upstream: DemoUpstream) -> Iterator[str]:
+def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("memory-gateway")
+
+
+@pytest.fixture(scope="module")
+def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
+    demo = DemoUpstream(module_dir)
+    try:
+        yield demo
+    finally:
+        demo.process.stop()
+
+
+@pytest.fixture(scope="module")
+def memory_gateway(module_dir: Path, upstream: DemoUpstream) -> Iterator[tuple[str, int]]:
     port = free_port()
     config = module_dir / "memory-gateway.yaml"
     config.write_text(yaml.safe_dump({"routes": [{"name": "emails", "match": "/emails",
@@ -31,16 +48,16 @@ def memory_gateway(module_dir: Path, upstream: DemoUpstream) -> Iterator[str]:
     )
     try:
         process.wait_listening(port)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", process.pid
     finally:
         process.stop()
 
 
 def test_it_forwards_once_replays_the_retry_and_refuses_a_changed_one(
-    memory_gateway: str, upstream: DemoUpstream
+    memory_gateway: tuple[str, int], upstream: DemoUpstream
 ) -> None:
     key = new_key()
-    with httpx.Client(base_url=memory_gateway) as client:
+    with httpx.Client(base_url=memory_gateway[0]) as client:
         first = client.post("/emails", json={"to": "a@example.com"}, headers=keyed(key))
         retry = client.post("/emails", json={"to": "a@example.com"}, headers=keyed(key))
         changed = client.post("/emails", json={"to": "b@example.com"}, headers=keyed(key))
@@ -54,3 +71,10 @@ def test_it_forwards_once_replays_the_retry_and_refuses_a_changed_one(
     assert problem_name(changed) == "key-reused"
     assert keyless.status_code == 400
     assert len(upstream.actions(key)) == 1
+
+
+def test_it_serves_on_the_gateways_event_loop(memory_gateway: tuple[str, int]) -> None:
+    # uvicorn loads uvloop only for the loop it makes: mapped into the process, it is the loop.
+    # (The first version of the instrument ran on asyncio's own loop, and measured that.)
+    maps = Path(f"/proc/{memory_gateway[1]}/maps").read_text()
+    assert "uvloop" in maps

@@ -28,11 +28,8 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
-    demo = DemoUpstream(module_dir)
-    try:
+    with DemoUpstream(module_dir) as demo:
         yield demo
-    finally:
-        demo.process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,12 @@ class DemoUpstream:
         actions: list[dict[str, Any]] = response.json()["actions"]
         return actions
 
+    def __enter__(self) -> DemoUpstream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.process.stop()
+
 
 class GatewayProcess:
     def __init__(
@@ -164,11 +170,8 @@ def module_dir(
 
 @pytest.fixture(scope="module")
 def upstream(module_dir: Path) -> Iterator[DemoUpstream]:
-    demo = DemoUpstream(module_dir)
-    try:
+    with DemoUpstream(module_dir) as demo:
         yield demo
-    finally:
-        demo.process.stop()
 
 
 @pytest.fixture

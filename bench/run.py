@@ -1734,14 +1734,16 @@ def main() -> int:
                 print_batch_lines(results, latency_rows, [1])
                 print_if(split_line(results, 1))
                 if arguments.profile is not None:
-                    for level, profiled in (
+                    profiles = [
                         (
                             arguments.connections,
                             (BARE, IN_MEMORY, FORWARD, REPLAY, MIX, IDEMKIT_FORWARD),
                         ),
-                        (arguments.connections, (BARE, *BASELINE)),
                         (1, (*LATENCY, BASE_FORWARD)),
-                    ):
+                    ]
+                    if arguments.baseline is not None:  # else a table of the bare proxy alone
+                        profiles.insert(1, (arguments.connections, (BARE, *BASELINE)))
+                    for level, profiled in profiles:
                         text = profile_table(results, level, profiled)
                         if text is not None:
                             print(f"\nwhere the proxy's CPU went, {level} connections (py-spy):\n")

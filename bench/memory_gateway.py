@@ -23,8 +23,8 @@ import sys
 
 import uvicorn
 
-from oncegate import logs, metrics, service, settings
-from oncegate.http import proxy, server
+from oncegate import logs, metrics, settings
+from oncegate.http import proxy, runtime, server
 from oncegate.routing import RouteTable
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream.client import HttpUpstream
@@ -36,11 +36,8 @@ CAPACITY = 10_000
 
 
 async def serve(config: settings.Settings) -> None:
-    gateway = service.Gateway(
-        MemoryStore(capacity=CAPACITY),
-        HttpUpstream(),
-        config.keyring(),
-        (config.max_waiters, config.max_waiters_per_key),
+    gateway = runtime.gateway_of(
+        config, MemoryStore(capacity=CAPACITY), HttpUpstream(), config.keyring()
     )
     application = proxy.ProxyApp(gateway, RouteTable(config.routes))
     server.quiet_collector()  # as the gateway does right before it serves

@@ -23,8 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors, metrics, service
 from ..routing import RouteTable
+from ..sealing import Keyring
 from ..settings import Settings
+from ..store import Store
 from ..store.postgres import PostgresStore
+from ..upstream import Upstream
 from ..upstream.client import HttpUpstream
 from . import admin, problems, proxy, sessions, ui
 from .deps import Runtime
@@ -38,9 +41,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     store = await PostgresStore.connect(database_url, settings.store_options())
     upstream = HttpUpstream()
     keyring = settings.keyring()
-    gateway = service.Gateway(
-        store, upstream, keyring, (settings.max_waiters, settings.max_waiters_per_key)
-    )
+    gateway = gateway_of(settings, store, upstream, keyring)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
     counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
@@ -64,6 +65,15 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
                 await task
         await upstream.aclose()
         await store.close()
+
+
+def gateway_of(
+    settings: Settings, store: Store, upstream: Upstream, keyring: Keyring | None
+) -> service.Gateway:
+    """The request path's service, as the settings make it (bench/memory_gateway.py makes it
+    with the in-memory store)."""
+    waiters = (settings.max_waiters, settings.max_waiters_per_key)
+    return service.Gateway(store, upstream, keyring, waiters)
 
 
 def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:

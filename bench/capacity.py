@@ -124,15 +124,7 @@ def main() -> int:
                                "--admin-port", str(admin_port), "--log-level", "warning"),
             ]  # fmt: skip
             for name, command in zip(("upstream", "gateway"), commands, strict=True):
-                with (work / f"{name}.log").open("wb") as log:
-                    process = subprocess.Popen(
-                        command,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=environment,
-                    )
-                    started.append(process)
+                quick.start(command, work / f"{name}.log", environment, started)
             for process, (name, listening) in zip(
                 started, (("upstream", upstream_port), ("gateway", port)), strict=True
             ):

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent  # the repository: where the servers run
 BODY = json.dumps(
     {"to": "bench@example.com", "subject": "benchmark", "text": "hello"}, separators=(",", ":")
 ).encode()
@@ -262,6 +263,28 @@ def tail(log: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def start(
+    command: list[str],
+    log: Path,
+    environment: dict[str, str],
+    started: list[subprocess.Popen[bytes]],
+    cwd: Path = ROOT,
+) -> subprocess.Popen[bytes]:
+    """Start a server with its output in `log`, added to `started` (which the caller stops, by
+    `stop`, whatever happens)."""
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=environment,
+            cwd=cwd,
+        )
+    started.append(process)
+    return process
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM, wait, SIGKILL after STOP_TIMEOUT."""
     if process.poll() is not None:
@@ -293,6 +316,14 @@ def stop_orphaned_postgres(pgdata: Path) -> None:
             time.sleep(0.1)
 
 
+def work_directory(prefix: str) -> Path:
+    """A fresh temporary directory for a benchmark's servers and logs, open to other users: as
+    root the embedded PostgreSQL runs as pgserver's user, and must get into it."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    work.chmod(0o755)
+    return work
+
+
 @contextlib.contextmanager
 def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
     """An embedded PostgreSQL (`oncegate.embedded`) with oncegate's migrations, in a fresh
@@ -301,8 +332,7 @@ def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
     clean-up, so running out of it cannot cut the server's stop short."""
     from oncegate import embedded, schema  # the scripts that start one put the root on the path
 
-    work = Path(tempfile.mkdtemp(prefix=prefix))
-    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
+    work = work_directory(prefix)
     server = None
     try:
         server = embedded.start(work / "data")
@@ -357,36 +387,19 @@ def servers(work: Path) -> Iterator[tuple[int, int]]:
     environment = server_environment(work / "data")
     started: list[subprocess.Popen[bytes]] = []
     try:
-        with (work / "upstream.log").open("wb") as log:
-            started.append(
-                subprocess.Popen(
-                    oncegate("demo-upstream", "--host", HOST, "--port", str(upstream_port)),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=environment,
-                )
-            )
-        with (work / "gateway.log").open("wb") as log:
-            started.append(
-                subprocess.Popen(
-                    oncegate(
-                        "serve",
-                        "--upstream",
-                        f"http://{HOST}:{upstream_port}",
-                        "--host",
-                        HOST,
-                        "--port",
-                        str(gateway_port),
-                        "--admin-port",
-                        str(admin_port),
-                    ),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=environment,
-                )
-            )
+        start(
+            oncegate("demo-upstream", "--host", HOST, "--port", str(upstream_port)),
+            work / "upstream.log",
+            environment,
+            started,
+        )
+        start(
+            oncegate("serve", "--upstream", f"http://{HOST}:{upstream_port}", "--host", HOST,
+                     "--port", str(gateway_port), "--admin-port", str(admin_port)),
+            work / "gateway.log",
+            environment,
+            started,
+        )  # fmt: skip
         wait_listening(started[0], upstream_port, work / "upstream.log", STARTUP_TIMEOUT)
         wait_listening(started[1], gateway_port, work / "gateway.log", STARTUP_TIMEOUT)
         yield upstream_port, gateway_port
@@ -553,7 +566,7 @@ def main() -> int:
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(math.ceil(budget))
 
-    work = Path(tempfile.mkdtemp(prefix="oncegate-bench-"))
+    work = work_directory("oncegate-bench-")
     # The server logs are kept when anything went wrong: they are what explains it.
     keep = True
     try:

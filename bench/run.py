@@ -50,7 +50,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -327,26 +326,6 @@ async def _fetch(url: str, query: str) -> Any:
         await connection.close()
 
 
-def _start(
-    command: list[str],
-    log: Path,
-    environment: dict[str, str],
-    started: list[Any],
-    cwd: Path = ROOT,
-) -> subprocess.Popen[bytes]:
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            command,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=environment,
-            cwd=cwd,
-        )
-    started.append(process)
-    return process
-
-
 @contextlib.contextmanager
 def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
     environment = quick.server_environment(work / "data")
@@ -400,13 +379,13 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
                 "--port", str(ports[target]), f"--stack={arguments.bare_stack}", *processes,
             ]  # fmt: skip
 
-        upstream = _start(
+        upstream = quick.start(
             quick.oncegate("demo-upstream", "--host", HOST, "--port", str(ports["upstream"])),
             work / "upstream.log",
             environment,
             started,
         )
-        gateway = _start(
+        gateway = quick.start(
             serve("gateway"),
             work / "gateway.log",
             environment,
@@ -425,17 +404,17 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             embedded_handle = embedded.start(work / "data")
             database_url = embedded_handle.url
             data_directory = embedded_handle.pgdata
-        sealed = _start(
+        sealed = quick.start(
             serve("sealed"),
             work / "sealed.log",
             {**environment, "ONCEGATE_DATABASE_URL": database_url,
              "ONCEGATE_ENCRYPTION_KEYS": "bench:" + base64.b64encode(os.urandom(32)).decode()},
             started,
         )  # fmt: skip
-        bare = _start(bare_proxy("bare", workers), work / "bare.log", environment, started)
+        bare = quick.start(bare_proxy("bare", workers), work / "bare.log", environment, started)
         extra: dict[str, subprocess.Popen[bytes]] = {}
         if arguments.workers == 1 and arguments.main:  # one process: read against FORWARD's
-            extra["memory"] = _start(
+            extra["memory"] = quick.start(
                 [sys.executable, str(BENCH / "memory_gateway.py"), "--upstream",
                  f"http://{HOST}:{ports['upstream']}", "--config", str(waited), "--host", HOST,
                  "--port", str(ports["memory"])],
@@ -446,7 +425,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
         if arguments.baseline is not None:
             command = serve("baseline")
             command[0] = str(arguments.baseline / ".venv" / "bin" / "python")
-            extra["baseline"] = _start(
+            extra["baseline"] = quick.start(
                 command,
                 work / "baseline.log",
                 {**environment, "ONCEGATE_DATABASE_URL": database_url},
@@ -455,16 +434,16 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
             )
         if two_workers:
             two = ["--workers", "2"]
-            extra["bare2"] = _start(
+            extra["bare2"] = quick.start(
                 bare_proxy("bare2", two), work / "bare2.log", environment, started
             )
-            extra["gateway2"] = _start(
+            extra["gateway2"] = quick.start(
                 serve("gateway2", two),
                 work / "gateway2.log",
                 {**environment, "ONCEGATE_DATABASE_URL": database_url},
                 started,
             )
-        idemkit = _start(
+        idemkit = quick.start(
             [
                 sys.executable,
                 str(BENCH / "idemkit_proxy.py"),
@@ -1694,8 +1673,7 @@ def main() -> int:
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(math.ceil(budget))
     started = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="oncegate-bench-"))
-    work.chmod(0o755)  # as root the embedded PostgreSQL runs as pgserver's user, and must get in
+    work = quick.work_directory("oncegate-bench-")
     keep = True  # the server logs explain a failure
     command = quick.command_line()
     try:

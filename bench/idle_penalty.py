@@ -81,11 +81,7 @@ async def _pause(how: str, seconds: float) -> None:
 
 async def measure(url: str, how: str, pause_ms: float, pairs: int, tag: str) -> Run:
     """`WARMUP_PAIRS` pairs, then `pairs` measured ones, with `pause_ms` after each statement."""
-    generic = {"plan_cache_mode": "force_generic_plan"}
-    claims = await asyncpg.connect(url, server_settings=generic, timeout=10)
-    answers = await asyncpg.connect(
-        url, server_settings={**generic, "synchronous_commit": "off"}, timeout=10
-    )
+    claims, answers = await run.floor_connections(url)
     claim, complete = QUERIES["claim"], QUERIES["complete"]
     scope = keys.scope(run.ROUTE, [[]])
     columns: dict[str, list[float]] = {"claim_idle": [], "complete_idle": [], "claim": [],

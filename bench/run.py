@@ -670,6 +670,19 @@ def _mean_ms(
     return (total - earlier_total) / (count - earlier_count) * 1000
 
 
+async def floor_connections(url: str) -> tuple[asyncpg.Connection, asyncpg.Connection]:
+    """Two connections set as the gateway's request pools are on plain PostgreSQL: one for
+    claims, one for answers (committed without waiting for the WAL flush, the default)."""
+    from oncegate.store.postgres.connections import request_settings
+
+    settings = request_settings(on_citus=False)
+    claims = await asyncpg.connect(url, server_settings=settings, timeout=10)
+    answers = await asyncpg.connect(
+        url, server_settings={**settings, "synchronous_commit": "off"}, timeout=10
+    )
+    return claims, answers
+
+
 async def _floor(
     database_url: str, seconds: float, warmup: float, tag: str
 ) -> tuple[list[float], list[float], int]:
@@ -679,11 +692,7 @@ async def _floor(
     the claim and complete times in ms of the measured pairs, and how many there were."""
     from oncegate.store.queries import QUERIES
 
-    generic = {"plan_cache_mode": "force_generic_plan"}
-    claims = await asyncpg.connect(database_url, server_settings=generic, timeout=10)
-    answers = await asyncpg.connect(
-        database_url, server_settings={**generic, "synchronous_commit": "off"}, timeout=10
-    )
+    claims, answers = await floor_connections(database_url)
     claim, complete = QUERIES["claim"], QUERIES["complete"]
     scope = keys.scope(ROUTE, [[]])
     claim_ms: list[float] = []

@@ -91,6 +91,26 @@ def reached(connection: asyncpg.Connection) -> object:
     return getattr(connection, "_addr", None)
 
 
+def request_settings(on_citus: bool) -> dict[str, str]:
+    """The session settings of the request pools' connections (`Pools`).
+
+    - `plan_cache_mode`: one plan per statement and connection on plain PostgreSQL; a plan per
+      call on a Citus coordinator (`Pools`).
+    - `enable_seqscan = off`: every request-path statement names its rows by a unique index, and
+      a plan made once must stay right while the table grows. Planned on an empty table never
+      analysed (a new deployment), a batched statement scans the whole table and hashes it
+      against the batch: cheapest at that size, and kept, by a connection that plans once, until
+      autovacuum's first ANALYZE of the table a minute or more later, while every statement
+      reads every row. Planned on a table of any size that was analysed, the plan is the index
+      lookup this setting gives from the start (tests/store/test_plans.py).
+    - JIT off: asyncpg's first look at a statement's types (a recursive catalog query) costs
+      enough to be JIT-compiled where PostgreSQL has JIT (Debian's does), about a second of CPU
+      per connection and statement; nothing on the request path gains from JIT.
+    """
+    mode = "force_custom_plan" if on_citus else "force_generic_plan"
+    return {"plan_cache_mode": mode, "enable_seqscan": "off", "jit": "off"}
+
+
 @dataclass(frozen=True, slots=True)
 class Pools:
     """The store's connections, by job. `requests`: claims, releases, take-overs, reads;
@@ -116,11 +136,7 @@ class Pools:
             on_citus = await citus.has_citus(connection)
         finally:
             await connection.close()
-        mode = "force_custom_plan" if on_citus else "force_generic_plan"
-        # JIT off: asyncpg's first look at a statement's types (a recursive catalog query) costs
-        # enough to be JIT-compiled where PostgreSQL has JIT (Debian's does), about a second of
-        # CPU per connection and statement; nothing on the request path gains from JIT.
-        generic = {"plan_cache_mode": mode, "jit": "off"}
+        generic = request_settings(on_citus)
 
         def request_pool(size: int, settings: dict[str, str]) -> Awaitable[Pool]:
             async def connect() -> asyncpg.Connection:

@@ -101,7 +101,7 @@ def request_settings(on_citus: bool) -> dict[str, str]:
       analysed (a new deployment), a batched statement scans the whole table and hashes it
       against the batch: cheapest at that size, and kept, by a connection that plans once, until
       autovacuum's first ANALYZE of the table a minute or more later, while every statement
-      reads every row. Planned on a table of any size that was analysed, the plan is the index
+      reads every row. On an analysed table of real size PostgreSQL chooses by itself the index
       lookup this setting gives from the start (tests/store/test_plans.py).
     - JIT off: asyncpg's first look at a statement's types (a recursive catalog query) costs
       enough to be JIT-compiled where PostgreSQL has JIT (Debian's does), about a second of CPU
@@ -136,7 +136,7 @@ class Pools:
             on_citus = await citus.has_citus(connection)
         finally:
             await connection.close()
-        generic = request_settings(on_citus)
+        session = request_settings(on_citus)
 
         def request_pool(size: int, settings: dict[str, str]) -> Awaitable[Pool]:
             async def connect() -> asyncpg.Connection:
@@ -152,12 +152,12 @@ class Pools:
                 connect, primary.connected, size, min(min_size, size), options.acquire_timeout
             )
 
-        requests = await request_pool(options.pool_size, generic)
+        requests = await request_pool(options.pool_size, session)
         answers = operator = None
         try:
             answers = await request_pool(
                 max(1, options.pool_size // 2),
-                {**generic, "synchronous_commit": options.answer_commit},
+                {**session, "synchronous_commit": options.answer_commit},
             )
             operator = await asyncpg.create_pool(
                 url,

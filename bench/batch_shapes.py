@@ -9,7 +9,9 @@ claiming a new key and then completing it, over and over:
 - `1`: one statement per operation, today's shape: the claim
   (`INSERT ... ON CONFLICT DO NOTHING RETURNING`) on a pool of 20 connections with synchronous
   commit, the answer (`UPDATE ... WHERE id AND fencing_token`) on a pool of 10 whose sessions run
-  with `synchronous_commit = off`, as `PostgresStore.connect` opens them;
+  with `synchronous_commit = off`, as `PostgresStore.connect` opens them, both set as the
+  gateway's request pools are (`connections.request_settings`: each statement planned once
+  per connection, never as a seq scan of the key table);
 - `N` > 1: the same two pools, but claims are grouped into one
   `INSERT ... SELECT FROM unnest(...)` and completes into one `UPDATE ... FROM unnest(...)` of
   at most N rows, by natural batching: an operation that finds no statement of its kind in
@@ -59,6 +61,7 @@ import quick  # noqa: E402 - bench/ is on the path from here on
 import run  # noqa: E402
 
 from oncegate import keys  # noqa: E402
+from oncegate.store.postgres.connections import request_settings  # noqa: E402
 
 ROUTE = "default"
 SCOPE = keys.scope(ROUTE, [[]])
@@ -245,12 +248,17 @@ async def measure(
     finally:
         await setup.close()
     options: dict[str, Any] = {"command_timeout": STATEMENT_TIMEOUT, "timeout": 10}
-    claims = await asyncpg.create_pool(url, min_size=CLAIM_POOL, max_size=CLAIM_POOL, **options)
+    # Set as the gateway's request pools are: planned once per connection, on a table this run
+    # just emptied, so without `request_settings` a plan could scan the table as it grows.
+    session = request_settings(on_citus=False)
+    claims = await asyncpg.create_pool(
+        url, min_size=CLAIM_POOL, max_size=CLAIM_POOL, server_settings=session, **options
+    )
     answers = await asyncpg.create_pool(
         url,
         min_size=ANSWER_POOL,
         max_size=ANSWER_POOL,
-        server_settings={"synchronous_commit": "off"},
+        server_settings={**session, "synchronous_commit": "off"},
         **options,
     )
     claim_batcher = Batcher(claims, claim_many, max_rows, CLAIM_POOL)

@@ -7,6 +7,7 @@ times.)
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import uuid
 from urllib.parse import parse_qsl, urlsplit
@@ -23,6 +24,11 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def digest(text: str) -> bytes:
+    """A SHA-256 of `text`: a scope or a fingerprint as the store takes them (32 bytes)."""
+    return hashlib.sha256(text.encode()).digest()
 
 
 def new_key() -> str:

@@ -26,7 +26,7 @@ from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
-from tests.helpers import new_key
+from tests.helpers import digest, new_key
 
 __all__ = ["server"]  # the fixture: a PostgreSQL of this module's own, to stop
 
@@ -36,10 +36,6 @@ LONG = 600.0  # a lease or TTL that cannot run out during a test
 HANG = 60.0  # a waiter that has no answer by then hangs: the test fails instead of hanging
 
 T = TypeVar("T")
-
-
-def digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
 
 
 def batches(operation: str) -> tuple[float, float]:

@@ -24,16 +24,12 @@ from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
 from oncegate.store.postgres import ROOMS, PostgresStore
-from tests.helpers import new_key
+from tests.helpers import digest, new_key
 
 ROUTE = "conformance"
 SCOPE = hashlib.sha256(b"conformance scope").digest()
 OTHER_SCOPE = hashlib.sha256(b"another scope").digest()
 LONG = 600.0  # a lease or TTL that cannot run out during a test
-
-
-def digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
 
 
 FINGERPRINT = digest("the request")

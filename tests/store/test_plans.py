@@ -17,7 +17,6 @@ lookup by index condition, neither a seq scan nor an index walked whole."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from typing import Any
 
@@ -27,10 +26,10 @@ from oncegate.sealing import plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
-from tests.helpers import new_key
+from tests.helpers import digest, insert_completed_keys, new_key
 
 ROUTE = "plans"
-SCOPE = hashlib.sha256(b"plans scope").digest()
+SCOPE = digest("plans scope")
 LONG = 600.0  # a lease or TTL that cannot run out during the test
 SHORT = 0.05  # a TTL that has run out by the time the test reclaims the key
 GROWN = 20_000  # rows: a scan of them costs many times a batch's index lookups
@@ -47,10 +46,6 @@ STATEMENTS = {
     "mark_waited": "SET waited = true",
 }
 LOOKUPS = frozenset({"Index Scan", "Index Only Scan"})
-
-
-def digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
 
 
 async def claimed(store: PostgresStore, ttl: float = LONG) -> Claim:
@@ -128,13 +123,7 @@ async def test_plans_made_on_an_empty_table_still_use_the_indexes_when_it_has_gr
             await store.claim(ROUTE, SCOPE, completed.key, digest("body"), LONG, LONG), Record
         )
 
-        await db.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
-            " response_status, completed_at, expires_at)"
-            " SELECT $1, $2, 'grown-' || n, $3, 'completed', 1, 200, now(), now() + interval '1 h'"
-            " FROM generate_series(1, $4) AS n",
-            ROUTE, SCOPE, digest("grown"), GROWN,
-        )  # fmt: skip
+        await insert_completed_keys(db, GROWN, "now() + interval '1 hour'", prefix="grown-")
 
         # The store's own connections (one per pool): the plans a gateway would run now.
         plans: list[tuple[str, list[str]]] = []

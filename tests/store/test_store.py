@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from datetime import datetime, timedelta, timezone
 
 import asyncpg
@@ -14,15 +13,11 @@ from oncegate.sealing import plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
-from tests.helpers import insert_completed_keys, new_key
+from tests.helpers import digest, insert_completed_keys, new_key
 
 ROUTE = "payments"
 LEASE = 60.0
 TTL = 3600.0
-
-
-def digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
 
 
 SCOPE = digest("tenant-a")

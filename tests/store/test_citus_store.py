@@ -22,6 +22,7 @@ from oncegate.store import Claim
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
 from oncegate.store.postgres import PostgresStore
+from oncegate.store.postgres.connections import request_settings
 from oncegate.store.queries import QUERIES
 from tests import citus
 
@@ -38,8 +39,9 @@ def backend() -> str:
 
 @pytest.fixture
 async def coordinator(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A coordinator session set as the gateway's request pools set theirs."""
     connection = await asyncpg.connect(
-        database_url, server_settings={"plan_cache_mode": "force_custom_plan"}
+        database_url, server_settings=request_settings(on_citus=True)
     )
     try:
         yield connection

@@ -4,6 +4,7 @@ What Citus chose is read from Citus itself: `EXPLAIN` of every request-path stat
 task, on one worker: the router executor; the claim function pushed down to its worker), and
 its per-database counters of single- and multi-shard executions under a burst of concurrent
 requests whose keys span every shard (batched per shard: no multi-shard statement at all).
+The store's sessions read the catalog without Citus's shard hiding (its cost, not its answer).
 """
 
 from __future__ import annotations
@@ -234,3 +235,29 @@ async def test_the_shard_map_follows_a_shard_split(
     finally:
         await shards.close()
         await pool.close()
+
+
+async def test_the_store_reads_the_catalog_without_citus_hiding_shards(database_url: str) -> None:
+    # asyncpg's first look at a statement's types reads pg_class. With Citus's shard hiding on,
+    # every scan of pg_class calls `relation_is_a_known_shard` for each row, and that read cost
+    # the coordinator 0.2-0.5 s of CPU per new connection and statement: a gateway opening its
+    # pools under load kept it busy past the statement timeout (connections.citus_settings).
+    # On every pool of the store, a read of pg_class is planned without that check.
+    store = await PostgresStore.connect(database_url)
+    try:
+        pools = store._pools
+        for pool in (pools.requests, pools.answers, pools.operator):
+            async with pool.acquire() as connection:
+                plan = await connection.fetch("EXPLAIN VERBOSE SELECT relname FROM pg_class")
+                shown = "\n".join(row[0] for row in plan)
+                assert "Seq Scan on pg_catalog.pg_class" in shown, shown
+                assert "relation_is_a_known_shard" not in shown, shown
+        # What the setting undoes, seen on a session with Citus's defaults.
+        connection = await asyncpg.connect(database_url)
+        try:
+            plan = await connection.fetch("EXPLAIN VERBOSE SELECT relname FROM pg_class")
+        finally:
+            await connection.close()
+        assert "relation_is_a_known_shard" in "\n".join(row[0] for row in plan)
+    finally:
+        await store.close()

@@ -103,34 +103,32 @@ def request_settings(on_citus: bool) -> dict[str, str]:
       autovacuum's first ANALYZE of the table a minute or more later, while every statement
       reads every row. On an analysed table of real size PostgreSQL chooses by itself the index
       lookup this setting gives from the start (tests/store/test_plans.py).
-    - JIT off: nothing on the request path gains from it.
 
     On a Citus coordinator: `plan_cache_mode = force_custom_plan`, a plan per call (`Pools`),
     and `citus_settings`. The coordinator plans no scan of the key table (each worker plans its
-    shard's statement itself), so `enable_seqscan` has no reason there (it made the catalog read
-    of `citus_settings` slower still).
+    shard's statement itself), so `enable_seqscan` has no reason there, and it made the catalog
+    read that `citus_settings` speeds up slower still.
+
+    Both: JIT off. The request path's statements read a few rows by index, which JIT cannot
+    speed up, and with `enable_seqscan = off` a plan that must still scan is costed far past
+    `jit_above_cost` and would be compiled at every execution.
     """
     if on_citus:
-        return {"plan_cache_mode": "force_custom_plan", **citus_settings()}
+        return {"plan_cache_mode": "force_custom_plan", "jit": "off", **citus_settings()}
     return {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off", "jit": "off"}
 
 
 def citus_settings() -> dict[str, str]:
-    """Every pool's session settings on a Citus coordinator, for asyncpg's first look at a
-    statement's types: a catalog query, run once per new connection and statement, that scans
-    `pg_class` hundreds of times. Measured on a coordinator (Citus 13.2.2, PostgreSQL 15): 1.1 s
-    of its CPU with Citus's and PostgreSQL's defaults, 4 ms with both settings off.
-    - `citus.override_table_visibility = off`: Citus hides shards from catalog reads by checking
-      each row of every scan of `pg_class` with `relation_is_a_known_shard` (0.34 s without
-      JIT). The store never lists tables, so what the setting shows does not concern it.
-    - JIT off: that query's plan costs enough to be JIT-compiled (0.74 s with the hiding off).
-      The coordinator runs no plan of its own that JIT could speed up; each worker keeps its own
-      settings for its shards' statements.
-    Gateways opening their pools under load kept a coordinator with these defaults busy past
-    the statement timeout: 503s (tests/store/test_citus_store.py,
-    tests/faults/test_multi_gateway.py).
-    """
-    return {"citus.override_table_visibility": "off", "jit": "off"}
+    """Every pool's session setting on a Citus coordinator: `citus.override_table_visibility =
+    off`. Citus hides shards from catalog reads by checking each row of every scan of `pg_class`
+    with `relation_is_a_known_shard`. asyncpg's look-up of the types a statement uses, which a
+    new connection runs for each type it has not met (twice per request-pool connection: the
+    claim's arrays and the complete's), scans `pg_class` hundreds of times: with the check it
+    cost the coordinator 0.2-0.5 s of CPU each time, 4 ms without. Gateways opening their pools
+    under load kept the coordinator busy past the statement timeout: 503s
+    (tests/store/test_citus_store.py, tests/faults/test_multi_gateway.py). The store never lists
+    tables, so what the setting shows does not concern it."""
+    return {"citus.override_table_visibility": "off"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """CPU time per request of running processes, under a fixed load: the figure used to compare
-changes to the request path one at a time (docs/performance.md).
+changes to the request path one at a time (bench/HISTORY.md).
 
 Point it at a running gateway (or any proxy) in front of `oncegate demo-upstream`, name the
 processes to account (the gateway, and PostgreSQL's backends if wanted), and it sends POST

@@ -2,7 +2,7 @@
 
 A plain ASGI application rather than a FastAPI route: the port has one catch-all handler and no
 use for validation, documentation or middleware, and the framework's request machinery cost more
-CPU per replayed request than the two database round trips (measured; docs/performance.md).
+CPU per replayed request than the two database round trips (measured; bench/HISTORY.md).
 
 Each request is logged as one structured line (route, method, outcome, status, upstream and
 total time, request id) and never with its body or credentials. The request id is the client's

@@ -101,7 +101,7 @@ class HttpUpstream:
     """The `Upstream` port on a pooled HTTP client. Owned by the runtime; close it with `aclose`.
 
     aiohttp rather than httpx: on the forward path httpx's connection pool cost 3.1 ms of CPU per
-    request against aiohttp's 1.2 ms, with everything else equal (docs/performance.md).
+    request against aiohttp's 1.2 ms, with everything else equal (bench/HISTORY.md).
     """
 
     def __init__(self) -> None:

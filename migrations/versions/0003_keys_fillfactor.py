@@ -3,7 +3,7 @@
 Every forward inserts a row (the claim) and updates it once (the answer). With full pages about
 a fifth of those updates had to go to another page and add entries to both indexes; with 30%
 free room nearly all stay on their page and touch no index (measured with pg_stat_user_tables:
-HOT updates 80% -> 98%, PostgreSQL CPU per forward -10%; docs/performance.md). Rows written
+HOT updates 80% -> 98%, PostgreSQL CPU per forward -10%; bench/HISTORY.md). Rows written
 before this migration keep their pages until they are purged.
 
 Revision ID: 0003

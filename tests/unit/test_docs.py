@@ -14,7 +14,7 @@ USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # "issue 25", "Issues 9 and 25", "#25": how a page would name an issue of the project's tracker.
 ISSUE = re.compile(r"\bissues?\s+#?\d+|(?<![\w&/#])#\d+\b", re.IGNORECASE)
 # `docs/operations.md`, "Sizing" / docs/performance.md "Key count": a section named by its title.
-QUOTED = re.compile(r"`?((?:docs/)?\w+\.md)`?,?\s+(?:section \d+, )?\"([^\"]+)\"")
+QUOTED = re.compile(r"`?((?:[\w-]+/)*\w+\.md)`?,?\s+(?:section \d+, )?\"([^\"]+)\"")
 LINK = re.compile(r"\]\(((?:[\w./-]+)?\.md)?#([\w-]+)\)")
 HEADING = re.compile(r"^#{1,6} (.+)$", re.MULTILINE)
 BOLD = re.compile(r"^(?:\| )?\*\*([^*]+)\*\*", re.MULTILINE)
@@ -73,7 +73,8 @@ def test_every_quoted_section_title_exists() -> None:
     for path in project_files():
         text = path.read_text()
         for match in QUOTED.finditer(text):
-            target, title = match.group(1), re.sub(r"\s*\n\s*#?\s*", " ", match.group(2))
+            target = match.group(1)
+            title = re.sub(r"\s*\n\s*#?\s*", " ", match.group(2)).replace("`", "")
             page = ROOT / target if "/" in target else path.parent / target
             if not page.exists() and not target.startswith("docs/"):
                 page = ROOT / "docs" / target

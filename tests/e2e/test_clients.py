@@ -352,7 +352,7 @@ async def test_a_form_key_stored_under_the_byte_rule_replays_its_bytes_and_refus
     body = f"amount=900&currency=usd&description={marker}"
     authorization = "Bearer sk_test_oncegate"
     path = "/stripe/v1/charges"
-    old_digest = fingerprint.before_forms("POST", path, "", FORM, body.encode())
+    old_digest = fingerprint.as_bytes("POST", path, "", FORM, body.encode())
     assert old_digest != fingerprint.compute("POST", path, "", FORM, body.encode())
     await db.execute(
         "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"

@@ -96,11 +96,11 @@ def test_an_unknown_key_is_409_without_retry_after_unless_the_route_forwards() -
 
 def test_a_key_stored_under_the_byte_rule_is_the_same_request_as_its_own_bytes() -> None:
     """A form body's key stored before forms were canonicalised holds the byte rule's digest
-    (`before_forms`): a retry with the same bytes is replayed, not refused as reused."""
+    (`as_bytes`): a retry with the same bytes is replayed, not refused as reused."""
     stored = record("completed", fingerprint=OTHER)
-    retry = fingerprint.Fingerprint(FINGERPRINT, before_forms=OTHER)
+    retry = fingerprint.Fingerprint(FINGERPRINT, as_bytes=OTHER)
     assert isinstance(decide(stored, retry, route(), PLAIN, SCOPE), Replay)
-    reordered = fingerprint.Fingerprint(FINGERPRINT, before_forms=hashlib.sha256(b"x").digest())
+    reordered = fingerprint.Fingerprint(FINGERPRINT, as_bytes=hashlib.sha256(b"x").digest())
     assert isinstance(decide(stored, reordered, route(), PLAIN, SCOPE), Refuse)
 
 

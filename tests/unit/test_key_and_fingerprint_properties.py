@@ -291,7 +291,7 @@ def test_a_form_body_is_canonical_exactly_when_it_is_valid_else_its_bytes(body: 
     assert (canonical is not None) == strictly_valid_form(body)
     digest = fingerprint.compute("POST", "/p", "", FORM, body)
     assert len(digest) == 32
-    as_bytes = fingerprint.before_forms("POST", "/p", "", FORM, body)
+    as_bytes = fingerprint.as_bytes("POST", "/p", "", FORM, body)
     assert (digest == as_bytes) == (canonical is None)
 
 
@@ -301,7 +301,7 @@ def test_a_retry_of_a_key_stored_under_the_byte_rule_matches_its_own_bytes_only(
     fields: list[tuple[str, str]], data: st.DataObject
 ) -> None:
     body = urlencode(fields).encode()
-    stored = fingerprint.before_forms("POST", "/p", "", FORM, body)
+    stored = fingerprint.as_bytes("POST", "/p", "", FORM, body)
     assert stored is not None
     assert fingerprint.of_request("POST", "/p", "", FORM, body).matches(stored)
     shuffled = urlencode(data.draw(st.permutations(fields))).encode()

@@ -1,0 +1,139 @@
+"""Request bodies through a real gateway in front of the real demo upstream, on a real
+PostgreSQL: what makes a retry's body "the same request" (contract section 11, "request
+bodies"). Each test says what the client saw, what the upstream performed and what the store
+holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, keyed, prefix_route, problem_name, row
+from tests.helpers import new_key
+
+MULTIPART = "multipart/form-data"
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> Iterator[GatewayProcess]:
+    routes: list[dict[str, Any]] = [prefix_route("files", upstream.url)]
+    with GatewayProcess(module_dir, database_url, routes) as process:
+        yield process
+
+
+def upload(
+    purpose: str = "dispute_evidence", content: bytes = b"%PDF-1.4 receipt"
+) -> dict[str, Any]:
+    """The parts of a document upload, as httpx's `files=` and `data=` encode them: with a new
+    random boundary every time a request is built."""
+    return {
+        "data": {"purpose": purpose},
+        "files": {"file": ("receipt.pdf", content, "application/pdf")},
+    }
+
+
+async def send(client: httpx.AsyncClient, key: str, **parts: Any) -> tuple[httpx.Response, str]:
+    """The answer to a multipart POST, and the boundary its body was encoded with."""
+    request = client.build_request("POST", "/files/tickets", headers=keyed(key), **parts)
+    media, _, boundary = request.headers["content-type"].partition("; boundary=")
+    assert media == MULTIPART and boundary
+    return await client.send(request), boundary
+
+
+async def test_a_retry_of_an_upload_with_a_new_boundary_is_replayed(
+    client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+    first, boundary = await send(client, key, **upload())
+    assert first.status_code == 201
+    retry, other_boundary = await send(client, key, **upload())
+    assert other_boundary != boundary  # the encoder drew a new one, as SDKs do on a retry
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == first.content
+    assert len(upstream.actions(key)) == 1
+    stored = await row(db, key)
+    assert stored is not None and stored["state"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [upload(purpose="identity_document"), upload(content=b"%PDF-1.4 another receipt")],
+    ids=["a-field", "the-file"],
+)
+async def test_an_upload_of_other_parts_under_the_key_is_refused(
+    client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection,
+    changed: dict[str, Any],
+) -> None:  # fmt: skip
+    key = new_key()
+    first, _ = await send(client, key, **upload())
+    assert first.status_code == 201
+    reused, _ = await send(client, key, **changed)
+    assert reused.status_code == 422 and problem_name(reused) == "key-reused"
+    assert len(upstream.actions(key)) == 1
+    stored = await row(db, key)  # the key still holds the first upload's answer
+    assert stored is not None and stored["state"] == "completed"
+    again, _ = await send(client, key, **upload())
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+
+
+def malformed(boundary: str) -> bytes:
+    """Parts whose last delimiter is missing: not well-formed multipart."""
+    return (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+        "dispute_evidence\r\n"
+    ).encode()
+
+
+async def test_a_malformed_multipart_body_is_forwarded_and_compared_as_its_bytes(
+    client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+
+    async def post(boundary: str) -> httpx.Response:
+        return await client.post(
+            "/files/tickets",
+            content=malformed(boundary),
+            headers=keyed(key, **{"Content-Type": f"{MULTIPART}; boundary={boundary}"}),
+        )
+
+    first = await post("one")
+    assert first.status_code == 201  # the gateway does not judge the body; the upstream may
+    assert len(upstream.actions(key)) == 1
+    same_bytes = await post("one")
+    assert same_bytes.status_code == 201 and same_bytes.headers["idempotent-replayed"] == "true"
+    redrawn = await post("two")
+    assert redrawn.status_code == 422 and problem_name(redrawn) == "key-reused"
+    assert len(upstream.actions(key)) == 1
+    stored = await row(db, key)
+    assert stored is not None and stored["state"] == "completed"
+
+
+async def test_json_numbers_compare_by_their_exact_decimal_value(
+    client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    key = new_key()
+
+    async def post(amount: bytes) -> httpx.Response:
+        return await client.post(
+            "/files/charges",
+            content=b'{"amount": ' + amount + b', "currency": "eur"}',
+            headers=keyed(key, **{"Content-Type": "application/json"}),
+        )
+
+    first = await post(b"0.123456789012345678")
+    assert first.status_code == 201
+    # A float holds both as 0.12345678901234568; they are two amounts all the same.
+    other = await post(b"0.123456789012345677")
+    assert other.status_code == 422 and problem_name(other) == "key-reused"
+    respelled = await post(b"1234567890123456780e-19")  # the first amount, written otherwise
+    assert respelled.status_code == 201 and respelled.headers["idempotent-replayed"] == "true"
+    assert len(upstream.actions(key)) == 1
+    stored = await row(db, key)
+    assert stored is not None and stored["state"] == "completed"

@@ -68,7 +68,25 @@ class SealedAnswer:
 
     key_name: str | None
     headers: bytes  # JSON of the header pairs, sealed or not
-    body: bytes | None  # None: not stored (too large, or `store: status_only`)
+    body: bytes | None  # None: no body was stored with the headers
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAnswer:
+    """What a completed key answers with, as the store holds it: one value from the upstream's
+    answer (or an operator's resolution) down to the key table's columns and back
+    (`store.postgres.rows` maps it to and from them; `Sealer.open` opens it).
+
+    `content` is the headers and body, sealed or in plaintext; None when the answer was larger
+    than the route's `max_stored_response`: the key completed with its status alone, and a retry
+    gets 409 `response-not-stored`."""
+
+    status: int
+    content: SealedAnswer | None
+
+    @property
+    def stored(self) -> bool:
+        return self.content is not None
 
 
 class Keyring:

@@ -47,7 +47,7 @@ import quick  # noqa: E402
 import run  # noqa: E402
 
 from oncegate import metrics, schema  # noqa: E402
-from oncegate.sealing import plaintext  # noqa: E402
+from oncegate.sealing import StoredAnswer, plaintext  # noqa: E402
 from oncegate.store import Claim  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 from tests import citus  # noqa: E402
@@ -116,7 +116,9 @@ async def measure(
         while not stop.is_set():
             key = str(uuid.uuid4())
             claimed = await store.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400)
-            if not isinstance(claimed, Claim) or not await store.complete(claimed, 201, ANSWER):
+            if not isinstance(claimed, Claim) or not await store.complete(
+                claimed, StoredAnswer(201, ANSWER)
+            ):
                 failures += 1
             elif measuring:
                 pairs += 1

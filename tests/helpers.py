@@ -10,10 +10,14 @@ from __future__ import annotations
 import hashlib
 import socket
 import uuid
+from typing import NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
+
+from oncegate import sealing
+from oncegate.store import KeyRecord, Record
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -90,3 +94,22 @@ def behind_a_dead_host(url: str) -> str:
     query["target_session_attrs"] = "read-write"
     listed = "&".join(f"{name}={value}" for name, value in query.items())
     return f"{parts.scheme}://{credentials}@{parts.path}?{listed}"
+
+
+def stored(record: Record | KeyRecord | None) -> StoredParts:
+    """A record's stored answer as (status, headers, body, stored), its plaintext opened:
+    (None, None, None, False) before it has one; a status alone when it was too large."""
+    if record is None or record.answer is None:
+        return StoredParts(None, None, None, False)
+    content = record.answer.content
+    if content is None:
+        return StoredParts(record.answer.status, None, None, False)
+    headers, body = sealing.open_plain(content)
+    return StoredParts(record.answer.status, headers, body, True)
+
+
+class StoredParts(NamedTuple):
+    status: int | None
+    headers: list[tuple[str, str]] | None
+    body: bytes | None
+    stored: bool

@@ -140,11 +140,11 @@ def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
         scope=record.scope_fingerprint,
         key=record.key,
         state=record.state,
-        status=record.status,
+        status=None if record.answer is None else record.answer.status,
         created_at=record.created_at,
         completed_at=record.completed_at,
         expires_at=record.expires_at,
-        sealed_with=record.sealed_with,
+        sealed_with=_sealed_with(record),
     )
     if with_body:
         answer_headers, body = operator.opened(record)
@@ -155,6 +155,12 @@ def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
             except UnicodeDecodeError:
                 view.body_base64 = base64.b64encode(body).decode()
     return view
+
+
+def _sealed_with(record: KeyRecord) -> str | None:
+    if record.answer is None or record.answer.content is None:
+        return None
+    return record.answer.content.key_name
 
 
 class QueuedView(BaseModel):

@@ -101,37 +101,31 @@ def decide(
 
 
 def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
-    assert record.status is not None
-    if not record.stored:
+    stored = record.answer
+    assert stored is not None  # a completed key has its answer
+    if stored.content is None:
         return Refuse(
             errors.ResponseNotStored(
-                f"the request with this idempotency key completed with status {record.status}, "
+                f"the request with this idempotency key completed with status {stored.status}, "
                 "but its response was larger than max_stored_response and cannot be replayed; "
                 "it was not performed again"
             )
         )
-    body: bytes | None
-    if record.sealed_with is None:
-        assert record.headers is not None and record.body is not None
-        answer_headers, body = list(record.headers), record.body
-    else:
-        try:
-            answer_headers, body = sealer.open(
-                (record.id, record.token), scope, record.stored_answer()
+    try:
+        answer_headers, body = sealer.open((record.id, record.token), scope, stored.content)
+    except sealing.Unopenable as exc:
+        return Refuse(
+            errors.AnswerSealed(
+                f"the request with this idempotency key was performed (status "
+                f"{stored.status}), but its stored answer cannot be opened; it is replayed "
+                "once the gateway has its key. It will not be performed again",
+                key_name=exc.key_name,
+                reason=str(exc),
             )
-        except sealing.Unopenable as exc:
-            return Refuse(
-                errors.AnswerSealed(
-                    f"the request with this idempotency key was performed (status "
-                    f"{record.status}), but its stored answer cannot be opened; it is replayed "
-                    "once the gateway has its key. It will not be performed again",
-                    key_name=exc.key_name,
-                    reason=str(exc),
-                )
-            )
+        )
     return Replay(
         Answer(
-            status=record.status,
+            status=stored.status,
             headers=[*answer_headers, headers.REPLAYED],
             body=body or b"",
             outcome=Outcome.REPLAYED,

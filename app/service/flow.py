@@ -44,7 +44,7 @@ from typing import assert_never
 from .. import errors, fingerprint, headers, keys, metrics
 from ..outcomes import Outcome
 from ..routing import upstream_url
-from ..sealing import Keyring, Sealer
+from ..sealing import Keyring, Sealer, StoredAnswer
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
@@ -224,13 +224,14 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, Outcome.RELEASED)
-        stored = None  # too large to store: the status alone
+        content = None  # too large to store: the status alone
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            stored = self._sealer.seal(
+            content = self._sealer.seal(
                 (claim.id, claim.token), scope, headers.storable(response.headers), body
             )
-        await self._settle("complete", self._store.complete(claim, response.status, stored))
+        stored = StoredAnswer(response.status, content)
+        await self._settle("complete", self._store.complete(claim, stored))
         return _answer(response, Outcome.FORWARDED)
 
     async def _forward_unprotected(

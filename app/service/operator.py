@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from .. import errors, headers, keys, sealing
-from ..sealing import Keyring, Sealer
+from ..sealing import Keyring, Sealer, StoredAnswer
 from ..settings import ROUTE_NAME
 from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey
 
@@ -32,13 +32,12 @@ class Operator:
         self._sealer = Sealer(keyring)
 
     def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
-        """A record's stored headers and body, opened; (None, None) when they cannot be."""
-        if record.sealed_with is None:
-            return (None if record.headers is None else list(record.headers)), record.body
+        """A record's stored headers and body, opened; (None, None) when it has none or they
+        cannot be opened."""
+        if record.answer is None or record.answer.content is None:
+            return None, None
         try:
-            return self._sealer.open(
-                (record.id, record.token), record.scope, record.stored_answer()
-            )
+            return self._sealer.open((record.id, record.token), record.scope, record.answer.content)
         except sealing.Unopenable:
             return None, None
 
@@ -121,7 +120,9 @@ class Operator:
             storable = headers.storable(answer_headers)
             # Sealed for the claim the resolution makes: the token it raises the row to.
             sealed = self._sealer.seal((record_id, token + 1), scope, storable, body)
-            settled = await self._store.resolve_completed(record_id, token, status, sealed)
+            settled = await self._store.resolve_completed(
+                record_id, token, StoredAnswer(status, sealed)
+            )
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
 

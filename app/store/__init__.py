@@ -8,20 +8,17 @@ errors become `errors.StoreUnavailable` here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
-from .. import sealing
-from ..sealing import SealedAnswer
+from ..sealing import StoredAnswer
 from .notify import Watch
 
 # What a key is now (`oncegate_key_state` in SQL, migrations/schema.sql): `in_progress` while
 # its lease runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran
 # out, `completed` with its answer stored.
 State = Literal["in_progress", "completed", "unknown", "expired"]
-Headers = Sequence[tuple[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +41,7 @@ class Record:
     key: str
     fingerprint: bytes
     state: State
-    status: int | None
-    headers: Headers | None  # None when sealed: then `sealed_headers` holds them
-    body: bytes | None  # sealed when `sealed_with` is set
-    stored: bool  # False when the answer was over `max_stored_response`
-    sealed_with: str | None = None  # the name of the key that sealed the answer
-    sealed_headers: bytes | None = None
-
-    def stored_answer(self) -> SealedAnswer:
-        return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
+    answer: StoredAnswer | None  # None until the key completes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,18 +53,11 @@ class KeyRecord:
     scope: bytes
     key: str
     state: State
-    status: int | None
-    headers: Headers | None
-    body: bytes | None
+    answer: StoredAnswer | None  # None until the key completes
     created_at: datetime
     completed_at: datetime | None
     expires_at: datetime
-    sealed_with: str | None = None
-    sealed_headers: bytes | None = None
     token: int = 1  # the fencing token: with the id, the claim a sealed answer is bound to
-
-    def stored_answer(self) -> SealedAnswer:
-        return _stored_answer(self.sealed_with, self.headers, self.sealed_headers, self.body)
 
     @property
     def scope_fingerprint(self) -> str:
@@ -84,18 +66,6 @@ class KeyRecord:
         headers' values: its first 6 bytes name it without saying more about a credential than
         the digest does (one key rarely has more than a few scopes; 48 bits never collide)."""
         return self.scope[:6].hex()
-
-
-def _stored_answer(
-    sealed_with: str | None,
-    headers: Headers | None,
-    sealed_headers: bytes | None,
-    body: bytes | None,
-) -> SealedAnswer:
-    if sealed_with is not None:
-        assert sealed_headers is not None
-        return SealedAnswer(sealed_with, sealed_headers, body)
-    return sealing.plaintext(headers or [], body)
 
 
 # How a key turned `unknown`, read from what its last writer stored (not from the clock):
@@ -191,9 +161,8 @@ class Store(Protocol):
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         """Claim an `unknown` key again with a new fencing token; None if it changed meanwhile."""
 
-    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        """Store the answer (None: too large to store: the status alone). False if the claim
-        was lost."""
+    async def complete(self, claim: Claim, answer: StoredAnswer) -> bool:
+        """Store the answer. False if the claim was lost."""
 
     async def release(self, claim: Claim) -> bool:
         """Delete the key so the next request is forwarded. False if the claim was lost."""
@@ -227,9 +196,7 @@ class AdminStore(Protocol):
     async def delete(self, record_id: int) -> bool | None:
         """Delete a key: True; False when its request is in flight now; None if no such key."""
 
-    async def resolve_completed(
-        self, record_id: int, token: int, status: int, answer: SealedAnswer
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, token: int, answer: StoredAnswer) -> bool:
         """Complete an `unknown` key whose fencing token is still `token`, raising it by one (the
         answer is sealed for that new token); False if there is no such `unknown` key."""
 

@@ -20,12 +20,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
-from .. import sealing
-from ..sealing import SealedAnswer
+from ..sealing import StoredAnswer
 from . import (
     Cause,
     Claim,
-    Headers,
     KeyCount,
     KeyRecord,
     Listed,
@@ -50,12 +48,7 @@ class _Row:
     expires_at: float
     created_at: float
     completed_at: float | None = None
-    status: int | None = None
-    headers: Headers | None = None
-    body: bytes | None = None
-    stored: bool = False
-    sealed_with: str | None = None
-    sealed_headers: bytes | None = None
+    answer: StoredAnswer | None = None
     waited: bool = False  # someone waits for it to settle (`mark_waited`): a settle notifies
 
 
@@ -177,21 +170,17 @@ class MemoryStore:
         self._rows[(row.scope, row.key)] = taken
         return Claim(taken.id, taken.token, taken.key)
 
-    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
+    async def complete(self, claim: Claim, answer: StoredAnswer) -> bool:
         await self._yield()
         row = self._held(claim, ("in_progress", "unknown"))
         if row is None:
             return False
-        self._rows[(row.scope, row.key)] = _with_answer(
-            replace(
-                row,
-                state="completed",
-                status=status,
-                stored=answer is not None,
-                completed_at=self._clock(),
-                lease_expires_at=None,
-            ),
-            answer,
+        self._rows[(row.scope, row.key)] = replace(
+            row,
+            state="completed",
+            answer=answer,
+            completed_at=self._clock(),
+            lease_expires_at=None,
         )
         self._settled(row)
         return True
@@ -250,14 +239,10 @@ class MemoryStore:
                 scope=row.scope,
                 key=row.key,
                 state=state_of(row, now),
-                status=row.status,
-                headers=row.headers,
-                body=row.body,
+                answer=row.answer,
                 created_at=_datetime(row.created_at),
                 completed_at=None if row.completed_at is None else _datetime(row.completed_at),
                 expires_at=_datetime(row.expires_at),
-                sealed_with=row.sealed_with,
-                sealed_headers=row.sealed_headers,
                 token=row.token,
             )
             for row in sorted(self._rows.values(), key=lambda row: row.id)
@@ -274,25 +259,19 @@ class MemoryStore:
         self._delete(row)
         return True
 
-    async def resolve_completed(
-        self, record_id: int, token: int, status: int, answer: SealedAnswer
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, token: int, answer: StoredAnswer) -> bool:
         await self._yield()
         now = self._clock()
         row = self._by_id(record_id)
         if row is None or row.token != token or state_of(row, now) != "unknown":
             return False
-        self._rows[(row.scope, row.key)] = _with_answer(
-            replace(
-                row,
-                state="completed",
-                token=row.token + 1,
-                lease_expires_at=None,
-                status=status,
-                stored=True,
-                completed_at=now,
-            ),
-            answer,
+        self._rows[(row.scope, row.key)] = replace(
+            row,
+            state="completed",
+            token=row.token + 1,
+            lease_expires_at=None,
+            answer=answer,
+            completed_at=now,
         )
         return True
 
@@ -362,7 +341,7 @@ class MemoryStore:
             key=row.key,
             state=state,
             cause=cause,
-            status=row.status,
+            status=None if row.answer is None else row.answer.status,
             created_at=_datetime(row.created_at),
             lease_expires_at=None
             if row.lease_expires_at is None
@@ -396,23 +375,8 @@ class MemoryStore:
             key=row.key,
             fingerprint=row.fingerprint,
             state=state_of(row, self._clock()),
-            status=row.status,
-            headers=row.headers,
-            body=row.body,
-            stored=row.stored,
-            sealed_with=row.sealed_with,
-            sealed_headers=row.sealed_headers,
+            answer=row.answer,
         )
-
-
-def _with_answer(row: _Row, answer: SealedAnswer | None) -> _Row:
-    if answer is None:
-        return replace(row, headers=None, body=None, sealed_with=None, sealed_headers=None)
-    if answer.key_name is None:
-        return replace(row, headers=sealing.header_pairs(answer.headers), body=answer.body,
-                       sealed_with=None, sealed_headers=None)  # fmt: skip
-    return replace(row, headers=None, body=answer.body, sealed_with=answer.key_name,
-                   sealed_headers=answer.headers)  # fmt: skip
 
 
 def _datetime(seconds: float) -> datetime:

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from oncegate import errors
-from oncegate.sealing import plaintext
+from oncegate.sealing import StoredAnswer, plaintext
 from oncegate.store import Claim
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
@@ -186,7 +186,7 @@ async def test_a_driver_state_error_is_a_store_error_not_a_500(
             if operation == "claim":
                 await store.claim("r", b"s" * 32, "key", b"f" * 32, 60, 3600)
             else:
-                await store.complete(Claim(1, 1, "k"), 201, plaintext([], b"{}"))
+                await store.complete(Claim(1, 1, "k"), StoredAnswer(201, plaintext([], b"{}")))
     finally:
         monkeypatch.undo()
         await store.close()

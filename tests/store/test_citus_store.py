@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from oncegate import errors
-from oncegate.sealing import plaintext
+from oncegate.sealing import StoredAnswer, plaintext
 from oncegate.store import Claim
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
@@ -160,7 +160,7 @@ async def test_concurrent_requests_over_every_shard_run_no_multi_shard_statement
         async def one(key: str) -> None:
             claimed = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
             assert isinstance(claimed, Claim)
-            assert await store.complete(claimed, 201, plaintext([], b"{}"))
+            assert await store.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
             replay = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
             assert not isinstance(replay, Claim) and replay is not None
             assert replay.state == "completed"

@@ -19,12 +19,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from oncegate import errors, service
-from oncegate.sealing import plaintext
+from oncegate.sealing import StoredAnswer, plaintext
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
 from oncegate.store.postgres import ROOMS, PostgresStore
-from tests.helpers import digest, new_key
+from tests.helpers import digest, new_key, stored
 
 ROUTE = "conformance"
 SCOPE = hashlib.sha256(b"conformance scope").digest()
@@ -98,23 +98,20 @@ async def test_the_same_key_in_another_scope_is_another_key(store: Store) -> Non
 async def test_a_completed_key_holds_its_answer(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, plaintext([("location", "/a/1")], b'{"id": 1}'))
-    found = await record(store, key)
-    assert (found.state, found.status, found.body, found.stored) == (
-        "completed",
-        201,
-        b'{"id": 1}',
-        True,
+    assert await store.complete(
+        owner, StoredAnswer(201, plaintext([("location", "/a/1")], b'{"id": 1}'))
     )
-    assert list(found.headers or []) == [("location", "/a/1")]
+    found = await record(store, key)
+    assert found.state == "completed"
+    assert stored(found) == (201, [("location", "/a/1")], b'{"id": 1}', True)
 
 
 async def test_an_answer_too_large_to_store_keeps_its_status_only(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, None)
+    assert await store.complete(owner, StoredAnswer(201, None))
     found = await record(store, key)
-    assert (found.state, found.status, found.body, found.stored) == ("completed", 201, None, False)
+    assert (found.state, stored(found)) == ("completed", (201, None, None, False))
 
 
 async def test_release_deletes_the_key_and_the_next_claim_wins(store: Store) -> None:
@@ -133,11 +130,11 @@ async def test_a_superseded_token_settles_nothing(store: Store) -> None:
     assert found.state == "unknown"
     new_owner = await store.take_over(found, LONG)
     assert new_owner is not None and new_owner.token > owner.token
-    assert not await store.complete(owner, 201, plaintext([], b"stale"))
+    assert not await store.complete(owner, StoredAnswer(201, plaintext([], b"stale")))
     assert not await store.release(owner)
     assert not await store.mark_unknown(owner)
-    assert await store.complete(new_owner, 201, plaintext([], b"fresh"))
-    assert (await record(store, key)).body == b"fresh"
+    assert await store.complete(new_owner, StoredAnswer(201, plaintext([], b"fresh")))
+    assert stored(await record(store, key)).body == b"fresh"
 
 
 async def test_a_take_over_needs_the_token_it_read(store: Store) -> None:
@@ -153,7 +150,7 @@ async def test_only_an_unknown_key_is_taken_over(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key)
     assert await store.take_over(await record(store, key), LONG) is None  # in flight
-    assert await store.complete(owner, 201, plaintext([], b"done"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"done")))
     assert await store.take_over(await record(store, key), LONG) is None  # completed
 
 
@@ -171,16 +168,16 @@ async def test_a_claim_whose_lease_ran_out_is_unknown_and_taken_over_once(store:
     results = await asyncio.gather(*(store.take_over(found, LONG) for _ in range(5)))
     taken = [result for result in results if result is not None]
     assert len(taken) == 1
-    assert not await store.complete(dead, 201, plaintext([], b"late"))  # fenced off
-    assert await store.complete(taken[0], 201, plaintext([], b"again"))
+    assert not await store.complete(dead, StoredAnswer(201, plaintext([], b"late")))  # fenced off
+    assert await store.complete(taken[0], StoredAnswer(201, plaintext([], b"again")))
     settled = await record(store, key)
-    assert (settled.state, settled.body) == ("completed", b"again")
+    assert (settled.state, stored(settled).body) == ("completed", b"again")
 
 
 async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, 201, plaintext([], b"old"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"old")))
     await asyncio.sleep(0.5)
     found = await record(store, key)
     assert found.state == "expired"
@@ -189,15 +186,15 @@ async def test_an_expired_key_reads_expired_and_is_reclaimed_once(store: Store) 
     )
     assert len([result for result in results if result is not None]) == 1
     fresh = await record(store, key)
-    assert (fresh.state, fresh.fingerprint, fresh.body) == ("in_progress", digest("new"), None)
-    assert not await store.complete(owner, 201, plaintext([], b"stale"))
+    assert (fresh.state, fresh.fingerprint, fresh.answer) == ("in_progress", digest("new"), None)
+    assert not await store.complete(owner, StoredAnswer(201, plaintext([], b"stale")))
 
 
 async def test_purge_deletes_expired_keys_only(store: Store) -> None:
     kept, gone = new_key(), new_key()
     await claim(store, kept)
     owner = await claim(store, gone, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, 201, plaintext([], b"old"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"old")))
     await asyncio.sleep(0.5)
     purged = 0
     while deleted := await store.purge(100):
@@ -215,17 +212,21 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
     settled_id, released_id = (await record(store, settled)).id, (await record(store, released)).id
     assert await store.scope_of(settled_id) == (SCOPE, 1)
     stale = plaintext([], b"sealed for another token")
-    assert not await store.resolve_completed(settled_id, 2, 201, stale)  # the token moved on
-    assert await store.resolve_completed(settled_id, 1, 201, plaintext([("x-a", "b")], b"found"))
     assert not await store.resolve_completed(
-        settled_id, 2, 201, plaintext([], b"twice")
+        settled_id, 2, StoredAnswer(201, stale)
+    )  # the token moved on
+    assert await store.resolve_completed(
+        settled_id, 1, StoredAnswer(201, plaintext([("x-a", "b")], b"found"))
+    )
+    assert not await store.resolve_completed(
+        settled_id, 2, StoredAnswer(201, plaintext([], b"twice"))
     )  # completed now
     found = await record(store, settled)
-    assert (found.state, found.body, found.token) == ("completed", b"found", 2)
+    assert (found.state, stored(found).body, found.token) == ("completed", b"found", 2)
     assert await store.resolve_released(released_id)
     assert await store.get(SCOPE, released) is None
     assert not await store.resolve_released(busy.id)
-    assert not await store.resolve_completed(busy.id, 1, 201, plaintext([], b""))
+    assert not await store.resolve_completed(busy.id, 1, StoredAnswer(201, plaintext([], b"")))
     assert await store.delete(busy.id) is False  # its request is in flight
     assert await store.delete(settled_id) is True
     assert await store.delete(settled_id) is None
@@ -241,7 +242,7 @@ async def test_a_settle_wakes_the_watch_of_a_row_marked_waited(store: AdminAndKe
         try:
             assert await store.mark_waited(await record(store, key))
             if settle == "complete":
-                assert await store.complete(owner, 201, plaintext([], b"done"))
+                assert await store.complete(owner, StoredAnswer(201, plaintext([], b"done")))
             else:
                 assert await getattr(store, settle)(owner)
             assert await watch.wait(10), settle
@@ -269,7 +270,7 @@ async def test_a_settle_of_a_row_nobody_waits_on_wakes_no_one(store: AdminAndKey
     owner = await claim(store, key)
     watch = store.watch(owner.id)
     try:
-        assert await store.complete(owner, 201, plaintext([], b"done"))
+        assert await store.complete(owner, StoredAnswer(201, plaintext([], b"done")))
         assert not await watch.wait(0.5)  # nothing was sent: the waiter would poll instead
     finally:
         watch.close()
@@ -289,7 +290,7 @@ async def test_the_queue_lists_a_state_oldest_first_with_how_keys_turned_unknown
     assert await store.mark_unknown(lost)  # its gateway saw the answer lost
     abandoned = await claimed(lease=0.1)  # its gateway "died": nobody settles it
     done = await claimed()
-    assert await store.complete(done, 201, plaintext([], b"done"))
+    assert await store.complete(done, StoredAnswer(201, plaintext([], b"done")))
     busy = await claimed()
     await asyncio.sleep(0.3)  # the abandoned lease runs out
 
@@ -322,7 +323,7 @@ async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
 ) -> None:
     owners = [await claim(store, new_key()) for _ in range(3)]
     assert await store.mark_unknown(owners[0])
-    assert await store.complete(owners[1], 201, plaintext([], b""))
+    assert await store.complete(owners[1], StoredAnswer(201, plaintext([], b"")))
     # Page by page in id order, two rows a page: every row once. (Ids only grow per node on
     # Citus, where each worker hands out ids from a range of its own: walk them all.)
     ids: list[int] = []

@@ -22,7 +22,7 @@ from typing import Any
 
 import asyncpg
 
-from oncegate.sealing import plaintext
+from oncegate.sealing import StoredAnswer, plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
@@ -104,7 +104,7 @@ async def test_plans_made_on_an_empty_table_still_use_the_indexes_when_it_has_gr
     store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1))
     try:
         completed = await claimed(store)
-        assert await store.complete(completed, 201, plaintext([], b"{}"))
+        assert await store.complete(completed, StoredAnswer(201, plaintext([], b"{}")))
         assert await store.release(await claimed(store))
         lost = await claimed(store)
         assert await store.mark_unknown(lost)
@@ -113,7 +113,7 @@ async def test_plans_made_on_an_empty_table_still_use_the_indexes_when_it_has_gr
         assert await store.mark_unknown(taken)
         assert await store.mark_waited(await row(store, (await claimed(store)).key))
         expiring = await claimed(store, ttl=SHORT)
-        assert await store.complete(expiring, 201, plaintext([], b"{}"))
+        assert await store.complete(expiring, StoredAnswer(201, plaintext([], b"{}")))
         await asyncio.sleep(2 * SHORT)
         expired = await row(store, expiring.key)
         assert expired.state == "expired"

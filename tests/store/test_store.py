@@ -9,11 +9,11 @@ import asyncpg
 import pytest
 
 from oncegate import errors, service
-from oncegate.sealing import plaintext
+from oncegate.sealing import StoredAnswer, plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
-from tests.helpers import digest, insert_completed_keys, new_key
+from tests.helpers import digest, insert_completed_keys, new_key, stored
 
 ROUTE = "payments"
 LEASE = 60.0
@@ -78,27 +78,25 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
     key = new_key()
     owner = await claim(store, key)
     stale = Claim(owner.id, owner.token - 1, owner.key)
-    assert not await store.complete(stale, 500, plaintext([], b"wrong"))
+    assert not await store.complete(stale, StoredAnswer(500, plaintext([], b"wrong")))
     headers = [("content-type", "application/json"), ("location", "/charges/1")]
-    assert await store.complete(owner, 201, plaintext(headers, b'{"id": 1}'))
+    assert await store.complete(owner, StoredAnswer(201, plaintext(headers, b'{"id": 1}')))
     record = await store.get(SCOPE, key)
     assert record is not None
     assert record.state == "completed"
-    assert (record.status, list(record.headers or []), record.body) == (201, headers, b'{"id": 1}')
-    assert record.stored
+    assert stored(record) == (201, headers, b'{"id": 1}', True)
     # A completed key cannot be completed or released again, even by its owner.
-    assert not await store.complete(owner, 500, plaintext([], b"again"))
+    assert not await store.complete(owner, StoredAnswer(500, plaintext([], b"again")))
     assert not await store.release(owner)
 
 
 async def test_an_answer_too_large_to_store_keeps_only_its_status(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, None)
+    assert await store.complete(owner, StoredAnswer(201, None))
     record = await store.get(SCOPE, key)
     assert record is not None
-    assert (record.state, record.status, record.stored) == ("completed", 201, False)
-    assert record.body is None and record.headers is None
+    assert (record.state, stored(record)) == ("completed", (201, None, None, False))
 
 
 async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
@@ -112,7 +110,9 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
     again = await claim(store, key)
     # A new row: the released claim names the old one, so it can settle nothing here.
     assert again.id != owner.id
-    assert not await store.complete(owner, 500, plaintext([], b"from the released claim"))
+    assert not await store.complete(
+        owner, StoredAnswer(500, plaintext([], b"from the released claim"))
+    )
     assert not await store.release(owner)
 
 
@@ -122,7 +122,7 @@ async def test_replays_commit_no_transaction(store: PostgresStore, db: asyncpg.C
     commit a transaction: migration 0004.)"""
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, 201, plaintext([], b"{}"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"{}")))
     before = await db.fetchval("SELECT pg_current_xact_id()")
     for _ in range(200):
         found = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL)
@@ -140,9 +140,9 @@ async def test_the_owner_of_a_claim_whose_lease_ran_out_may_still_settle_it(
     key = new_key()
     owner = await claim(store, key, lease=0.2)
     await asyncio.sleep(0.4)
-    assert await store.complete(owner, 201, plaintext([], b"late"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"late")))
     record = await store.get(SCOPE, key)
-    assert record is not None and (record.state, record.body) == ("completed", b"late")
+    assert record is not None and (record.state, stored(record).body) == ("completed", b"late")
 
 
 async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> None:
@@ -159,17 +159,17 @@ async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> 
     assert successor is not None and successor.token > owner.token
     # Only one of two gateways taking over the same unknown key succeeds.
     assert await store.take_over(record, LEASE) is None
-    assert not await store.complete(owner, 500, plaintext([], b"from the lost owner"))
+    assert not await store.complete(owner, StoredAnswer(500, plaintext([], b"from the lost owner")))
     assert not await store.release(owner)
-    assert await store.complete(successor, 201, plaintext([], b"from the new owner"))
+    assert await store.complete(successor, StoredAnswer(201, plaintext([], b"from the new owner")))
     record = await store.get(SCOPE, key)
-    assert record is not None and record.body == b"from the new owner"
+    assert record is not None and stored(record).body == b"from the new owner"
 
 
 async def test_an_expired_key_is_reclaimed_once_as_a_new_claim(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, 201, plaintext([], b"old"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"old")))
     await asyncio.sleep(0.5)
     record = await store.get(SCOPE, key)
     assert record is not None and record.state == "expired"
@@ -182,8 +182,8 @@ async def test_an_expired_key_is_reclaimed_once_as_a_new_claim(store: PostgresSt
     fresh = await store.get(SCOPE, key)
     assert fresh is not None
     assert (fresh.state, fresh.fingerprint) == ("in_progress", new_fingerprint)
-    assert fresh.body is None and fresh.status is None
-    assert not await store.complete(owner, 201, plaintext([], b"stale"))
+    assert fresh.answer is None
+    assert not await store.complete(owner, StoredAnswer(201, plaintext([], b"stale")))
 
 
 async def test_an_expired_key_still_in_flight_is_not_reclaimed(
@@ -203,7 +203,7 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
     assert in_flight is not None and in_flight.state == "in_progress"  # the lease comes first
     assert await store.reclaim_expired(record, ROUTE, FINGERPRINT, LEASE, TTL) is None
     assert await store.purge(100) == 0
-    assert await store.complete(owner, 201, plaintext([], b"done"))
+    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"done")))
 
 
 async def test_store_errors_become_store_unavailable() -> None:

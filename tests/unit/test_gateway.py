@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from oncegate import errors, fingerprint, headers, keys, service, settings
-from oncegate.sealing import Sealer, plaintext
+from oncegate.sealing import Sealer, StoredAnswer, plaintext
 from oncegate.service import (
     Gateway,
     InFlight,
@@ -33,6 +33,7 @@ from oncegate.store.memory import MemoryStore
 from oncegate.upstream.client import HttpUpstream
 from tests.fake_upstream import FakeUpstream
 from tests.faults.conftest import RawUpstream
+from tests.helpers import stored as stored_parts
 
 FINGERPRINT = hashlib.sha256(b"the request").digest()
 PLAIN = Sealer(None)  # answers stored in plaintext
@@ -46,14 +47,9 @@ def route(**options: object) -> settings.Route:
 
 
 def record(state: State, fingerprint: bytes = FINGERPRINT, stored: bool = True) -> Record:
-    completed = state == "completed"
-    return Record(
-        id=1, token=1, key="k", fingerprint=fingerprint, state=state,
-        status=201 if completed else None,
-        headers=[("location", "/a/1")] if completed and stored else None,
-        body=b"{}" if completed and stored else None,
-        stored=completed and stored,
-    )  # fmt: skip
+    content = plaintext([("location", "/a/1")], b"{}") if stored else None
+    answer = StoredAnswer(201, content) if state == "completed" else None
+    return Record(id=1, token=1, key="k", fingerprint=fingerprint, state=state, answer=answer)
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed", "unknown"])
@@ -174,7 +170,7 @@ async def test_a_new_key_is_claimed_forwarded_and_completed(upstream: FakeUpstre
     answer = await Gateway(store, upstream).handle(served_route(), request("k1"))
     assert (answer.status, answer.outcome) == (201, "forwarded")
     [found] = await store.find("k1", None)
-    assert found.state == "completed" and found.status == 201
+    assert found.state == "completed" and stored_parts(found).status == 201
     assert store.calls == ["claim"]
     assert len(upstream.requests("k1")) == 1
 
@@ -191,7 +187,7 @@ async def test_a_claim_that_committed_while_ours_ran_is_read_and_replayed(
                 winner = await MemoryStore.claim(self, *args, **kwargs)  # type: ignore[arg-type]
                 assert isinstance(winner, Claim)
                 await self.complete(
-                    winner, 201, plaintext([("location", "/a/1")], b'{"first": true}')
+                    winner, StoredAnswer(201, plaintext([("location", "/a/1")], b'{"first": true}'))
                 )
                 return None
             return await super().claim(*args, **kwargs)
@@ -252,7 +248,7 @@ async def test_an_unknown_key_on_a_forwarding_route_is_taken_over_and_forwarded(
     [found] = await store.find("k5", None)
     assert found.state == "completed"
     assert not await store.complete(
-        first, 500, plaintext([], b"late")
+        first, StoredAnswer(500, plaintext([], b"late"))
     )  # the old token settles nothing
 
 
@@ -279,7 +275,9 @@ async def test_a_waiting_request_is_woken_by_the_settle_and_replayed(
     waiter = asyncio.create_task(Gateway(store, upstream).handle(route, waiting("w1")))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # waiting, not answered 409
-    assert await store.complete(first, 201, plaintext([("location", "/a/1")], b"settled"))
+    assert await store.complete(
+        first, StoredAnswer(201, plaintext([("location", "/a/1")], b"settled"))
+    )
     answer = await asyncio.wait_for(waiter, 10)
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert ("preference-applied", "wait=10") in answer.headers
@@ -340,7 +338,7 @@ async def test_a_route_with_wait_holds_a_duplicate_without_being_asked(
     waiter = asyncio.create_task(Gateway(store, upstream).handle(route, request("rw1")))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # waiting, not answered 409
-    assert await store.complete(first, 201, plaintext([], b"settled"))
+    assert await store.complete(first, StoredAnswer(201, plaintext([], b"settled")))
     answer = await asyncio.wait_for(waiter, 10)
     assert (answer.status, answer.body, answer.outcome) == (201, b"settled", "replayed")
     assert not [name for name, _ in answer.headers if name == "preference-applied"]  # not asked
@@ -381,14 +379,14 @@ async def test_past_the_per_key_bound_duplicates_are_answered_409_at_once(
         error = refused.exception()
         assert isinstance(error, errors.RequestInProgress)
         assert error.headers["Retry-After"] == str(service.IN_PROGRESS_RETRY_AFTER)
-    assert await store.complete(first, 201, plaintext([], b"settled"))
+    assert await store.complete(first, StoredAnswer(201, plaintext([], b"settled")))
     for replayed in waiting:
         assert (await asyncio.wait_for(replayed, 10)).outcome == "replayed"
     # The places are free again: the next duplicates wait too.
     second = await in_flight(store, route, "rw4")
     again = [asyncio.create_task(gateway.handle(route, request("rw4"))) for _ in range(2)]
     assert not (await asyncio.wait(again, timeout=0.2))[0]
-    assert await store.complete(second, 201, plaintext([], b"settled"))
+    assert await store.complete(second, StoredAnswer(201, plaintext([], b"settled")))
     await asyncio.wait_for(asyncio.gather(*again), 10)
 
 
@@ -407,7 +405,7 @@ async def test_past_the_total_bound_a_duplicate_of_any_key_is_answered_409_at_on
     assert len(done) == 1 and len(waiting) == 3
     assert isinstance(done.pop().exception(), errors.RequestInProgress)
     for claim in claims:
-        assert await store.complete(claim, 201, plaintext([], b"settled"))
+        assert await store.complete(claim, StoredAnswer(201, plaintext([], b"settled")))
     answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
     assert {answer.outcome for answer in answers} == {"replayed"}
 

@@ -4,6 +4,7 @@ flight."""
 
 from __future__ import annotations
 
+from oncegate.sealing import StoredAnswer
 from oncegate.store import Claim
 from oncegate.store.memory import MemoryStore
 
@@ -19,9 +20,9 @@ async def claim(store: MemoryStore, key: str) -> Claim:
 async def test_a_claim_beyond_the_capacity_drops_the_oldest_settled_key() -> None:
     store = MemoryStore(capacity=2)
     first = await claim(store, "first")
-    assert await store.complete(first, 201, None)
+    assert await store.complete(first, StoredAnswer(201, None))
     second = await claim(store, "second")
-    assert await store.complete(second, 201, None)
+    assert await store.complete(second, StoredAnswer(201, None))
 
     await claim(store, "third")
 
@@ -37,4 +38,4 @@ async def test_a_claim_in_flight_is_never_dropped() -> None:
     await claim(store, "second")
 
     assert await store.get(SCOPE, "first") is not None
-    assert await store.complete(first, 201, None)  # its holder still settles it
+    assert await store.complete(first, StoredAnswer(201, None))  # its holder still settles it

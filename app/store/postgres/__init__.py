@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from ... import database_url
-from ...sealing import Keyring, SealedAnswer
+from ...sealing import Keyring, StoredAnswer
 from ...settings import StoreOptions
 from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ..citus import ShardMap
@@ -97,8 +97,8 @@ class PostgresStore:
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         return await self._requests.take_over(record, lease)
 
-    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        return await self._requests.complete(claim, status, answer)
+    async def complete(self, claim: Claim, answer: StoredAnswer) -> bool:
+        return await self._requests.complete(claim, answer)
 
     async def release(self, claim: Claim) -> bool:
         return await self._requests.release(claim)
@@ -123,10 +123,8 @@ class PostgresStore:
     async def delete(self, record_id: int) -> bool | None:
         return await self._operator.delete(record_id)
 
-    async def resolve_completed(
-        self, record_id: int, token: int, status: int, answer: SealedAnswer
-    ) -> bool:
-        return await self._operator.resolve_completed(record_id, token, status, answer)
+    async def resolve_completed(self, record_id: int, token: int, answer: StoredAnswer) -> bool:
+        return await self._operator.resolve_completed(record_id, token, answer)
 
     async def resolve_released(self, record_id: int) -> bool:
         return await self._operator.resolve_released(record_id)

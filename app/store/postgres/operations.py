@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 import asyncpg
 
-from ...sealing import SealedAnswer
+from ...sealing import StoredAnswer
 from .. import Claim, Record
 
 
@@ -52,8 +52,7 @@ class Completing:
     id: int
     token: int
     key: str
-    status: int
-    answer: SealedAnswer | None
+    answer: StoredAnswer
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +119,10 @@ def taken_by_rows(
 
 
 def answer_size(completing: Completing) -> int:
-    answer = completing.answer
-    if answer is None:
+    content = completing.answer.content
+    if content is None:
         return 0
-    return len(answer.body or b"") + len(answer.headers)
+    return len(content.body or b"") + len(content.headers)
 
 
 def claimed_row(claim: Claim, wanted: Claiming) -> Record:
@@ -134,8 +133,5 @@ def claimed_row(claim: Claim, wanted: Claiming) -> Record:
         key=wanted.key,
         fingerprint=wanted.fingerprint,
         state="in_progress",
-        status=None,
-        headers=None,
-        body=None,
-        stored=False,
+        answer=None,
     )

@@ -13,13 +13,13 @@ from datetime import datetime
 import asyncpg
 
 from ... import metrics
-from ...sealing import SealedAnswer
+from ...sealing import StoredAnswer
 from ...settings import StoreOptions
 from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ..citus import ShardMap
 from ..errors import Outage, translated
 from ..queries import QUERIES
-from .rows import answer_columns, fetchrow, headers_of
+from .rows import answer_columns, answer_of, fetchrow
 
 
 class OperatorQueries:
@@ -77,14 +77,10 @@ class OperatorQueries:
                 scope=bytes(row["scope"]),
                 key=row["key"],
                 state=row["state"],
-                status=row["response_status"],
-                headers=headers_of(row["response_headers"]),
-                body=row["response_body"],
+                answer=answer_of(row),
                 created_at=row["created_at"],
                 completed_at=row["completed_at"],
                 expires_at=row["expires_at"],
-                sealed_with=row["sealed_with"],
-                sealed_headers=row["sealed_headers"],
                 token=row["fencing_token"],
             )
             for row in rows
@@ -105,9 +101,7 @@ class OperatorQueries:
         return False if row["exists"] else None
 
     @translated("admin_resolve_completed")
-    async def resolve_completed(
-        self, record_id: int, token: int, status: int, answer: SealedAnswer
-    ) -> bool:
+    async def resolve_completed(self, record_id: int, token: int, answer: StoredAnswer) -> bool:
         if self._shards is not None:
             key = await self._key_of(record_id)
             if key is None:
@@ -118,7 +112,6 @@ class OperatorQueries:
                 key=key,
                 id=record_id,
                 token=token,
-                status=status,
                 **answer_columns(answer),
             )
             return row is not None
@@ -127,7 +120,6 @@ class OperatorQueries:
             "admin_resolve_completed",
             id=record_id,
             token=token,
-            status=status,
             **answer_columns(answer),
         )
         return row is not None

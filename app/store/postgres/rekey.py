@@ -18,7 +18,7 @@ from ...settings import StoreOptions
 from ..citus import ShardMap
 from ..errors import Outage, translated
 from ..queries import QUERIES
-from .rows import stored_answer_of
+from .rows import content_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def _resealed(
     for row in rows:
         try:
             claim = (row["id"], row["fencing_token"])
-            sealed = keyring.reseal(claim, bytes(row["scope"]), stored_answer_of(row))
+            sealed = keyring.reseal(claim, bytes(row["scope"]), content_of(row))
         except sealing.Unopenable as exc:
             unopenable.append((row["id"], str(exc)))
             continue

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ... import tracing
-from ...sealing import SealedAnswer
+from ...sealing import StoredAnswer
 from ...settings import StoreOptions
 from .. import Claim, Record
 from ..batching import Batcher, PerShard
@@ -285,8 +285,8 @@ class RequestPath:
         return taken_by_rows(batch, sent, rows)
 
     @translated("complete")
-    async def complete(self, claim: Claim, status: int, answer: SealedAnswer | None) -> bool:
-        completing = Completing(claim.id, claim.token, claim.key, status, answer)
+    async def complete(self, claim: Claim, answer: StoredAnswer) -> bool:
+        completing = Completing(claim.id, claim.token, claim.key, answer)
         with tracing.store_operation("complete"):
             try:
                 stored = await self._completes.run(completing)
@@ -306,8 +306,8 @@ class RequestPath:
             sent,
             ids=[completing.id for completing in sent],
             tokens=[completing.token for completing in sent],
-            statuses=[completing.status for completing in sent],
-            stored=[completing.answer is not None for completing in sent],
+            statuses=[column["status"] for column in columns],
+            stored=[column["stored"] for column in columns],
             headers=[column["headers"] for column in columns],
             bodies=[column["body"] for column in columns],
             sealed_with=[column["sealed_with"] for column in columns],

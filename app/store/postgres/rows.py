@@ -1,16 +1,21 @@
-"""Running one named query (queries.sql), and turning the key table's rows into the store's
-records and a stored answer into the table's columns."""
+"""Running one named query (queries.sql), and the one mapping between the key table's columns
+and the store's values: a row to a `Record`, a stored answer to its columns and back.
+
+A stored answer (`sealing.StoredAnswer`) lives in six columns: `response_status`;
+`response_stored` (false when it was too large to store: the status alone); its headers as JSON,
+in `response_headers` (jsonb) when plaintext or sealed in `sealed_headers`; its body, sealed or
+not, in `response_body`; and the name and binding of the key that sealed it in `sealed_with`.
+Nothing else reads or writes those columns one by one.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import asyncpg
 
-from ... import sealing
-from ...sealing import SealedAnswer
-from .. import Headers, Record
+from ...sealing import SealedAnswer, StoredAnswer
+from .. import Record
 from ..queries import QUERIES
 from .pool import Pool
 
@@ -21,10 +26,6 @@ async def fetchrow(pool: Pool | asyncpg.Pool, operation: str, **parameters: obje
     return await pool.fetchrow(query.sql, *query.arguments(parameters))
 
 
-def headers_of(document: str | None) -> Headers | None:
-    return [(name, value) for name, value in json.loads(document)] if document else None
-
-
 def record_of(row: asyncpg.Record, key: str) -> Record:
     """The row that holds `key` (the statements that find it by its key do not return it)."""
     return Record(
@@ -33,28 +34,36 @@ def record_of(row: asyncpg.Record, key: str) -> Record:
         key=key,
         fingerprint=row["fingerprint"],
         state=row["state"],
-        status=row["response_status"],
-        headers=headers_of(row["response_headers"]),
-        body=row["response_body"],
-        stored=row["response_stored"],
-        sealed_with=row["sealed_with"],
-        sealed_headers=row["sealed_headers"],
+        answer=answer_of(row),
     )
 
 
-def answer_columns(answer: SealedAnswer | None) -> dict[str, object]:
-    """The columns of a stored answer: sealed ones in `sealed_headers` and `response_body`,
-    plaintext headers as JSON in `response_headers`."""
-    if answer is None:
-        return {"headers": None, "body": None, "sealed_with": None, "sealed_headers": None}
-    if answer.key_name is None:
-        return {"headers": answer.headers.decode(), "body": answer.body, "sealed_with": None,
-                "sealed_headers": None}  # fmt: skip
-    return {"headers": None, "body": answer.body, "sealed_with": answer.key_name,
-            "sealed_headers": answer.headers}  # fmt: skip
+def answer_of(row: asyncpg.Record) -> StoredAnswer | None:
+    """The stored answer of a row; None before it has one."""
+    status = row["response_status"]
+    if status is None:
+        return None
+    return StoredAnswer(status, content_of(row) if row["response_stored"] else None)
 
 
-def stored_answer_of(row: asyncpg.Record) -> SealedAnswer:
-    if row["sealed_with"] is not None:
-        return SealedAnswer(row["sealed_with"], row["sealed_headers"], row["response_body"])
-    return sealing.plaintext(headers_of(row["response_headers"]) or [], row["response_body"])
+def content_of(row: asyncpg.Record) -> SealedAnswer:
+    """The headers and body of a row's stored answer, sealed or in plaintext."""
+    sealed_with = row["sealed_with"]
+    if sealed_with is not None:
+        return SealedAnswer(sealed_with, row["sealed_headers"], row["response_body"])
+    # jsonb comes as the text PostgreSQL printed: the bytes `sealing.header_pairs` parses.
+    headers = row["response_headers"]
+    return SealedAnswer(None, (headers or "[]").encode(), row["response_body"])
+
+
+def answer_columns(answer: StoredAnswer) -> dict[str, object]:
+    """The columns of a stored answer, as the statements that write one name them."""
+    content = answer.content
+    if content is None:
+        return {"status": answer.status, "stored": False, "headers": None, "body": None,
+                "sealed_with": None, "sealed_headers": None}  # fmt: skip
+    if content.key_name is None:
+        return {"status": answer.status, "stored": True, "headers": content.headers.decode(),
+                "body": content.body, "sealed_with": None, "sealed_headers": None}  # fmt: skip
+    return {"status": answer.status, "stored": True, "headers": None, "body": content.body,
+            "sealed_with": content.key_name, "sealed_headers": content.headers}  # fmt: skip

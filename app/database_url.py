@@ -97,12 +97,22 @@ def parse(url: str) -> DatabaseUrl:
     if not separator or scheme not in SCHEMES:
         raise InvalidDatabaseUrl("the database URL must be a postgresql:// URL")
     parts = urlsplit(url)
-    if "@" not in parts.netloc and ":" in parts.netloc and "@" in parts.path + parts.fragment:
-        # `user:pass/word@host`: the authority ended inside the password, whose first part
-        # would read as a host and a port, and the rest as the database: never say either.
+    after_authority = parts.path + parts.query + parts.fragment
+    if "@" not in parts.netloc and ":" in parts.netloc and "@" in after_authority:
+        # `user:pass/word@host`, `user:pass?word@host`, `user:pass#word@host`: the authority
+        # ended inside the password (libpq reads on to the '@', asyncpg stops at the '/', '?' or
+        # '#'), so its first part would read as a host and a port, and the rest as the database
+        # or the query: never say either.
         raise InvalidDatabaseUrl(
             "the database URL has an '@' after its host: percent-encode '/', '?' and '#' in the "
-            "password (%2F, %3F, %23), and '@' in a database name (%40)"
+            "password (%2F, %3F, %23), and '@' in a database name or a query's value (%40)"
+        )
+    if parts.netloc.count("@") > 1:
+        # `user:pass@word@host`: asyncpg and libpq end the password at the first '@', so the
+        # rest of it would be taken for the host.
+        raise InvalidDatabaseUrl(
+            "the database URL has more than one '@' before its host: percent-encode '@' in the "
+            "user name or password (%40)"
         )
     try:
         parameters = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True)
@@ -176,14 +186,19 @@ def _hosts(listed: str, ports: str | None, *, quoted: bool) -> list[Host]:
     if len(given) == 1:
         given = given * len(names)
     chosen = given or beside
-    return [Host(name, _port(port)) for name, port in zip(names, chosen, strict=True)]
+    return [Host(name, _port(port, name)) for name, port in zip(names, chosen, strict=True)]
 
 
-def _port(port: str | None) -> int:
+def _port(port: str | None, host: str) -> int:
     if not port:
         return DEFAULT_PORT
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidDatabaseUrl(f"the database URL has a port that is not a number: {port!r}")
+        # Never the port itself: in `user:password/db`, with the '@' and host left out, the
+        # password is what reads as the port (and the user name as the host).
+        raise InvalidDatabaseUrl(
+            f"the database URL's port for host {host!r} is not a number from 1 to 65535 (a "
+            "password goes before an '@' and the host: postgresql://user:password@host/db)"
+        )
     return int(port)
 
 

@@ -23,8 +23,13 @@ def _config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to `revision`. Idempotent. Runs its own event loop: call it before
-    the server's loop starts, or from a thread."""
-    command.upgrade(_config(url), revision)
+    the server's loop starts, or from a thread. A PostgreSQL that cannot be reached raises
+    `errors.StoreUnavailable`, as the store does."""
+    from .store.postgres import connections
+
+    config = _config(url)
+    config.attributes["connect"] = connections.connect  # unreachable: StoreUnavailable
+    command.upgrade(config, revision)
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -44,9 +44,19 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async(url: str) -> None:
+    # Opened before SQLAlchemy sees it, by the store's `connect` under `oncegate migrate`
+    # (`oncegate.schema`): a PostgreSQL that cannot be reached is one sentence
+    # (`StoreUnavailable`, exit 3), not a traceback from inside SQLAlchemy's pool. The engine
+    # connects once and is handed this connection.
+    connect = context.config.attributes.get("connect", asyncpg.connect)
+    opened = [await connect(url)]
+
+    async def handed() -> asyncpg.Connection:
+        return opened.pop()
+
     engine = create_async_engine(
-        "postgresql+asyncpg://",  # SQLAlchemy's dialect for asyncpg; the URL goes to asyncpg
-        async_creator=lambda: asyncpg.connect(url),
+        "postgresql+asyncpg://",  # SQLAlchemy's dialect for asyncpg; the URL went to asyncpg
+        async_creator=handed,
         poolclass=pool.NullPool,
     )
     try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from .errors import DRIVER_ERRORS
+from .errors import DRIVER_ERRORS, translated
 
 log = logging.getLogger("oncegate.store.citus")
 
@@ -56,6 +56,7 @@ async def distribution(connection: asyncpg.Connection) -> Distribution | None:
     return Distribution(row["workers"], row["shard_count"], row["distribution_column"])
 
 
+@translated("describe", "cannot connect to PostgreSQL")
 async def describe(url: str) -> Distribution | None:
     """`distribution` of the database at `url` (for `oncegate migrate`)."""
     connection = await asyncpg.connect(url)

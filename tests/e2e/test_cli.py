@@ -88,6 +88,74 @@ def test_an_unreachable_database_stops_serve_with_a_message() -> None:
     assert "PostgreSQL" in result.stderr and "Traceback" not in result.stderr
 
 
+# A password no output may show any part of: four characters of it in a row are a leak.
+PASSWORD_HEAD, PASSWORD_TAIL = "Hq7Zv", "Tw3Kp"
+# Each `{}` is the password's separator, then a closed port: how the URL is written decides
+# whether it is refused (2: it would be misread) or tried (3: no server listens there).
+LEAKY_URLS = {
+    "query-mark": ("postgresql://u:{head}?x={tail}@127.0.0.1:{port}/db", 2),
+    "second-at": ("postgresql://u:{head}@{tail}@127.0.0.1:{port}/db", 2),
+    "slash": ("postgresql://u:{head}/{tail}@127.0.0.1:{port}/db", 2),
+    "hash": ("postgresql://u:{head}#{tail}@127.0.0.1:{port}/db", 2),
+    "no-host": ("postgresql://u:{head}{tail}/db", 2),
+    "encoded": ("postgresql://u:{head}%3Fx%3D%40{tail}@127.0.0.1:{port}/db", 3),
+    "in-query": ("postgresql://u@127.0.0.1:{port}/db?password={head}{tail}", 3),
+}
+
+
+def leaked(output: str, password: str) -> list[str]:
+    """Every run of four characters of `password` that `output` shows."""
+    return sorted({password[i : i + 4] for i in range(len(password) - 3)} & {
+        output[i : i + 4] for i in range(len(output) - 3)
+    })  # fmt: skip
+
+
+# Each way of writing the URL once, and each command both refusing a URL and failing to reach
+# one (the three read the URL with the same code: the cross product would only repeat it).
+COMMANDS_AND_URLS = [
+    ("serve", "query-mark"),
+    ("serve", "encoded"),
+    ("migrate", "second-at"),
+    ("migrate", "in-query"),
+    ("migrate", "slash"),
+    ("purge", "hash"),
+    ("purge", "no-host"),
+    ("purge", "encoded"),
+]
+
+
+@pytest.mark.parametrize(("command", "written"), COMMANDS_AND_URLS)
+def test_no_part_of_a_database_password_is_ever_printed(command: str, written: str) -> None:
+    template, status = LEAKY_URLS[written]
+    url = template.format(head=PASSWORD_HEAD, tail=PASSWORD_TAIL, port=free_port())
+    arguments = ["--upstream", "http://127.0.0.1:9", "--port", str(free_port()),
+                 "--admin-port", str(free_port()), "--log-level", "debug"]  # fmt: skip
+    result = oncegate(command, *(arguments if command == "serve" else []),
+                      env={"ONCEGATE_DATABASE_URL": url})  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == status, output
+    assert "Traceback" not in output
+    # Every log line and message, in both streams; the password as written and as decoded.
+    assert leaked(output, PASSWORD_HEAD + PASSWORD_TAIL) == []
+    assert PASSWORD_HEAD not in output and PASSWORD_TAIL not in output
+    if status == 2:
+        assert "percent-encode" in output or "before an '@' and the host" in output
+    else:
+        assert "cannot connect to PostgreSQL: no server is listening there" in output
+
+
+def test_migrate_on_an_unreachable_database_says_so_in_one_sentence_and_exits_3() -> None:
+    url = f"postgresql://nobody@127.0.0.1:{free_port()}/none"  # a closed port
+    for command in ("migrate", "purge"):  # the same words and status from both
+        result = oncegate(command, env={"ONCEGATE_DATABASE_URL": url})
+        assert result.returncode == 3, result.stderr
+        assert result.stdout == ""
+        assert result.stderr.splitlines()[-1] == (
+            "oncegate: cannot connect to PostgreSQL: no server is listening there"
+        )
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+
+
 def test_migrate_is_idempotent_and_serve_refuses_an_unmigrated_database(
     empty_database_url: str,
 ) -> None:

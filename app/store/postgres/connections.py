@@ -28,7 +28,7 @@ from ... import database_url
 from ...database_url import Host
 from ...settings import StoreOptions
 from .. import citus
-from ..errors import DRIVER_ERRORS
+from ..errors import DRIVER_ERRORS, translated
 from ..notify import Watch, Watchers
 from .pool import Pool
 
@@ -44,6 +44,13 @@ LISTEN_RETRY = 1.0
 # own: it never takes a connection a request waits for, and its statements keep PostgreSQL's
 # per-call plans, which its optional filters (`:route IS NULL OR ...`) need to use an index.
 OPERATOR_POOL_SIZE = 3
+
+
+@translated("connect", "cannot connect to PostgreSQL")
+async def connect(url: str) -> asyncpg.Connection:
+    """One connection of its own, outside the pools (the migrations': `oncegate migrate`): a
+    PostgreSQL that cannot be reached is `StoreUnavailable`, said as the store's pools say it."""
+    return await asyncpg.connect(url)
 
 
 async def _no_reset(connection: asyncpg.Connection) -> None:

@@ -29,8 +29,10 @@ import asyncio
 import email.utils
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import httpx
 
@@ -147,12 +149,19 @@ class Attempts:
     attempt, or the error that ends the action (raised)."""
 
     def __init__(
-        self, policy: RetryPolicy, rng: random.Random, url: str, path: str, key: str | None
+        self,
+        policy: RetryPolicy,
+        rng: random.Random,
+        url: str,
+        path: str,
+        key: str | None,
+        method: str = "POST",
     ) -> None:
         self._policy = policy
         self._random = rng
         self._url = url
         self._path = path
+        self._method = method
         self._key = key
         self._deadline = time.monotonic() + policy.deadline
         self._attempt = 0
@@ -205,14 +214,14 @@ class Attempts:
                 wait = self._backoff()
             else:
                 raise ActionRejected(
-                    f"POST {path} answered {status} {name or ''}".rstrip(),
+                    f"{self._method} {path} answered {status} {name or ''}".rstrip(),
                     key=key,
                     response=response,
                 )
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
             raise GaveUp(
-                f"gave up on POST {path} after {self._attempt} attempts "
+                f"gave up on {self._method} {path} after {self._attempt} attempts "
                 f"({self._policy.deadline:g} s): {reason}",
                 key=key,
             )
@@ -225,6 +234,18 @@ class Attempts:
             self._policy.backoff_cap, self._policy.backoff_base * 2 ** (self._attempt - 1)
         )
         return self._random.uniform(0, ceiling)
+
+
+def request_content(json: JSON | None, form: Mapping[str, str] | None) -> dict[str, Any]:
+    """httpx's arguments for a body: JSON (`json`), or an HTML form's fields (`form`, sent as
+    `application/x-www-form-urlencoded`), or none."""
+    if json is not None and form is not None:
+        raise ValueError("an action's body is JSON or a form, not both")
+    if form is not None:
+        return {"data": dict(form)}
+    if json is not None:
+        return {"json": json}
+    return {}
 
 
 def request_headers(
@@ -270,13 +291,28 @@ class ActionClient:
         headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """POST `body` as JSON to `path` with `key`; the final 2xx answer, or raise."""
+        return await self.request("POST", path, key, json=body, headers=headers)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        key: str | None,
+        *,
+        json: JSON | None = None,
+        form: Mapping[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """Send `method` to `path` with `key`, the body JSON (`json`) or a form's fields
+        (`form`); the final 2xx answer, or raise."""
         url = self._base_url + path
+        content = request_content(json, form)
         sent_headers = request_headers(self._policy, key, headers)
-        attempts = Attempts(self._policy, self._random, url, path, key)
+        attempts = Attempts(self._policy, self._random, url, path, key, method)
         while True:
             outcome: httpx.Response | httpx.TransportError
             try:
-                outcome = await self._http.post(url, json=body, headers=sent_headers)
+                outcome = await self._http.request(method, url, headers=sent_headers, **content)
             except httpx.TransportError as exc:
                 outcome = exc
             decision = attempts.after(outcome)
@@ -311,13 +347,28 @@ class SyncActionClient:
         headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """POST `body` as JSON to `path` with `key`; the final 2xx answer, or raise."""
+        return self.request("POST", path, key, json=body, headers=headers)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        key: str | None,
+        *,
+        json: JSON | None = None,
+        form: Mapping[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """Send `method` to `path` with `key`, the body JSON (`json`) or a form's fields
+        (`form`); the final 2xx answer, or raise."""
         url = self._base_url + path
+        content = request_content(json, form)
         sent_headers = request_headers(self._policy, key, headers)
-        attempts = Attempts(self._policy, self._random, url, path, key)
+        attempts = Attempts(self._policy, self._random, url, path, key, method)
         while True:
             outcome: httpx.Response | httpx.TransportError
             try:
-                outcome = self._http.post(url, json=body, headers=sent_headers)
+                outcome = self._http.request(method, url, headers=sent_headers, **content)
             except httpx.TransportError as exc:
                 outcome = exc
             decision = attempts.after(outcome)

@@ -1,5 +1,6 @@
-"""Stable action keys: `run-81:step-10:charge` for the agent runner, and a LangGraph task's
-(`task_key`). Pure.
+"""Stable action keys: `run-81:step-10:charge` for the agent runner (a step's number as the
+key's source), `run-81:call_Ab12:email` for a tool call of a plain Python agent (the tool call's
+id as the source, `tool_call_key`), and a LangGraph task's (`task_key`). Pure.
 
 A key is derived from the run's persisted identity and the step, never from a random value made
 when the action is (re)tried: the process that resumes a run after a crash must send the same key
@@ -36,6 +37,28 @@ def action_key(run_id: str, step: int, action: str) -> str:
     return key
 
 
+def tool_call_key(run_id: str, tool_call_id: str, action: str) -> str:
+    """The key of `action` taken for the tool call `tool_call_id` of run `run_id`:
+    `f"{run_id}:{tool_call_id}:{action}"`, the id percent-encoded as a task key's parts are.
+
+    A model's tool call ids are the model's (`call_Ab12...`, `toolu_01...`): the run id keeps
+    two runs' calls apart should a model (or a scripted one) use an id twice. The id must come
+    from the model's message as the run saved it, so that a resumed run reads the same one."""
+    if not _PART.fullmatch(run_id):
+        raise ValueError(
+            f"run id {run_id!r}: use letters, digits and -._~!$&'()*+;=@/ only (no ':', "
+            "space, comma or quote)"
+        )
+    if not tool_call_id:
+        raise ValueError("a tool call key needs the tool call's id, not ''")
+    if not _ACTION.fullmatch(action):
+        raise ValueError(f"action {action!r}: lower-case letters, digits, '-' and '_' only")
+    key = f"{run_id}:{_escape(tool_call_id)}:{action}"
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"the key {key[:40]}... is {len(key)} characters; at most 255 fit")
+    return key
+
+
 # A LangGraph task's key (`oncegate.agent.langgraph`): `case-81:send-email:1f0c...-...:email`.
 # The thread id and the node names are the user's and may hold any character: each is written
 # with anything outside `_TASK_SAFE` percent-encoded (`%` itself included), so the key stays a
@@ -56,11 +79,18 @@ def _escape(text: str) -> str:
     )
 
 
-def task_key(thread_id: str, checkpoint_ns: str, action: str) -> str:
+def task_key(
+    thread_id: str, checkpoint_ns: str, action: str, *, tool_call_id: str | None = None
+) -> str:
     """The key of `action` taken by the LangGraph task whose namespace is `checkpoint_ns`
     (`node:<task id>`, or `outer:<task id>|inner:<task id>` inside a subgraph) in thread
     `thread_id`: `f"{thread_id}:{checkpoint_ns}:{action}"`, escaped as above, or
-    `f"sha256-{digest}:{action}"` when that would be longer than 255 characters."""
+    `f"sha256-{digest}:{action}"` when that would be longer than 255 characters.
+
+    With `tool_call_id` (one of the tool calls the task runs), the call's id is written before
+    the action: `f"{thread_id}:{checkpoint_ns}:{tool_call_id}:{action}"`. Escaped, no part holds
+    a `:`, and a namespace always holds an odd number of them: a key with a tool call has one
+    `:` more than any key without, so the two kinds never meet."""
     if not thread_id:
         raise ValueError("a task key needs the thread id of a checkpointed run, not ''")
     if not checkpoint_ns:
@@ -76,8 +106,14 @@ def task_key(thread_id: str, checkpoint_ns: str, action: str) -> str:
                 "by '|'): call it from inside a node"
             )
         levels.append(f"{_escape(node)}:{_escape(task_id)}")
-    key = f"{_escape(thread_id)}:{'|'.join(levels)}:{action}"
+    if tool_call_id is not None and not tool_call_id:
+        raise ValueError("a tool call's key needs the tool call's id, not ''")
+    call = "" if tool_call_id is None else f"{_escape(tool_call_id)}:"
+    key = f"{_escape(thread_id)}:{'|'.join(levels)}:{call}{action}"
     if len(key) <= MAX_KEY_LENGTH:
         return key
-    digest = hashlib.sha256(f"{thread_id}\0{checkpoint_ns}".encode()).hexdigest()
+    source = f"{thread_id}\0{checkpoint_ns}"
+    if tool_call_id is not None:
+        source += f"\0{tool_call_id}"
+    digest = hashlib.sha256(source.encode()).hexdigest()
     return f"sha256-{digest}:{action}"

@@ -10,8 +10,8 @@ resumed by the same lab (crashlab.py, worker.py), under three strategies:
 The graph: one node per step of `task.support_task`, named as the step, in a chain. A node
 computes its step's output from the earlier outputs (the state's `outputs`, which LangGraph
 appends to); an action node computes its request's body that way and POSTs it. B and C run with
-`durability="sync"`, the one `task_key` accepts: LangGraph saves each step's checkpoint before
-the next step starts.
+`durability="sync"`: LangGraph saves each step's checkpoint before the step starts, so the
+figures do not include a key's wait for an `"async"` save.
 
 Each node reports on the lab's pipe as the runner does: `started`, `prepared` (an action's body
 is computed, nothing sent), `done` (its output computed, or its action answered), and the saver

@@ -30,6 +30,8 @@ def gateway(
          "lease": "2s"},
         {"name": "late", "match": "/late", "strip_prefix": True,
          "upstream": f"http://127.0.0.1:{late_port}"},
+        {"name": "released", "match": "/released", "strip_prefix": True,
+         "upstream": upstream.url, "release_statuses": [429, 500, 503]},
     ]  # fmt: skip
     process = GatewayProcess(module_dir, database_url, routes)
     try:

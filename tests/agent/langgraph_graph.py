@@ -1,22 +1,23 @@
 """A LangGraph graph that tests run in a process of their own, kill with SIGKILL and resume.
 
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
-        [--api sync|async] [--freeze-at N] [--durability sync|async]
-        [--hold-checkpoint-of-step N] [--observe]
+        [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
+        [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
 
 The graph loops `LOOPS` times through `draft` then `send`; `send` POSTs an email through the
 gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by LangGraph's
 `PostgresSaver` on the given database. Each `send` prints one JSON line: its iteration, the task
 id, the task's namespace, the key and whether the gateway replayed the answer. A run with no
-checkpoint yet starts the thread; otherwise it resumes it (`invoke(None, ...)`).
+checkpoint yet starts the thread; otherwise it resumes it: `invoke(None, {thread})`, or with
+`--resume-by checkpoint-id` as many users do, `invoke(None, graph.get_state(config).config)` (the
+thread's latest checkpoint by its id, which LangGraph runs as a fork).
 
 - `--freeze-at N`: after the N-th iteration's email was answered, print `{"event": "frozen"}`
   and wait for the SIGKILL: the kill lands between the action and LangGraph's write of the step.
 - `--hold-checkpoint-of-step N`: the saver never finishes saving the checkpoint of step N, as if
   the kill came while that save was still on its way.
-- `--observe`: the first `send` prints its task id and the key it would send (`event`
-  `observed`), sends nothing and waits for the SIGKILL: for a `--durability async` run, where
-  `task_key` refuses to make a key.
+- A `send` whose client refuses to make a key prints `{"event": "refused", "error": ...}` and
+  waits for the SIGKILL (`--save-wait S`: how long the key waits for its step's checkpoint).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import get_runtime
 
-from oncegate.agent import keys
-from oncegate.agent.langgraph import AsyncGateway, Gateway
+from oncegate.agent.langgraph import AsyncGateway, Gateway, TaskKeyUnavailable
 
 LOOPS = 3
 
@@ -78,23 +78,26 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
             freeze()
         return {"receipts": [response.json()]}
 
-    def observe(state: State) -> dict[str, Any]:
-        execution = get_runtime().execution_info
-        assert execution is not None and execution.thread_id is not None
-        key = keys.task_key(execution.thread_id, execution.checkpoint_ns, "email")
-        report(event="observed", iteration=state["iteration"], task_id=execution.task_id, key=key)
+    def refused(state: State, error: TaskKeyUnavailable) -> dict[str, Any]:
+        report(event="refused", iteration=state["iteration"], error=str(error))
         freeze()
         return {}
 
     def send(state: State) -> dict[str, Any]:
         assert isinstance(gateway, Gateway)
-        if arguments.observe:
-            return observe(state)
-        return sent(state, gateway.post("/emails", body(state), action="email"))
+        try:
+            response = gateway.post("/emails", body(state), action="email")
+        except TaskKeyUnavailable as error:
+            return refused(state, error)
+        return sent(state, response)
 
     async def send_async(state: State) -> dict[str, Any]:
         assert isinstance(gateway, AsyncGateway)
-        return sent(state, await gateway.post("/emails", body(state), action="email"))
+        try:
+            response = await gateway.post("/emails", body(state), action="email")
+        except TaskKeyUnavailable as error:
+            return refused(state, error)
+        return sent(state, response)
 
     def again(state: State) -> str:
         return "draft" if state["iteration"] < LOOPS else END
@@ -120,13 +123,24 @@ class HeldSaver(PostgresSaver):
         return super().put(config, checkpoint, metadata, new_versions)
 
 
+class AsyncHeldSaver(AsyncPostgresSaver):
+    """`HeldSaver` for the async API."""
+
+    step: int
+
+    async def aput(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        if metadata.get("step") == self.step:
+            await asyncio.Event().wait()  # never set: the save "on its way" when the kill comes
+        return await super().aput(config, checkpoint, metadata, new_versions)
+
+
 def run_sync(arguments: argparse.Namespace) -> None:
     config: Any = {"configurable": {"thread_id": arguments.thread}}
     with (
         psycopg.Connection.connect(
             arguments.database_url, autocommit=True, prepare_threshold=0
         ) as connection,
-        Gateway(arguments.gateway) as gateway,
+        Gateway(arguments.gateway, save_wait=arguments.save_wait) as gateway,
     ):
         saver: PostgresSaver
         if arguments.hold_checkpoint_of_step is not None:
@@ -137,7 +151,12 @@ def run_sync(arguments: argparse.Namespace) -> None:
             saver = PostgresSaver(connection)
         saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
-        start = None if saver.get_tuple(config) is not None else {"iteration": 0, "receipts": []}
+        if saver.get_tuple(config) is None:
+            start: Any = {"iteration": 0, "receipts": []}
+        else:
+            start = None
+            if arguments.resume_by == "checkpoint-id":
+                config = graph.get_state(config).config
         final = graph.invoke(start, config, durability=arguments.durability)
     report(event="finished", receipts=len(final["receipts"]))
 
@@ -148,13 +167,23 @@ async def run_async(arguments: argparse.Namespace) -> None:
         await psycopg.AsyncConnection.connect(
             arguments.database_url, autocommit=True, prepare_threshold=0
         ) as connection,
-        AsyncGateway(arguments.gateway) as gateway,
+        AsyncGateway(arguments.gateway, save_wait=arguments.save_wait) as gateway,
     ):
-        saver = AsyncPostgresSaver(connection)
+        saver: AsyncPostgresSaver
+        if arguments.hold_checkpoint_of_step is not None:
+            held = AsyncHeldSaver(connection)
+            held.step = arguments.hold_checkpoint_of_step
+            saver = held
+        else:
+            saver = AsyncPostgresSaver(connection)
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
-        known = await saver.aget_tuple(config)
-        start = None if known is not None else {"iteration": 0, "receipts": []}
+        if await saver.aget_tuple(config) is None:
+            start: Any = {"iteration": 0, "receipts": []}
+        else:
+            start = None
+            if arguments.resume_by == "checkpoint-id":
+                config = (await graph.aget_state(config)).config
         final = await graph.ainvoke(start, config, durability=arguments.durability)
     report(event="finished", receipts=len(final["receipts"]))
 
@@ -165,10 +194,11 @@ def main() -> None:
     parser.add_argument("--gateway", required=True)
     parser.add_argument("--thread", required=True)
     parser.add_argument("--api", choices=["sync", "async"], default="sync")
-    parser.add_argument("--durability", choices=["sync", "async"], default="sync")
+    parser.add_argument("--durability", choices=["sync", "async", "exit"], default="sync")
+    parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
     parser.add_argument("--freeze-at", type=int)
     parser.add_argument("--hold-checkpoint-of-step", type=int)
-    parser.add_argument("--observe", action="store_true")
+    parser.add_argument("--save-wait", type=float, default=30.0)
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

@@ -30,10 +30,18 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
+from langgraph.types import RetryPolicy as NodeRetryPolicy
 
 from oncegate.agent import keys
-from oncegate.agent.client import ActionKeyReused, ActionOutcomeUnknown
-from oncegate.agent.langgraph import DURABILITY_KEY, Gateway, TaskKeyUnavailable, task_key
+from oncegate.agent.client import ActionKeyReused, ActionOutcomeUnknown, ActionRejected
+from oncegate.agent.langgraph import (
+    INTERNALS,
+    ActionNameReused,
+    Gateway,
+    TaskKeyUnavailable,
+    retry_on,
+    task_key,
+)
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
 ROOT = Path(__file__).parents[2]
@@ -100,37 +108,61 @@ def sent(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [item for item in events if item["event"] == "sent"]
 
 
-@pytest.mark.parametrize("api", ["sync", "async"])
+@pytest.mark.parametrize(
+    ("api", "durability", "resume_by"),
+    [
+        ("sync", "sync", "thread"),
+        ("async", "sync", "thread"),
+        ("sync", "sync", "checkpoint-id"),
+        ("async", "sync", "checkpoint-id"),
+        ("sync", "async", "thread"),
+        ("async", "async", "checkpoint-id"),
+    ],
+)
 def test_a_task_killed_after_its_action_resumes_with_the_same_key_and_is_performed_once(
     database_url: str,
     gateway: GatewayProcess,
     upstream: DemoUpstream,
     processes: list[GraphProcess],
     api: str,
+    durability: str,
+    resume_by: str,
 ) -> None:
+    """Killed between the second email's answer and LangGraph's write of that step, then resumed
+    in a new process by thread id, or by the latest checkpoint's id (`invoke(None,
+    graph.get_state(config).config)`), which LangGraph runs as a fork with new task ids."""
     thread = f"case-{uuid.uuid4()}"
-    first = GraphProcess(database_url, gateway, thread, "--api", api, "--freeze-at", "2")
+    options = ("--api", api, "--durability", durability)
+    first = GraphProcess(database_url, gateway, thread, *options, "--freeze-at", "2")
     processes.append(first)
     before = sent(first.until("frozen"))
-    first.kill()  # between the second email's answer and LangGraph's write of that step
-    second = GraphProcess(database_url, gateway, thread, "--api", api)
+    first.kill()
+    second = GraphProcess(database_url, gateway, thread, *options, "--resume-by", resume_by)
     processes.append(second)
     after = sent(second.finish())
 
     assert [item["iteration"] for item in before] == [1, 2]
-    # The resumed process ran the killed task again: same task id, same key, and the gateway
+    # The resumed process ran the killed task again, with the same key, and the gateway
     # answered with the first attempt's answer.
     assert [item["iteration"] for item in after] == [2, 3]
     killed, resumed = before[1], after[0]
-    assert resumed["task_id"] == killed["task_id"]
     assert resumed["key"] == killed["key"]
-    assert resumed["key"] == f"{thread}:send:{killed['task_id']}:email"
+    assert resumed["key"].startswith(f"{thread}:send:") and resumed["key"].endswith(":email")
     assert resumed["replayed"] and not killed["replayed"]
+    # By thread id LangGraph runs the same task again; by checkpoint id, a fork's new task:
+    # the key does not follow LangGraph's task id.
+    same_task = resumed["task_id"] == killed["task_id"]
+    assert same_task == (resume_by == "thread")
     # Every iteration its own key (a loop), each email performed exactly once.
     all_keys = [item["key"] for item in before] + [after[1]["key"]]
     assert len(set(all_keys)) == LOOPS
     for key in all_keys:
         assert len(upstream.actions(key)) == 1, key
+    assert len(thread_emails(upstream, thread)) == LOOPS
+
+
+def thread_emails(upstream: DemoUpstream, thread: str) -> list[dict[str, Any]]:
+    return [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(f"{thread}:")]
 
 
 def test_another_thread_gets_other_keys_for_the_same_work(
@@ -145,24 +177,32 @@ def test_another_thread_gets_other_keys_for_the_same_work(
     assert not set(runs[0]) & set(runs[1])
 
 
-def test_a_task_whose_steps_checkpoint_was_lost_in_an_async_run_gets_another_id(
-    database_url: str, gateway: GatewayProcess, processes: list[GraphProcess]
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_under_async_durability_nothing_is_sent_before_the_steps_checkpoint_is_saved(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    api: str,
 ) -> None:
-    """Why `task_key` wants `durability="sync"`: with LangGraph's default, `"async"`, a step's
-    checkpoint is still being saved while the next step acts. Killed then, the resumed run
-    rebuilds that checkpoint under a new id, and the task that acted gets a new id: a new key."""
+    """With LangGraph's default, `"async"`, a step's checkpoint is saved while the step runs: a
+    task that acted before that save could be given another id (and key) by a resume that had
+    to rebuild it. The key waits for the save; here it never lands, and nothing is sent."""
     thread = f"case-{uuid.uuid4()}"
-    options = ("--durability", "async", "--observe")
-    first = GraphProcess(database_url, gateway, thread, *options, "--hold-checkpoint-of-step", "1")
+    options = ("--api", api, "--durability", "async")
+    held = ("--hold-checkpoint-of-step", "1", "--save-wait", "1")
+    first = GraphProcess(database_url, gateway, thread, *options, *held)
     processes.append(first)
-    [held] = [item for item in first.until("frozen") if item["event"] == "observed"]
+    [refused] = [item for item in first.until("frozen") if item["event"] == "refused"]
     first.kill()
+    assert refused["iteration"] == 1
+    assert "was not saved within 1 s ('async' durability)" in refused["error"]
+    assert thread_emails(upstream, thread) == []
     second = GraphProcess(database_url, gateway, thread, *options)
     processes.append(second)
-    [resumed] = [item for item in second.until("frozen") if item["event"] == "observed"]
-    assert held["iteration"] == resumed["iteration"] == 1
-    assert resumed["task_id"] != held["task_id"]
-    assert resumed["key"] != held["key"]
+    assert len(sent(second.finish())) == LOOPS
+    emails = thread_emails(upstream, thread)
+    assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
 
 
 # --- in this process: what task_key refuses, fan-out, the client's errors -----------------------
@@ -204,18 +244,20 @@ def test_task_key_refuses_a_run_whose_keys_a_resume_would_not_find_again(
         return {"keys": [task_key("email")]}
 
     start = {"iteration": 0, "keys": []}
-    with pytest.raises(TaskKeyUnavailable, match="durability is 'async'"):
-        one_node(act, checkpointer).invoke(start, thread())  # LangGraph's default
     with pytest.raises(TaskKeyUnavailable, match="durability is 'exit'"):
         one_node(act, checkpointer).invoke(start, thread(), durability="exit")
     with pytest.raises(TaskKeyUnavailable, match="without a checkpointer"):
         one_node(act, None).invoke(start)
     with pytest.raises(TaskKeyUnavailable, match="inside a LangGraph node"):
         task_key("email")
-    # Where LangGraph keeps the durability (not public): this fails loudly when it moves.
-    seen = one_node(act, checkpointer).invoke(start, thread(), durability="sync")
+    # Both durabilities that save before the end make keys; where LangGraph keeps what the key
+    # reads (not public): this fails loudly when it moves.
+    for durability in ("sync", "async"):
+        seen = one_node(act, checkpointer).invoke(start, thread(), durability=durability)
+        assert len(seen["keys"]) == 1
+    seen = one_node(act, checkpointer).invoke(start, thread())  # LangGraph's default: "async"
     assert len(seen["keys"]) == 1
-    assert DURABILITY_KEY == "__pregel_durability"
+    assert INTERNALS == ("__pregel_durability", "__pregel_checkpointer", "checkpoint_map")
 
 
 def test_tasks_sent_to_one_node_in_one_step_each_get_their_own_key(
@@ -244,15 +286,16 @@ def test_the_sync_client_raises_the_agent_librarys_errors(
 ) -> None:
     answers: list[httpx.Response] = []
 
-    def reused(state: Loop) -> dict[str, Any]:
+    def twice(state: Loop) -> dict[str, Any]:
         with Gateway(gateway.url) as client:
             answers.append(client.post("/emails", {"n": 1}, action="email"))
-            client.post("/emails", {"n": 2}, action="email")  # same task, same action
+            client.post("/emails", {"n": 1}, action="email")  # same task, same action
         return {}
 
-    with pytest.raises(ActionKeyReused) as reuse:
-        one_node(reused, checkpointer).invoke({"iteration": 0, "keys": []}, thread(),
-                                              durability="sync")  # fmt: skip
+    # Sent, the second email would have been answered with the first's stored answer.
+    with pytest.raises(ActionNameReused, match="already sent action 'email'") as reuse:
+        one_node(twice, checkpointer).invoke({"iteration": 0, "keys": []}, thread(),
+                                             durability="sync")  # fmt: skip
     [first] = answers
     assert first.status_code == 201
     assert reuse.value.key == first.request.headers["Idempotency-Key"]
@@ -354,6 +397,239 @@ def test_functional_api_tasks_get_keys_of_their_own_under_their_entrypoint(
     found = flow.invoke(2, config, durability="sync")
     first, second, outer = found
     assert len(set(found)) == 3
-    prefix = outer.removesuffix(":flow")
-    assert prefix.startswith(config["configurable"]["thread_id"] + ":flow:")
-    assert first.startswith(prefix + "|send:") and second.startswith(prefix + "|send:")
+    # The entrypoint's key is made from its step's lineage, its tasks' from LangGraph's
+    # namespace of them, under the entrypoint's task.
+    prefix = config["configurable"]["thread_id"] + ":flow:"
+    assert outer.startswith(prefix) and outer.endswith(":flow")
+    for key in (first, second):
+        assert key.startswith(prefix) and "|send:" in key and key.endswith(":email")
+
+
+# --- resumes and replays by checkpoint id, retries, a body that changed (in this process) -------
+
+
+class Emails(TypedDict):
+    iteration: int
+    keys: Annotated[list[str], operator.add]
+
+
+def emails_graph(checkpointer: PostgresSaver, client: Gateway) -> Any:
+    """`LOOPS` times: `draft` counts, `send` emails through the gateway."""
+
+    def draft(state: Emails) -> dict[str, Any]:
+        return {"iteration": state["iteration"] + 1}
+
+    def send(state: Emails) -> dict[str, Any]:
+        response = client.post("/emails", {"n": state["iteration"]}, action="email")
+        return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+    builder = StateGraph(Emails)
+    builder.add_node("draft", draft)
+    builder.add_node("send", send)
+    builder.add_edge(START, "draft")
+    builder.add_edge("draft", "send")
+    builder.add_conditional_edges(
+        "send", lambda state: "draft" if state["iteration"] < LOOPS else END
+    )
+    return builder.compile(checkpointer=checkpointer)
+
+
+def test_a_replay_from_an_earlier_checkpoint_id_sends_the_same_keys_and_performs_nothing_again(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """LangGraph runs `invoke(None, <an earlier checkpoint's config>)` as a fork: new checkpoints,
+    new task ids. The keys follow the lineage instead: the replayed sends are answered from the
+    gateway's store."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+        graph = emails_graph(checkpointer, client)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        history = list(graph.get_state_history(config))
+        assert len(final["keys"]) == len(set(final["keys"])) == LOOPS
+        # From before the second send, and from the very first checkpoint (the input).
+        [before_second] = [
+            state for state in history
+            if state.next == ("send",) and state.values["iteration"] == 2
+        ]  # fmt: skip
+        replayed = graph.invoke(None, before_second.config, durability="sync")
+        assert replayed["keys"] == final["keys"]
+        replayed = graph.invoke(None, history[-1].config, durability="async")
+        assert replayed["keys"] == final["keys"]
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+
+
+def test_new_work_on_an_earlier_checkpoint_gets_new_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """`update_state` on an earlier checkpoint is new work, not a replay: its sends are new."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+        graph = emails_graph(checkpointer, client)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [before_third] = [
+            state for state in graph.get_state_history(config)
+            if state.next == ("send",) and state.values["iteration"] == 3
+        ]  # fmt: skip
+        edited = graph.update_state(before_third.config, {"iteration": 30})
+        branch = graph.invoke(None, edited, durability="sync")
+    new_key = branch["keys"][-1]
+    assert branch["keys"][:-1] == final["keys"][:-1] and new_key not in final["keys"]
+    assert [action["request"] for action in upstream.actions(new_key)] == [{"n": 30}]
+
+
+def test_a_subgraphs_task_in_a_forked_run_is_refused_before_anything_is_sent(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        def inner(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"thread": config["configurable"]}, action="email")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        sub = StateGraph(Loop)
+        sub.add_node("inner", inner)
+        sub.add_edge(START, "inner")
+        sub.add_edge("inner", END)
+        outer = StateGraph(Loop)
+        outer.add_node("outer", sub.compile())
+        outer.add_edge(START, "outer")
+        outer.add_edge("outer", END)
+        graph = outer.compile(checkpointer=checkpointer)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [key] = final["keys"]
+        assert key.startswith(config["configurable"]["thread_id"] + ":outer:")
+        assert "|inner:" in key
+        [before] = [state for state in graph.get_state_history(config) if state.next == ("outer",)]
+        with pytest.raises(TaskKeyUnavailable, match="LangGraph forked from a checkpoint"):
+            graph.invoke(None, before.config, durability="sync")
+    assert len(upstream.actions(key)) == 1
+    thread_id = config["configurable"]["thread_id"]
+    assert len(thread_emails(upstream, thread_id)) == 1
+
+
+def test_langgraphs_retry_of_a_node_resends_with_the_same_key(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A retry is a new attempt of the same task: its resend is the same action again, not a
+    second one under the same name (which `ActionNameReused` would refuse)."""
+    sent_keys: list[str] = []
+
+    def flaky(state: Loop) -> dict[str, Any]:
+        with Gateway(gateway.url) as client:
+            response = client.post("/emails", {"n": 1}, action="email")
+        sent_keys.append(response.request.headers["Idempotency-Key"])
+        if len(sent_keys) == 1:
+            raise ConnectionError("the network went away after the email was sent")
+        return {"keys": sent_keys[-1:]}
+
+    builder = StateGraph(Loop)
+    policy = NodeRetryPolicy(max_attempts=3, initial_interval=0.01, retry_on=retry_on)
+    builder.add_node("act", flaky, retry_policy=policy)
+    builder.add_edge(START, "act")
+    builder.add_edge("act", END)
+    graph = builder.compile(checkpointer=checkpointer)
+    final = graph.invoke({"iteration": 0, "keys": []}, thread(), durability="sync")
+    first, second = sent_keys
+    assert first == second == final["keys"][0]
+    assert len(upstream.actions(first)) == 1
+
+
+@pytest.mark.parametrize(("path", "released"), [("/emails", False), ("/released/emails", True)])
+def test_a_retried_500_is_performed_again_only_where_the_route_releases_it(
+    checkpointer: PostgresSaver,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    path: str,
+    released: bool,
+) -> None:
+    """The upstream fails the first attempt with a 500. Stored (the default `release_statuses`,
+    [429, 503]), LangGraph's retry gets the stored 500 as a replay, and `retry_on` stops there;
+    released, the retry reaches the upstream, which performs it."""
+    answers: list[int] = []
+
+    def send(state: Loop) -> dict[str, Any]:
+        failing = {"X-Demo-Status": "500"} if not answers else {}
+        with Gateway(gateway.url) as client:
+            try:
+                response = client.post(path, {"n": 1}, action="email", headers=failing)
+            except ActionRejected as error:
+                assert error.response is not None
+                answers.append(error.response.status_code)
+                raise
+        answers.append(response.status_code)
+        return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+    builder = StateGraph(Loop)
+    policy = NodeRetryPolicy(max_attempts=3, initial_interval=0.01, retry_on=retry_on)
+    builder.add_node("act", send, retry_policy=policy)
+    builder.add_edge(START, "act")
+    builder.add_edge("act", END)
+    graph = builder.compile(checkpointer=checkpointer)
+    config = thread()
+    if released:
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        assert answers == [500, 201]
+        [key] = final["keys"]
+        assert len(upstream.actions(key)) == 1
+    else:
+        with pytest.raises(ActionRejected, match="answered 500") as stored:
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        assert answers == [500, 500]  # the second a replay: not retried again
+        assert stored.value.response is not None
+        assert stored.value.response.headers["idempotent-replayed"] == "true"
+
+
+def test_retry_on_retries_only_what_a_retry_can_change() -> None:
+    def rejected(status: int, replayed: bool = False) -> ActionRejected:
+        headers = {"Idempotent-Replayed": "true"} if replayed else {}
+        return ActionRejected("no", response=httpx.Response(status, headers=headers))
+
+    assert retry_on(rejected(500)) and retry_on(rejected(502))
+    assert not retry_on(rejected(500, replayed=True))  # stored: every retry gets it again
+    assert not retry_on(rejected(400)) and not retry_on(rejected(404))
+    assert not retry_on(ActionKeyReused("k")) and not retry_on(ActionOutcomeUnknown("u"))
+    assert not retry_on(ActionNameReused("twice")) and not retry_on(TaskKeyUnavailable("x"))
+    assert retry_on(ConnectionError("down")) and not retry_on(ValueError("bug"))
+
+
+class Killed(Exception):
+    """A crash in the gap, in this process: the node acted, LangGraph saved nothing of it."""
+
+
+def test_a_body_that_changed_on_resume_is_refused_and_the_node_can_be_marked_done(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A node that drafts its email with a clock sends another body on resume: the gateway
+    refuses it (422, `ActionKeyReused`), on every resume. The way out: find the answer the
+    first attempt got, record it as the node's output (`update_state(..., as_node=...)`), and
+    resume past it."""
+    clock = iter(range(1, 100))
+    crash = [True]
+
+    def send(state: Loop) -> dict[str, Any]:
+        with Gateway(gateway.url) as client:
+            response = client.post("/emails", {"sent_at": next(clock)}, action="email")
+        if crash.pop() if crash else False:
+            raise Killed("killed after the email, before LangGraph saved the step")
+        return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+    graph = one_node(send, checkpointer)
+    config = thread()
+    with pytest.raises(Killed):
+        graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+    for _ in range(2):  # every resume alike
+        with pytest.raises(ActionKeyReused) as reused:
+            graph.invoke(None, config, durability="sync")
+    key = reused.value.key
+    assert key is not None
+    [performed] = upstream.actions(key)
+    assert performed["request"] == {"sent_at": 1}
+    # The way out: the upstream's (or the gateway's, `oncegate keys show`) answer recorded as
+    # what the node returned; the graph then goes on from there.
+    graph.update_state(config, {"keys": [key]}, as_node="act")
+    final = graph.invoke(None, config, durability="sync")
+    assert final["keys"] == [key]
+    assert graph.get_state(config).next == ()
+    assert len(upstream.actions(key)) == 1

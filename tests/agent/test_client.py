@@ -17,6 +17,7 @@ from oncegate.agent.client import (
     ActionClient,
     ActionKeyReused,
     ActionOutcomeUnknown,
+    ActionRejected,
     GaveUp,
     KeyLifetime,
     RetryPolicy,
@@ -188,3 +189,21 @@ def test_a_key_lifetime_resends_until_its_ttl_less_the_margin() -> None:
         KeyLifetime(ttl=timedelta(hours=1), margin=timedelta(hours=1))
     with pytest.raises(ValueError, match="at least 0"):
         KeyLifetime(margin=timedelta(seconds=-1))
+
+
+async def test_any_method_and_a_forms_body_are_sent_with_the_key(
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url), new_action_key()
+    form = {"to": "ana@example.com", "subject": "refund & thanks"}
+    first = await client.request("POST", "/emails", key, form=form)
+    again = await client.request("POST", "/emails", key, form=form)
+    assert first.request.headers["content-type"] == "application/x-www-form-urlencoded"
+    assert again.headers["idempotent-replayed"] == "true"
+    [performed] = upstream.actions(key)
+    assert performed["request"] == "to=ana%40example.com&subject=refund+%26+thanks"
+    # The demo upstream takes POST only: the method went through, and so did its answer.
+    with pytest.raises(ActionRejected, match="PATCH /emails answered 405"):
+        await client.request("PATCH", "/emails", new_action_key(), json={"status": "closed"})
+    with pytest.raises(ValueError, match="JSON or a form, not both"):
+        await client.request("POST", "/emails", key, json={}, form={})

@@ -87,7 +87,7 @@ SAVE_WAIT = 30.0
 # Checkpoints whose lineage a process remembers (one entry a step): enough for thousands of
 # threads in flight, a few MB at most.
 LINEAGE_CACHE = 20_000
-# Keys a client remembers having sent successfully, with the attempt of the task that sent them.
+# Keys a client remembers having sent, with the attempt of the task that sent them.
 SENT_MEMORY = 4_096
 
 
@@ -404,9 +404,11 @@ async def atask_key(
 
 
 class Sent:
-    """The keys a client sent and had answered, each with the attempt of the task that sent it:
-    the same key sent again in the same attempt is a second action under one name (refused);
-    in a later attempt (LangGraph's retry, a resume) it is the same action again (sent)."""
+    """The keys a client is sending or had answered, each with the attempt of the task that sent
+    it: the same key sent again in the same attempt is a second action under one name (refused,
+    also when the first is still on its way, from another thread of a `ToolNode`); in a later
+    attempt (LangGraph's retry, a resume) it is the same action again (sent). A send that
+    failed is forgotten: the node may resend it."""
 
     def __init__(self, size: int = SENT_MEMORY) -> None:
         # The attempt object is kept, not its id(): a freed object's id can be reused.
@@ -414,25 +416,29 @@ class Sent:
         self._size = size
         self._lock = threading.Lock()
 
-    def check(self, key: str, attempt: object, action: str, tool_call_id: str | None) -> None:
+    def claim(self, key: str, attempt: object, action: str, tool_call_id: str | None) -> None:
+        """Note `key` as sent by `attempt`, or raise `ActionNameReused` if it already was."""
         with self._lock:
             if self._sent.get(key) is not attempt:
+                self._sent[key] = attempt
+                self._sent.move_to_end(key)
+                while len(self._sent) > self._size:
+                    self._sent.popitem(last=False)
                 return
         what = f"action {action!r}" + (f" of tool call {tool_call_id!r}" if tool_call_id else "")
         raise ActionNameReused(
-            f"this task already sent {what} (key {key}) and had it answered: a second action "
-            "under the same name would be answered with the first one's stored answer, never "
-            "performed. Give each action of a task its own name (action='email-customer', "
-            "action='email-team'), and each tool call its id (tool_call_id=...)",
+            f"this task already sent {what} (key {key}): a second action under the same name "
+            "would be answered with the first one's stored answer, never performed. Give each "
+            "action of a task its own name (action='email-customer', action='email-team'), and "
+            "pass each tool call's id (tool_call_id=...)",
             key=key,
         )
 
-    def remember(self, key: str, attempt: object) -> None:
+    def forget(self, key: str, attempt: object) -> None:
+        """The send of `key` by `attempt` failed: it may be sent again."""
         with self._lock:
-            self._sent[key] = attempt
-            self._sent.move_to_end(key)
-            while len(self._sent) > self._size:
-                self._sent.popitem(last=False)
+            if self._sent.get(key) is attempt:
+                del self._sent[key]
 
 
 class Gateway:
@@ -488,10 +494,12 @@ class Gateway:
         `action` for the running task (and tool call); the final 2xx answer, or raise."""
         key = task_key(action, tool_call_id=tool_call_id, save_wait=self._save_wait)
         attempt = running_task_attempt()
-        self._sent.check(key, attempt, action, tool_call_id)
-        response = self._client.request(method, path, key, json=json, form=form, headers=headers)
-        self._sent.remember(key, attempt)
-        return response
+        self._sent.claim(key, attempt, action, tool_call_id)
+        try:
+            return self._client.request(method, path, key, json=json, form=form, headers=headers)
+        except BaseException:
+            self._sent.forget(key, attempt)
+            raise
 
     def close(self) -> None:
         if self._own:
@@ -557,12 +565,14 @@ class AsyncGateway:
         """`Gateway.request`, awaited."""
         key = await atask_key(action, tool_call_id=tool_call_id, save_wait=self._save_wait)
         attempt = running_task_attempt()
-        self._sent.check(key, attempt, action, tool_call_id)
-        response = await self._client.request(
-            method, path, key, json=json, form=form, headers=headers
-        )
-        self._sent.remember(key, attempt)
-        return response
+        self._sent.claim(key, attempt, action, tool_call_id)
+        try:
+            return await self._client.request(
+                method, path, key, json=json, form=form, headers=headers
+            )
+        except BaseException:
+            self._sent.forget(key, attempt)
+            raise
 
     async def aclose(self) -> None:
         if self._own:

@@ -12,15 +12,9 @@ resumed task has another id, which is why `task_key` insists on `durability="syn
 
 from __future__ import annotations
 
-import json
 import operator
-import os
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import httpx
@@ -42,66 +36,10 @@ from oncegate.agent.langgraph import (
     retry_on,
     task_key,
 )
+from tests.agent.conftest import GraphProcess
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
-ROOT = Path(__file__).parents[2]
 LOOPS = 3  # tests/agent/langgraph_graph.py
-
-
-class GraphProcess:
-    """`python -m tests.agent.langgraph_graph`, read line by line."""
-
-    def __init__(self, database_url: str, gateway: GatewayProcess, thread: str, *args: str):
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.agent.langgraph_graph", "--database-url",
-             database_url, "--gateway", gateway.url, "--thread", thread, *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    def events(self) -> Iterator[dict[str, Any]]:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            yield json.loads(line)
-
-    def until(self, event: str) -> list[dict[str, Any]]:
-        """Every event up to and with `event`; then the process is frozen, waiting for a kill."""
-        seen = []
-        for item in self.events():
-            seen.append(item)
-            if item["event"] == event:
-                return seen
-        raise AssertionError(f"ended before {event!r}: {seen}, {self.stderr()}")
-
-    def kill(self) -> None:
-        os.kill(self.popen.pid, signal.SIGKILL)
-        assert self.popen.wait(10) == -signal.SIGKILL
-
-    def finish(self) -> list[dict[str, Any]]:
-        seen = list(self.events())
-        assert self.popen.wait(60) == 0, self.stderr()
-        assert seen[-1] == {"event": "finished", "receipts": LOOPS}
-        return seen
-
-    def stderr(self) -> str:
-        assert self.popen.stderr is not None
-        return self.popen.stderr.read()
-
-    def close(self) -> None:
-        if self.popen.poll() is None:
-            self.kill()
-        for stream in (self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                stream.close()
-
-
-@pytest.fixture
-def processes() -> Iterator[list[GraphProcess]]:
-    started: list[GraphProcess] = []
-    try:
-        yield started
-    finally:
-        for process in started:
-            process.close()
 
 
 def sent(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,7 +77,7 @@ def test_a_task_killed_after_its_action_resumes_with_the_same_key_and_is_perform
     first.kill()
     second = GraphProcess(database_url, gateway, thread, *options, "--resume-by", resume_by)
     processes.append(second)
-    after = sent(second.finish())
+    after = sent(second.finish(LOOPS))
 
     assert [item["iteration"] for item in before] == [1, 2]
     # The resumed process ran the killed task again, with the same key, and the gateway
@@ -172,7 +110,7 @@ def test_another_thread_gets_other_keys_for_the_same_work(
     for thread in (f"case-{uuid.uuid4()}", f"case-{uuid.uuid4()}"):
         process = GraphProcess(database_url, gateway, thread)
         processes.append(process)
-        runs.append([item["key"] for item in sent(process.finish())])
+        runs.append([item["key"] for item in sent(process.finish(LOOPS))])
     assert len(runs[0]) == len(runs[1]) == LOOPS
     assert not set(runs[0]) & set(runs[1])
 
@@ -200,7 +138,7 @@ def test_under_async_durability_nothing_is_sent_before_the_steps_checkpoint_is_s
     assert thread_emails(upstream, thread) == []
     second = GraphProcess(database_url, gateway, thread, *options)
     processes.append(second)
-    assert len(sent(second.finish())) == LOOPS
+    assert len(sent(second.finish(LOOPS))) == LOOPS
     emails = thread_emails(upstream, thread)
     assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
 

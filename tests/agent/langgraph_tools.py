@@ -1,0 +1,211 @@
+"""A tool-calling agent that tests run in a process of their own, kill with SIGKILL and resume.
+
+    python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
+        [--agent toolnode|react-v1|react-v2] [--api sync|async] [--freeze]
+        [--resume-by thread|checkpoint-id]
+
+A scripted model (`ScriptedModel`) answers the thread's first message with one message holding
+`CALLS` tool calls (an email to each of two customers); once the tools answered, it ends the
+turn. The tools send their email through the gateway with the tool call's id
+(`tool_call_id=...`, from LangChain's `InjectedToolCallId`), on LangGraph's `PostgresSaver`.
+
+- `toolnode`: a `StateGraph` of a model node, a `ToolNode` and `tools_condition`: both tool calls
+  run in one task (in two threads, or gathered under `ainvoke`).
+- `react-v1`, `react-v2`: LangGraph's prebuilt `create_react_agent`; v1 runs the tool calls in
+  one task, v2 sends each to a task of its own.
+
+Each tool prints one JSON line when its email is answered (`sent`: the tool call's id, the key,
+whether the gateway replayed it). With `--freeze`, the tool answered last prints
+`{"event": "frozen"}` and waits for the SIGKILL: every email of the message was answered, and
+LangGraph has saved nothing of the tool step (v2 may have saved the first task's writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from typing import Annotated, Any
+
+import psycopg
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.tools import BaseTool, InjectedToolCallId, tool
+from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
+
+from oncegate.agent.langgraph import AsyncGateway, Gateway
+
+CUSTOMERS = ("ana@example.com", "bo@example.com")
+CALLS = len(CUSTOMERS)
+
+
+def report(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)  # noqa: T201 - the test reads these lines
+
+
+class ScriptedModel(BaseChatModel):
+    """A chat model whose answers are written here: the tool calls first, then the end."""
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **_: Any
+    ) -> ChatResult:
+        if any(isinstance(message, ToolMessage) for message in messages):
+            reply = AIMessage(content="Both customers have their refund email.")
+        else:
+            calls = [
+                {"name": "send_email", "args": {"to": to}, "id": f"call_{number}",
+                 "type": "tool_call"}
+                for number, to in enumerate(CUSTOMERS, start=1)
+            ]  # fmt: skip
+            reply = AIMessage(content="", tool_calls=calls)
+        return ChatResult(generations=[ChatGeneration(message=reply)])
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "scripted"
+
+
+class Answered:
+    """Counts the tools' answers; with `freeze`, the last one waits for the SIGKILL."""
+
+    def __init__(self, freeze: bool) -> None:
+        self.freeze = freeze
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def last(self) -> bool:
+        with self.lock:
+            self.count += 1
+            return self.freeze and self.count == CALLS
+
+
+def sent(response: Any, tool_call_id: str) -> None:
+    report(
+        event="sent",
+        tool_call_id=tool_call_id,
+        key=response.request.headers["Idempotency-Key"],
+        replayed=response.headers.get("Idempotent-Replayed") == "true",
+    )
+
+
+def sync_tools(gateway: Gateway, answered: Answered) -> list[BaseTool]:
+    @tool
+    def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+        """Email a customer that the refund is on its way."""
+        body = {"to": to, "subject": "Your refund"}
+        response = gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
+        sent(response, tool_call_id)
+        if answered.last():
+            report(event="frozen")
+            while True:  # until the SIGKILL
+                time.sleep(60)
+        return str(response.json()["id"])
+
+    return [send_email]
+
+
+def async_tools(gateway: AsyncGateway, answered: Answered) -> list[BaseTool]:
+    @tool
+    async def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+        """Email a customer that the refund is on its way."""
+        body = {"to": to, "subject": "Your refund"}
+        response = await gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
+        sent(response, tool_call_id)
+        if answered.last():
+            report(event="frozen")
+            await asyncio.Event().wait()  # never set: until the SIGKILL
+        return str(response.json()["id"])
+
+    return [send_email]
+
+
+def build(agent: str, tools: list[BaseTool], checkpointer: Any) -> Any:
+    model = ScriptedModel()
+    if agent.startswith("react-"):
+        return create_react_agent(
+            model, tools, checkpointer=checkpointer, version="v1" if agent == "react-v1" else "v2"
+        )
+
+    def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [model.invoke(state["messages"])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("model", call_model)
+    builder.add_node("tools", ToolNode(tools))
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", tools_condition)
+    builder.add_edge("tools", "model")
+    return builder.compile(checkpointer=checkpointer)
+
+
+def start_or_resume(saved: bool) -> Any:
+    """The thread's first message, or None: resume it."""
+    if saved:
+        return None
+    return {"messages": [HumanMessage("Tell both customers their refund is on its way.")]}
+
+
+def run_sync(arguments: argparse.Namespace) -> None:
+    config: Any = {"configurable": {"thread_id": arguments.thread}}
+    with (
+        psycopg.Connection.connect(
+            arguments.database_url, autocommit=True, prepare_threshold=0
+        ) as connection,
+        Gateway(arguments.gateway) as gateway,
+    ):
+        saver = PostgresSaver(connection)
+        saver.setup()
+        graph = build(arguments.agent, sync_tools(gateway, Answered(arguments.freeze)), saver)
+        saved = saver.get_tuple(config) is not None
+        if saved and arguments.resume_by == "checkpoint-id":
+            config = graph.get_state(config).config
+        final = graph.invoke(start_or_resume(saved), config)
+    report(event="finished", messages=[type(message).__name__ for message in final["messages"]])
+
+
+async def run_async(arguments: argparse.Namespace) -> None:
+    config: Any = {"configurable": {"thread_id": arguments.thread}}
+    async with (
+        await psycopg.AsyncConnection.connect(
+            arguments.database_url, autocommit=True, prepare_threshold=0
+        ) as connection,
+        AsyncGateway(arguments.gateway) as gateway,
+    ):
+        saver = AsyncPostgresSaver(connection)
+        await saver.setup()
+        graph = build(arguments.agent, async_tools(gateway, Answered(arguments.freeze)), saver)
+        saved = await saver.aget_tuple(config) is not None
+        if saved and arguments.resume_by == "checkpoint-id":
+            config = (await graph.aget_state(config)).config
+        final = await graph.ainvoke(start_or_resume(saved), config)
+    report(event="finished", messages=[type(message).__name__ for message in final["messages"]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--thread", required=True)
+    parser.add_argument("--agent", choices=["toolnode", "react-v1", "react-v2"], default="toolnode")
+    parser.add_argument("--api", choices=["sync", "async"], default="sync")
+    parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
+    parser.add_argument("--freeze", action="store_true")
+    arguments = parser.parse_args()
+    if arguments.api == "sync":
+        run_sync(arguments)
+    else:
+        asyncio.run(run_async(arguments))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

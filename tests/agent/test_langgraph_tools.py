@@ -1,0 +1,124 @@
+"""Tool calls on LangGraph: a scripted model's message with two tool calls, run by a `ToolNode`
+and by the prebuilt `create_react_agent` (v1: one task for both calls; v2: a task each), killed
+with SIGKILL once both emails were answered and resumed in a new process
+(tests/agent/langgraph_tools.py). Each tool call is its own action, keyed by its id: performed
+once, replayed on resume. And what happens when a tool forgets its call's id."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from langchain_core.messages import AIMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.postgres import PostgresSaver
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+
+from oncegate.agent.langgraph import ActionNameReused, Gateway
+from tests.agent.conftest import GraphProcess
+from tests.e2e.conftest import DemoUpstream, GatewayProcess
+
+CALLS = 2  # tests/agent/langgraph_tools.py
+
+
+def sent(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The `sent` events by tool call id."""
+    return {item["tool_call_id"]: item for item in events if item["event"] == "sent"}
+
+
+@pytest.mark.parametrize(
+    ("agent", "api", "resume_by"),
+    [
+        ("toolnode", "sync", "thread"),
+        ("toolnode", "async", "checkpoint-id"),
+        ("react-v1", "sync", "checkpoint-id"),
+        ("react-v2", "async", "thread"),
+    ],
+)
+def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_kill(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    agent: str,
+    api: str,
+    resume_by: str,
+) -> None:
+    thread = f"case-{uuid.uuid4()}"
+    options = ("--agent", agent, "--api", api, "--resume-by", resume_by)
+    module = "tests.agent.langgraph_tools"
+    first = GraphProcess(database_url, gateway, thread, *options, "--freeze", module=module)
+    processes.append(first)
+    before = sent(first.until("frozen"))
+    first.kill()  # both emails answered, the tool step not saved
+    second = GraphProcess(database_url, gateway, thread, *options, module=module)
+    processes.append(second)
+    events = second.finish()
+    after = sent(events)
+
+    assert sorted(before) == ["call_1", "call_2"]
+    assert not any(item["replayed"] for item in before.values())
+    # Two tool calls, two keys, each with its call's id.
+    keys = {call: item["key"] for call, item in before.items()}
+    assert len(set(keys.values())) == CALLS
+    for call, key in keys.items():
+        assert key.startswith(f"{thread}:") and key.endswith(f":{call}:email")
+    # The resumed process ran again what LangGraph had not saved (both calls in one task; in
+    # v2 maybe only the frozen one): with the same keys, answered from the gateway's store.
+    assert after, events
+    for call, item in after.items():
+        assert item["key"] == keys[call] and item["replayed"]
+    assert events[-1]["messages"][-1] == "AIMessage"
+    for key in keys.values():
+        assert len(upstream.actions(key)) == 1, key
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread)]
+    assert len(emails) == CALLS
+
+
+@pytest.fixture
+def checkpointer(database_url: str) -> Iterator[PostgresSaver]:
+    with psycopg.Connection.connect(database_url, autocommit=True, prepare_threshold=0) as db:
+        saver = PostgresSaver(db)
+        saver.setup()
+        yield saver
+
+
+def test_a_tool_that_does_not_pass_its_call_id_sends_its_second_call_not_at_all(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Without the tool call's id, both calls of one message would share the task's key: the
+    second would be "replayed" the first's answer, never performed. The client refuses it
+    before sending (also while the first is still on its way, in the `ToolNode`'s other
+    thread), and the `ToolNode`, which turns only invalid arguments into messages, raises it."""
+    thread_id = f"case-{uuid.uuid4()}"
+    with Gateway(gateway.url) as client:
+
+        @tool
+        def send_email(to: str) -> str:
+            """Email a customer."""
+            return str(client.post("/emails", {"to": to}, action="email").json()["id"])
+
+        def model(state: MessagesState) -> dict[str, Any]:
+            calls = [
+                {"name": "send_email", "args": {"to": to}, "id": f"call_{to}", "type": "tool_call"}
+                for to in ("ana@example.com", "bo@example.com")
+            ]
+            return {"messages": [AIMessage(content="", tool_calls=calls)]}
+
+        builder = StateGraph(MessagesState)
+        builder.add_node("model", model)
+        builder.add_node("tools", ToolNode([send_email]))
+        builder.add_edge(START, "model")
+        builder.add_edge("model", "tools")
+        graph = builder.compile(checkpointer=checkpointer)
+        with pytest.raises(ActionNameReused, match="already sent action 'email'"):
+            graph.invoke(
+                {"messages": [("user", "email both")]},
+                {"configurable": {"thread_id": thread_id}},
+            )
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread_id)]
+    assert len(emails) == 1

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors, metrics, service
+from ..key_workers import KeyWorkers
 from ..routing import RouteTable
 from ..sealing import Keyring
 from ..settings import Settings
@@ -41,7 +42,8 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     store = await PostgresStore.connect(database_url, settings.store_options())
     upstream = HttpUpstream()
     keyring = settings.keyring()
-    gateway = gateway_of(settings, store, upstream, keyring)
+    key_workers = KeyWorkers()
+    gateway = gateway_of(settings, store, upstream, keyring, key_workers)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
     counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
@@ -63,17 +65,22 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await key_workers.close()
         await upstream.aclose()
         await store.close()
 
 
 def gateway_of(
-    settings: Settings, store: Store, upstream: Upstream, keyring: Keyring | None
+    settings: Settings,
+    store: Store,
+    upstream: Upstream,
+    keyring: Keyring | None,
+    key_workers: KeyWorkers | None = None,
 ) -> service.Gateway:
     """The request path's service, as the settings make it (bench/memory_gateway.py makes it
     with the in-memory store)."""
     waiters = (settings.max_waiters, settings.max_waiters_per_key)
-    return service.Gateway(store, upstream, keyring, waiters)
+    return service.Gateway(store, upstream, keyring, waiters, key_workers)
 
 
 def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:

@@ -42,6 +42,7 @@ from collections.abc import Awaitable
 from typing import assert_never
 
 from .. import errors, fingerprint, headers, keys, metrics
+from ..key_workers import KeyWorkers
 from ..outcomes import Outcome
 from ..routing import upstream_url
 from ..sealing import Keyring, Sealer, StoredAnswer
@@ -60,9 +61,10 @@ CLAIM_ATTEMPTS = 5
 # Bodies larger than this are fingerprinted in a worker thread; smaller ones hash in well under
 # a millisecond, less than handing them to a thread costs.
 OFF_LOOP_BODY = 1024 * 1024
-# A key in a JSON body larger than this is looked up in a worker thread: parsing JSON holds the
-# event loop about 85 ms per MiB (fingerprint.CANONICAL_JSON_LIMIT says the same of the
-# fingerprint's canonical form).
+# A key in a JSON body larger than this is read in a worker process (`key_workers`): parsing JSON
+# holds the interpreter about 85 ms per MiB, in a thread as much as on the event loop; up to
+# this size it is a few milliseconds (fingerprint.CANONICAL_JSON_LIMIT says the same of the
+# fingerprint's canonical form), less than the trip to a worker.
 OFF_LOOP_JSON = fingerprint.CANONICAL_JSON_LIMIT
 DEFAULT_WAITERS = (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY)
 EXAMPLE_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
@@ -75,8 +77,11 @@ class Gateway:
         upstream: Upstream,
         keyring: Keyring | None = None,
         waiters: tuple[int, int] = DEFAULT_WAITERS,
+        key_workers: KeyWorkers | None = None,
     ) -> None:
         self._store = store
+        # Where keys of large JSON bodies are read; its owner closes it (the runtime does).
+        self._key_workers = key_workers or KeyWorkers()
         self._upstream = upstream
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
@@ -89,7 +94,7 @@ class Gateway:
     async def handle(self, route: Route, request: ProxyRequest) -> Answer:
         if request.method not in route.methods:
             return await self._forward_unprotected(route, request, Outcome.PASSTHROUGH)
-        key = await _key(route, request)
+        key = await _key(route, request, self._key_workers)
         if key is None:
             if route.key == "optional":
                 return await self._forward_unprotected(route, request, Outcome.UNPROTECTED)
@@ -299,7 +304,7 @@ class Gateway:
             )
 
 
-async def _key(route: Route, request: ProxyRequest) -> str | None:
+async def _key(route: Route, request: ProxyRequest, workers: KeyWorkers) -> str | None:
     """The request's key, where its route says it is; None when it has none."""
     pointer = route.key_pointer
     if pointer is None:
@@ -307,7 +312,7 @@ async def _key(route: Route, request: ProxyRequest) -> str | None:
     arguments = (request.body, pointer, route.key_from_body or "")
     if len(request.body) <= OFF_LOOP_JSON:
         return keys.from_body(*arguments)
-    return await asyncio.to_thread(keys.from_body, *arguments)
+    return await workers.from_body(*arguments)
 
 
 def _missing_key(route: Route, method: str) -> str:

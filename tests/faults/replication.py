@@ -12,6 +12,10 @@ What a failover is here:
   writer, checkpointer) at once: a machine that died, not a shutdown. Nothing the primary had
   not yet sent reaches the standby.
 - `Pair.promote` runs `pg_ctl promote` on the standby and waits until it takes writes.
+- `Pair.rejoin` makes the old primary, once the standby was promoted, the new primary's standby:
+  `pg_rewind` (its WAL rewound to where the two timelines parted; the servers run with
+  `wal_log_hints` and keep 256 MB of WAL for it) or a fresh `pg_basebackup`; the two servers
+  swap roles, so a pair can fail over again and again.
 - `Pair.stall_standby` stops the primary's WAL sender (SIGSTOP) for a while: a standby that lags,
   as an asynchronous one does under load, so what the primary commits meanwhile is lost with it.
 
@@ -184,9 +188,12 @@ class Pair:
                 f"listen_addresses = '127.0.0.1'\nport = {primary.port}\n"
                 f"unix_socket_directories = '{self.directory}'\n"
                 "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n"
+                # pg_rewind needs the old primary's WAL back to the checkpoint before the
+                # timelines parted, which its own crash recovery's checkpoints would recycle.
+                "wal_log_hints = on\nwal_keep_size = 256MB\n"
                 "max_connections = 300\nshared_buffers = 32MB\n"
                 f"fsync = {'on' if self.fsync else 'off'}\n"
-                "wal_receiver_status_interval = 1s\n"
+                "wal_receiver_status_interval = 1s\nwal_retrieve_retry_interval = 1s\n"
                 f"synchronous_standby_names = '{STANDBY_NAME if self.synchronous else ''}'\n"
             )
         with (primary.data / "pg_hba.conf").open("a") as hba:
@@ -195,17 +202,22 @@ class Pair:
         standby._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
                      "postgres", "-D", str(standby.data), "-X", "stream", "-c", "fast",
                      "--no-sync")  # fmt: skip
-        with (standby.data / "postgresql.auto.conf").open("a") as conf:
-            # The standby, once promoted, has no standby of its own: it must not wait for one.
-            conf.write(
-                f"port = {standby.port}\nsynchronous_standby_names = ''\n"
-                f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
-                f"application_name={STANDBY_NAME}'\n"
-            )
-        (standby.data / "standby.signal").touch()
-        _give_to_server_user(standby.data / "standby.signal")
+        self._follow(standby, primary)
         standby.start()
         asyncio.run(self._wait_streaming())
+
+    def _follow(self, standby: Server, primary: Server) -> None:
+        """`standby`'s data directory set to stream from `primary`. Written whole: a copy of the
+        primary's (base backup, rewind) carries the primary's own port and settings."""
+        # The standby, once promoted, has no standby of its own: it must not wait for one.
+        (standby.data / "postgresql.auto.conf").write_text(
+            f"port = {standby.port}\nsynchronous_standby_names = ''\n"
+            f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
+            f"application_name={STANDBY_NAME}'\n"
+        )
+        (standby.data / "standby.signal").touch()
+        for path in (standby.data / "postgresql.auto.conf", standby.data / "standby.signal"):
+            _give_to_server_user(path)
 
     async def _wait_streaming(self) -> None:
         wanted = "sync" if self.synchronous else "async"
@@ -228,6 +240,57 @@ class Pair:
     def promote(self) -> None:
         """Make the standby the primary, and wait until it takes writes."""
         self.standby._run("pg_ctl", "-D", str(self.standby.data), "-w", "promote")
+
+    def rejoin(self, *, fresh: bool = False) -> str:
+        """After `promote`: the old primary (dead, or killed here) made the standby of the
+        promoted one, and the roles swapped; with a synchronous pair the new primary waits for it
+        again once it streams. `pg_rewind`, or a fresh base backup when `fresh` or when the rewind
+        fails; returns which ("rewind" or "base backup")."""
+        old, new = self.primary, self.standby
+        old.kill()
+        how = "base backup" if fresh else "rewind"
+        if not fresh:
+            # pg_rewind reads the source's timeline from its control file, which a promoted
+            # server updates at its first checkpoint; before it, pg_rewind finds both on the old
+            # timeline, says no rewind is needed, and the old primary cannot follow.
+            asyncio.run(self._checkpoint(new))
+            try:
+                # A server that crashed is first recovered in single-user mode by pg_rewind
+                # itself (PostgreSQL 13 and newer), then rewound to where the timelines parted.
+                source = f"host=127.0.0.1 port={new.port} user=postgres"
+                old._run("pg_rewind", "-D", str(old.data), f"--source-server={source}")
+            except subprocess.CalledProcessError:
+                how = "base backup"
+        if how == "base backup":
+            shutil.rmtree(old.data)
+            old._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(new.port), "-U", "postgres",
+                     "-D", str(old.data), "-X", "stream", "-c", "fast", "--no-sync")  # fmt: skip
+        self._follow(old, new)
+        old.start()
+        self.primary, self.standby = new, old
+        if self.synchronous:
+            asyncio.run(self._wait_for_standby())
+        asyncio.run(self._wait_streaming())
+        return how
+
+    @staticmethod
+    async def _checkpoint(server: Server) -> None:
+        connection = await asyncpg.connect(server.url())
+        try:
+            await connection.execute("CHECKPOINT")
+        finally:
+            await connection.close()
+
+    async def _wait_for_standby(self) -> None:
+        """The primary's commits wait for the standby again (they did not while it was away)."""
+        connection = await asyncpg.connect(self.primary.url())
+        try:
+            await connection.execute(
+                f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'"
+            )
+            await connection.execute("SELECT pg_reload_conf()")
+        finally:
+            await connection.close()
 
     @contextlib.contextmanager
     def stall_standby(self) -> Iterator[None]:

@@ -45,8 +45,9 @@ test: test-tools
 faults: $(STAMP)
 	$(BIN)/python -m pytest -q tests/faults
 
-# The chaos soak and its history checker (docs/faults.md): 10 minutes of gateway kills and
-# PostgreSQL crashes under load, then every history checked. Options: make soak SOAK="--minutes 3 --seed 7"
+# The chaos soak and its history checker (docs/faults.md): 10 minutes of gateway kills,
+# PostgreSQL crashes, failovers and Citus worker losses under load, then every history checked.
+# Options: make soak SOAK="--minutes 3 --seed 7 --scenarios single,failover,citus"
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak $(SOAK)
 

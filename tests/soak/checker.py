@@ -22,6 +22,15 @@ The rules, each with the name a report counts it under:
    (an answer lost with PostgreSQL, or a gateway that died mid-flight); never absent.
 6. `held`: no key is still `in_progress` once the chaos has stopped and every lease has run out,
    and no probe sent after that is answered 409 `request-in-progress`.
+7. `unexplained-unknown`: every key that ends `unknown` was in flight at a failure: the
+   upstream timed out or reset one of its requests, a request of it was in flight in a gateway
+   when that gateway was signalled, or in flight (or answered just before) when its own store
+   failed (a crash, a stop, a failover, a Citus worker stopped, a shard moved). Each is counted
+   under its cause (`Result.unknown_causes`).
+
+A run may have several stores (scenarios): a store's events name it as their `target`, and a key
+is judged against the events of the store its requests went to (`Attempt.scenario`); events with
+no target (histories of a single store) concern every key.
 
 The checker is a pure function of the four histories (`check`), so its tests feed it hand-made
 ones, one per violation.
@@ -29,6 +38,7 @@ ones, one per violation.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import json
@@ -70,7 +80,32 @@ ROWS_READ = "key-table-read"  # the event that says when the key table was read
 # The faults that can lose an answer PostgreSQL acknowledged without flushing it (the store
 # commits answers with synchronous_commit off by default): a crash, or a failover to a standby
 # the answer had not reached; a clean `stop -m fast` flushes everything first.
-CRASHES = frozenset({"postgres-kill", "postgres-immediate", "postgres-failover"})
+CRASHES = frozenset(
+    {"postgres-kill", "postgres-immediate", "postgres-failover", "citus-worker-stop"}
+)
+# Every failure of a store, and the event that ends it: the store is back (restarted, its standby
+# promoted, the worker started, the shard in its new place).
+STORE_FAULTS = {
+    "postgres-fast": "postgres-start",
+    "postgres-immediate": "postgres-start",
+    "postgres-kill": "postgres-start",
+    "postgres-failover": "postgres-promoted",
+    "citus-worker-stop": "citus-worker-start",
+    "citus-shard-move": "citus-shard-moved",
+}
+GATEWAY_FAULTS = frozenset({"gateway-kill", "gateway-term", "gateway-pause"})
+# The upstream's faults whose outcome the gateway cannot know: answered after the route timeout
+# (504), or the connection reset after the request was read (502).
+UPSTREAM_UNKNOWN = frozenset({"slow", "reset"})
+# A store failure may take with it an answer acknowledged shortly before (committed without
+# waiting for the WAL flush, or not yet on the standby), and the gateways' pools meet its
+# closed connections for a moment after it is back.
+LOSS_BEFORE = 3.0
+AFTER_RECOVERY = 5.0
+# A request whose client hung up stays in its gateway (the claim may wait for the store up to its
+# timeouts, then the forward): in flight this long after the hang-up.
+AFTER_HANG_UP = 25.0
+SLACK = 0.5  # between the driver's clock readings of an event and of a request
 RULES = (
     "duplicate",
     "sent-twice",
@@ -81,6 +116,7 @@ RULES = (
     "off-contract",
     "lost",
     "held",
+    "unexplained-unknown",
 )
 
 Identity = tuple[str, str, str]  # route, tenant, key
@@ -103,6 +139,8 @@ class Violation:
 @dataclass
 class Result:
     violations: list[Violation] = field(default_factory=list)
+    # Each `unknown` key counted once, under the first failure found around it.
+    unknown_causes: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def count(self, rule: str) -> int:
         return sum(1 for violation in self.violations if violation.rule == rule)
@@ -194,6 +232,12 @@ class _Checker:
         self.attempts_by_key: dict[Identity, list[Attempt]] = collections.defaultdict(list)
         for attempt in attempts:
             self.attempts_by_key[identity(attempt)].append(attempt)
+        # When each gateway was signalled, in order, with what.
+        self.gateway_faults: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
+        for event in self.events:
+            if event.what in GATEWAY_FAULTS:
+                self.gateway_faults[event.target].append((event.at, event.what))
+        self.store_faults = store_faults(self.events)
         self.rows = {identity(row): row for row in rows}
         # The key table was read once the chaos had settled; what came later (the probes) is not
         # in it.
@@ -234,8 +278,9 @@ class _Checker:
                 )
             )
         if entries:
-            start = min(at for at, _ in entries) - 1
-            end = max(at for at, _ in entries) + 1
+            # Wide enough for the failures an `unknown` key may be explained by.
+            start = min(at for at, _ in entries) - LOSS_BEFORE
+            end = max(at for at, _ in entries) + AFTER_RECOVERY
             entries += [
                 (event.at, f"fault: {event.what} {event.target}")
                 for event in self.events
@@ -332,9 +377,17 @@ class _Checker:
                 "without Idempotent-Replayed",
             )  # fmt: skip
 
+    def scenario(self, key: Identity) -> str:
+        attempts = self.attempts_by_key.get(key)
+        return attempts[0].scenario if attempts else ""
+
     def check_replays_agree(self) -> None:
-        crashes = [event.at for event in self.events if event.what in CRASHES]
         for key, replays in self.replays.items():
+            scenario = self.scenario(key)
+            crashes = [
+                event.at for event in self.events
+                if event.what in CRASHES and event.target in ("", scenario)
+            ]  # fmt: skip
             ordered = sorted(replays, key=lambda replay: replay[0].ended)
             for (earlier, before), (later, after) in itertools.pairwise(ordered):
                 if before == after:
@@ -413,6 +466,72 @@ class _Checker:
         for key, row in self.rows.items():
             if row.state == "in_progress":
                 self.violation("held", key, "still in progress after the chaos and every lease")
+            if row.state == "unknown":
+                cause = self.unknown_cause(key)
+                if cause is None:
+                    self.violation(
+                        "unexplained-unknown", key,
+                        "unknown, yet no request of it was in flight at a failure",
+                    )  # fmt: skip
+                else:
+                    self.result.unknown_causes[cause] += 1
+
+    def unknown_cause(self, key: Identity) -> str | None:
+        """The failure a key's requests were in flight at (`upstream-slow`, `gateway-kill`,
+        `postgres-failover`, ...), or None."""
+        for record in self.by_key.get(key, []):
+            if record.fault in UPSTREAM_UNKNOWN:
+                return f"upstream-{record.fault}"
+        attempts = [
+            attempt for attempt in self.attempts_by_key.get(key, [])
+            if attempt.sent < self.rows_read_at
+        ]  # fmt: skip
+        for attempt in attempts:
+            begin, end = in_flight(attempt)
+            signals = self.gateway_faults.get(attempt.gateway, [])
+            first = bisect.bisect_left(signals, (begin - SLACK,))
+            if first < len(signals) and signals[first][0] <= end + SLACK:
+                return signals[first][1]
+        for attempt in attempts:
+            begin, end = in_flight(attempt)
+            for fault in self.store_faults:
+                if fault.target in ("", attempt.scenario) and (
+                    fault.began - LOSS_BEFORE <= end and begin <= fault.ended + AFTER_RECOVERY
+                ):
+                    return fault.what
+        return None
+
+
+@dataclass(frozen=True)
+class StoreFault:
+    what: str
+    target: str
+    began: float
+    ended: float  # when the store was back; infinity if it never was
+
+
+def store_faults(events: Sequence[Event]) -> list[StoreFault]:
+    """Each store failure with its end: the next recovery event of the same store."""
+    faults = []
+    for index, event in enumerate(events):
+        recovery = STORE_FAULTS.get(event.what)
+        if recovery is None:
+            continue
+        ended = next(
+            (later.at for later in events[index + 1 :]
+             if later.what == recovery and later.target == event.target),
+            float("inf"),
+        )  # fmt: skip
+        faults.append(StoreFault(event.what, event.target, event.at, ended))
+    return faults
+
+
+def in_flight(attempt: Attempt) -> tuple[float, float]:
+    """When a request may have been at work in its gateway: from its sending until its answer,
+    or, when its client hung up, until long after (the gateway carries on without it)."""
+    if attempt.outcome == "hung-up":
+        return attempt.sent, attempt.ended + AFTER_HANG_UP
+    return attempt.sent, attempt.ended
 
 
 def check(

@@ -1,9 +1,17 @@
-"""The chaos soak: clients, three gateways, one PostgreSQL and a recording upstream, all real
-processes on loopback, with faults injected at random for a bounded time.
+"""The chaos soak: clients, gateways, their stores and a recording upstream, all real processes on
+loopback, with faults injected at random for a bounded time.
 
 Design rules:
-- Everything runs on 127.0.0.1 (PostgreSQL on a Unix socket), started here, and ended here by its
-  PID: the gateways, the upstream, the fuzzer, PostgreSQL (through its data directory).
+- Each scenario (`scenarios.py`: one PostgreSQL, a primary with its synchronous standby failed
+  over again and again, a Citus cluster losing workers and moving a shard) is a deployment of its
+  own: its store, its database, three gateways on it. The clients spread their keys over the
+  deployments, and every request names its scenario in the history.
+- The first gateway of each deployment is never signalled: its one process lives through every
+  store failure and reconnect of the run, so its memory and file descriptors at the start and
+  the end (`usage.py`) say whether a long-lived gateway leaks; the other two are killed, stopped
+  and frozen at random, and started again.
+- Everything runs on 127.0.0.1, started here, and ended here by its PID: the gateways, the
+  upstream, the fuzzer, the PostgreSQL servers (through their data directories).
 - Every random choice comes from generators seeded by `--seed`, so a run's mix of keys, faults and
   kills can be run again; the interleaving is the machine's.
 - The chaos has a deadline; after it the driver heals everything (PostgreSQL up, every gateway
@@ -20,11 +28,9 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,12 +41,11 @@ import aiohttp
 import asyncpg
 import yaml
 
-from oncegate import keys, schema
-from tests.faults import replication
+from oncegate import keys
 from tests.helpers import free_port
-from tests.soak import checker, history
+from tests.soak import checker, history, scenarios, usage
 from tests.soak.history import ATTEMPT_HEADER, Attempt, Event, Performed, Row
-from tests.soak.postgres import Postgres, ReplicatedPostgres
+from tests.soak.scenarios import Scenario, Sizes
 
 ROUTES = {"mail": "reject", "charge": "reject", "ticket": "forward"}  # name: on_unknown
 FORWARD_ROUTES = frozenset(name for name, policy in ROUTES.items() if policy == "forward")
@@ -60,7 +65,8 @@ SIGNALS = {signal.SIGKILL: 0.75, signal.SIGTERM: 0.15, signal.SIGSTOP: 0.10}
 PAUSE = LEASE + 1.0  # a frozen gateway wakes after its leases ran out
 STARTS = 10  # attempts to start a gateway before the soak gives up on the machine
 SETTLE_READS = 5
-GATEWAYS = 3
+GATEWAYS = 3  # per deployment; the first is never signalled
+USAGE_EVERY = 15.0  # seconds between two readings of every gateway's memory and descriptors
 
 
 @dataclass
@@ -70,14 +76,14 @@ class Options:
     out: Path
     clients: int = 24
     fuzz_requests: int = 1000
-    # Mean seconds between two gateway signals, and how many PostgreSQL outages.
+    # Mean seconds between two gateway signals (over every deployment's gateways), and how many
+    # store faults of each kind.
     kill_interval: float = 4.0
-    postgres_outages: int = 6
+    sizes: Sizes = field(default_factory=Sizes)
     probes: int = 2000
     fault_rate: float = 0.1
-    # One PostgreSQL outage is a failover to a synchronous standby, when one can be started here
-    # (Debian's postgresql-15, tests/faults/replication.py); None: whenever it can.
-    failover: bool | None = None
+    # The scenarios to run (scenarios.SCENARIOS); None: every one that can run here.
+    scenarios: list[str] | None = None
 
 
 @dataclass
@@ -151,10 +157,13 @@ async def listening(port: int) -> bool:
 
 
 class GatewayProcess:
-    """One gateway at fixed ports, killed and started again many times."""
+    """One gateway slot at fixed ports, its process killed and started again many times."""
 
-    def __init__(self, name: str, directory: Path, database_url: str, upstream: str) -> None:
+    def __init__(
+        self, name: str, directory: Path, database_url: str, upstream: str, scenario: str = ""
+    ) -> None:
         self.name = name
+        self.scenario = scenario
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = directory / f"{name}.yaml"
@@ -163,6 +172,8 @@ class GatewayProcess:
         self.database_url = database_url
         self.child: Child | None = None
         self.up = False
+        self.processes = 0  # how many were started in this slot
+        self.usage: list[usage.Sample] = []
 
     def start(self) -> None:
         self.child = Child(
@@ -181,6 +192,7 @@ class GatewayProcess:
             while self.child.alive() and time.monotonic() < deadline:
                 if await listening(self.port) and await listening(self.admin_port):
                     self.up = True
+                    self.processes += 1
                     events.append(Event(time.time(), "gateway-start", self.name))
                     return
                 await asyncio.sleep(0.1)
@@ -208,6 +220,13 @@ class GatewayProcess:
         self.child.end()
         await self.keep_up(events)
 
+    def measure(self) -> None:
+        """Its process's memory and descriptors, if one is up (not one still starting)."""
+        if self.up and self.child is not None and self.child.alive():
+            sample = usage.measure(self.child.popen.pid)
+            if sample is not None:
+                self.usage.append(sample)
+
     def end(self) -> None:
         self.up = False
         if self.child is not None:
@@ -215,13 +234,28 @@ class GatewayProcess:
 
 
 @dataclass
+class Deployment:
+    """One scenario's store, its soak database and its gateways."""
+
+    scenario: Scenario
+    database: str
+    gateways: list[GatewayProcess]
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name
+
+
+@dataclass
 class Operation:
-    """What a client means to do once, and retries: one key, in one scope, with one body."""
+    """What a client means to do once, and retries: one key, in one scope, with one body, through
+    one deployment's gateways."""
 
     route: str
     tenant: str
     key: str
     number: int
+    deployment: Deployment
 
     def body(self, variant: int = 0) -> str:
         """The operation's body; another `variant` is another request reusing its key."""
@@ -233,29 +267,30 @@ class Traffic:
     """The shared state of the clients: the keys in play and every attempt."""
 
     seed: int
-    recent: collections.deque[Operation] = field(
-        default_factory=lambda: collections.deque(maxlen=400)
+    # The keys in play, per deployment (a key string is reused only within its deployment).
+    recent: dict[str, collections.deque[Operation]] = field(
+        default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=400))
     )
     every: list[Operation] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     numbers: int = 0
 
-    def new_key(self, dice: random.Random) -> Operation:
+    def new_key(self, dice: random.Random, deployment: Deployment) -> Operation:
         self.numbers += 1
+        recent = self.recent[deployment.name]
         route = dice.choices(list(ROUTE_WEIGHTS), list(ROUTE_WEIGHTS.values()))[0]
         tenant = dice.choice(TENANTS)
         # One new key in five reuses a key string in play under another route or tenant: the same
-        # key in another scope, which must never see this one's answers.
-        if self.recent and dice.random() < 0.2:
-            key = dice.choice(self.recent).key
+        # key in another scope, which must never see this one's answers. Key strings name their
+        # deployment: each store holds its own, and the checker tells them apart.
+        if recent and dice.random() < 0.2:
+            key = dice.choice(recent).key
         else:
-            key = f"soak-{self.seed}-{self.numbers}-{dice.getrandbits(32):08x}"
-        operation = Operation(route, tenant, key, self.numbers)
-        if any(
-            (other.route, other.tenant, other.key) == (route, tenant, key) for other in self.recent
-        ):
-            return dice.choice(self.recent)
-        self.recent.append(operation)
+            key = f"soak-{self.seed}-{deployment.name}-{self.numbers}-{dice.getrandbits(32):08x}"
+        operation = Operation(route, tenant, key, self.numbers, deployment)
+        if any((other.route, other.tenant, other.key) == (route, tenant, key) for other in recent):
+            return dice.choice(recent)
+        recent.append(operation)
         self.every.append(operation)
         return operation
 
@@ -296,14 +331,14 @@ async def send(
         attempt=attempt_id, route=operation.route, tenant=operation.tenant, key=operation.key,
         body=body, sent=sent, ended=time.time(), outcome=outcome, status=status,
         content_type=content_type, replayed=replayed, answer=answer, gateway=gateway.name,
-        phase=phase,
+        phase=phase, scenario=operation.deployment.name,
     )  # fmt: skip
 
 
 async def client(
     number: int,
     traffic: Traffic,
-    gateways: list[GatewayProcess],
+    deployments: list[Deployment],
     until: float,
 ) -> None:
     dice = random.Random(traffic.seed * 1000 + number)
@@ -318,17 +353,20 @@ async def client(
     serial = 0
     async with aiohttp.ClientSession(connector=connector) as session:
         while time.monotonic() < until:
+            deployment = dice.choice(deployments)
+            gateways = deployment.gateways
             up = [gateway for gateway in gateways if gateway.up] or gateways
+            recent = traffic.recent[deployment.name]
             draw = dice.random()
-            if draw < 0.3 or not traffic.recent:
-                operation, variant, copies = traffic.new_key(dice), 0, 1
+            if draw < 0.3 or not recent:
+                operation, variant, copies = traffic.new_key(dice, deployment), 0, 1
             elif draw < 0.8:
-                operation, variant, copies = dice.choice(traffic.recent), 0, 1
+                operation, variant, copies = dice.choice(recent), 0, 1
             elif draw < 0.85:
-                operation = dice.choice(traffic.recent)
+                operation = dice.choice(recent)
                 variant, copies = dice.randint(1, 3), 1  # a reused key
             else:
-                pool = traffic.recent if dice.random() < 0.5 else [traffic.new_key(dice)]
+                pool = recent if dice.random() < 0.5 else [traffic.new_key(dice, deployment)]
                 operation, variant, copies = dice.choice(pool), 0, dice.randint(2, 4)
             sends = []
             for _ in range(copies):
@@ -352,60 +390,44 @@ async def gateway_chaos(
     events: list[Event],
     restarts: set[asyncio.Task[None]],
 ) -> None:
+    """Signal one of `gateways` (those that may be hit: not the first of each deployment) every
+    `interval` seconds on average until `until`."""
     while True:
         await asyncio.sleep(dice.uniform(0.5, 1.5) * interval)
         if time.monotonic() >= until:
             return
         up = [gateway for gateway in gateways if gateway.up]
-        if len(up) < 2:
-            continue  # keep one serving: the clients' traffic is what makes kills interesting
+        if not up:
+            continue
         number = dice.choices(list(SIGNALS), list(SIGNALS.values()))[0]
         task = asyncio.create_task(dice.choice(up).hit(number, events))
         restarts.add(task)
         task.add_done_callback(restarts.discard)
 
 
-def postgres_plan(
-    dice: random.Random, seconds: float, outages: int, failover: bool = False
-) -> list[tuple[float, str, float]]:
-    """When (seconds into the chaos), how and for how long PostgreSQL goes down. One outage is
-    always a `kill -9`, and with a standby one more is a failover; the others are drawn."""
-    if outages <= 0:
-        return []
-    kinds = ["kill"] + [dice.choice(["fast", "immediate", "kill"]) for _ in range(outages - 1)]
-    if failover:
-        kinds.append("failover")
-    slot = seconds / (len(kinds) + 1)
-    dice.shuffle(kinds)
-    return [
-        (slot * (index + 1) + dice.uniform(-0.2, 0.2) * slot, kind, dice.uniform(1.0, 3.0))
-        for index, kind in enumerate(kinds)
-    ]
-
-
-async def postgres_chaos(
-    postgres: Postgres | ReplicatedPostgres,
-    plan: list[tuple[float, str, float]],
-    start: float,
-    events: list[Event],
+async def store_chaos(
+    scenario: Scenario, plan: list[scenarios.Fault], start: float, events: list[Event]
 ) -> None:
-    for at, kind, down in plan:
-        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-        events.append(Event(time.time(), f"postgres-{kind}"))
-        if kind == "failover":
-            assert isinstance(postgres, ReplicatedPostgres)
-            await asyncio.to_thread(postgres.fail_over)
-            await asyncio.sleep(down)
-            await asyncio.to_thread(postgres.promote)
-            events.append(Event(time.time(), "postgres-promoted"))
-            continue
-        if kind == "kill":
-            await asyncio.to_thread(postgres.kill)
-        else:
-            await asyncio.to_thread(postgres.stop, kind)
-        await asyncio.sleep(down)
-        await asyncio.to_thread(postgres.start)
-        events.append(Event(time.time(), "postgres-start"))
+    """One scenario's faults, each at its time (or at once, when the one before it ran late)."""
+    for fault in plan:
+        await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
+        await scenario.inflict(fault, events)
+
+
+async def watch_usage(
+    gateways: list[GatewayProcess], stores: list[Scenario], meter: usage.Meter, until: float
+) -> None:
+    """Every gateway's memory and descriptors, the PostgreSQL servers' CPU and the machine's
+    load, every `USAGE_EVERY` seconds of the chaos."""
+    while time.monotonic() < until:
+        await asyncio.sleep(min(USAGE_EVERY, max(0.0, until - time.monotonic())))
+        for gateway in gateways:
+            gateway.measure()
+        meter.read(postmasters(stores))
+
+
+def postmasters(stores: list[Scenario]) -> list[int]:
+    return [pid for store in stores for pid in store.postmasters()]
 
 
 async def dump_rows(url: str) -> list[Row]:
@@ -438,8 +460,8 @@ async def dump_rows(url: str) -> list[Row]:
     return rows
 
 
-async def settled_rows(url: str) -> tuple[float, list[Row]]:
-    """The key table once every lease has run out, and when it was read.
+async def settled_rows(urls: list[str]) -> tuple[float, list[Row]]:
+    """The key tables (one per deployment) once every lease has run out, and when they were read.
 
     No client sends anything any more, but a request whose client hung up can still be on its
     way to a claim in a gateway (a claim may wait for the store up to its timeouts); such a late
@@ -448,23 +470,23 @@ async def settled_rows(url: str) -> tuple[float, list[Row]]:
     await asyncio.sleep(LEASE + 3)
     for _ in range(SETTLE_READS):
         read_at = time.time()
-        rows = await dump_rows(url)
+        rows = [row for url in urls for row in await dump_rows(url)]
         if all(row.state != "in_progress" for row in rows):
             break
         await asyncio.sleep(LEASE + 1)
     return read_at, rows
 
 
-async def probe(
-    traffic: Traffic, gateways: list[GatewayProcess], dice: random.Random, count: int
-) -> list[Attempt]:
-    """Each of `count` keys once more, through a healthy gateway, after everything settled."""
+async def probe(traffic: Traffic, dice: random.Random, count: int) -> list[Attempt]:
+    """Each of `count` keys once more, through a healthy gateway of its deployment, after
+    everything settled."""
     chosen = dice.sample(traffic.every, min(count, len(traffic.every)))
     limit = asyncio.Semaphore(16)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as session:
 
         async def one(index: int, operation: Operation) -> Attempt:
             async with limit:
+                gateways = operation.deployment.gateways
                 return await send(
                     session, gateways[index % len(gateways)], operation, f"probe-{index}",
                     operation.body(), phase="probe",
@@ -475,41 +497,21 @@ async def probe(
         )
 
 
-async def create_database(postgres: Postgres, name: str) -> str:
-    connection = await asyncpg.connect(postgres.url())
-    try:
-        await connection.execute(f"CREATE DATABASE {name}")
-    finally:
-        await connection.close()
-    url = postgres.url(name)
-    await asyncio.to_thread(schema.upgrade, url)
-    return url
-
-
 async def run(options: Options) -> Summary:
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     dice = random.Random(options.seed)
     events: list[Event] = []
-    # Not under `out`, which may be pytest's temporary tree: pytest makes its directories
-    # private as it goes, and PostgreSQL runs as pgserver's own user when we are root.
-    postgres_directory = Path(tempfile.mkdtemp(prefix="oncegate-soak-pg-"))
-    failover = options.failover
-    if failover is None:
-        failover = replication.unavailable() is None
-    postgres: Postgres | ReplicatedPostgres
-    if failover:
-        postgres = await asyncio.to_thread(ReplicatedPostgres)
-    else:
-        postgres = await asyncio.to_thread(Postgres, postgres_directory / "data")
+    chosen, skipped = scenarios.choose(options.scenarios)
+    stores = [scenarios.KINDS[name]() for name in chosen]
     children: list[Child] = []
-    gateways: list[GatewayProcess] = []
+    deployments: list[Deployment] = []
     fuzz_gateway: GatewayProcess | None = None
     chaos: list[asyncio.Task[None]] = []
     restarts: set[asyncio.Task[None]] = set()
+    meter = usage.Meter()
     try:
-        database = await create_database(postgres, "soak")
-        fuzz_database = await create_database(postgres, "fuzz")
+        await asyncio.gather(*(asyncio.to_thread(store.start) for store in stores))
         upstream_port = free_port()
         upstream_log = out / "upstream.jsonl"
         upstream_log.unlink(missing_ok=True)
@@ -522,13 +524,23 @@ async def run(options: Options) -> Summary:
         )  # fmt: skip
         children.append(upstream)
         upstream_url = f"http://127.0.0.1:{upstream_port}"
-        gateways = [
-            GatewayProcess(f"gateway-{index + 1}", out, database, upstream_url)
-            for index in range(GATEWAYS)
-        ]
+        for store in stores:
+            database = await asyncio.to_thread(store.create_database, "soak")
+            gateways = [
+                GatewayProcess(f"{store.name}-{index + 1}", out, database, upstream_url,
+                               store.name)
+                for index in range(GATEWAYS)
+            ]  # fmt: skip
+            deployments.append(Deployment(store, database, gateways))
+        # The fuzzer's gateway on a database of its own, beside the first scenario's.
+        fuzz_database = await asyncio.to_thread(stores[0].create_database, "fuzz")
         fuzz_gateway = GatewayProcess("gateway-fuzz", out, fuzz_database, upstream_url)
         fuzz_gateway.config.write_text(yaml.safe_dump({"routes": fuzz_routes(upstream_url)}))
-        await asyncio.gather(*(gateway.keep_up(events) for gateway in [*gateways, fuzz_gateway]))
+        every_gateway = [
+            *(gateway for deployment in deployments for gateway in deployment.gateways),
+            fuzz_gateway,
+        ]
+        await asyncio.gather(*(gateway.keep_up(events) for gateway in every_gateway))
         fuzz_results = out / "fuzz.jsonl"
         fuzzer = Child(
             [sys.executable, "-m", "tests.soak.fuzz", "--port", str(fuzz_gateway.port),
@@ -539,29 +551,40 @@ async def run(options: Options) -> Summary:
         children.append(fuzzer)
 
         traffic = Traffic(options.seed)
-        start = time.monotonic()
+        for gateway in every_gateway:
+            gateway.measure()
+        meter.begin(postmasters(stores))
+        began, start = time.time(), time.monotonic()
         until = start + options.seconds
+        hit = [gateway for deployment in deployments for gateway in deployment.gateways[1:]]
         chaos = [
             asyncio.create_task(
-                gateway_chaos(gateways, random.Random(dice.random()), until,
-                              options.kill_interval, events, restarts)
+                gateway_chaos(hit, random.Random(dice.random()), until, options.kill_interval,
+                              events, restarts)
             ),
-            asyncio.create_task(
-                postgres_chaos(postgres, postgres_plan(random.Random(dice.random()),
-                               options.seconds, options.postgres_outages, failover), start, events)
+            asyncio.create_task(watch_usage(every_gateway, stores, meter, until)),
+            *(
+                asyncio.create_task(
+                    store_chaos(store, store.plan(random.Random(dice.random()), options.seconds,
+                                                  options.sizes), start, events)
+                )
+                for store in stores
             ),
         ]  # fmt: skip
         await asyncio.gather(
-            *(client(number, traffic, gateways, until) for number in range(options.clients))
+            *(client(number, traffic, deployments, until) for number in range(options.clients))
         )
         await asyncio.gather(*chaos)
-        # Heal: PostgreSQL up (the plan ends with a start), every gateway started again.
+        # Heal: every store back (each plan ends with a recovery), every gateway started again.
         while restarts:
             await asyncio.gather(*list(restarts))
-        read_at, rows = await settled_rows(database)
+        read_at, rows = await settled_rows([deployment.database for deployment in deployments])
         events.append(Event(read_at, checker.ROWS_READ))
-        probes = await probe(traffic, gateways, random.Random(dice.random()), options.probes)
+        probes = await probe(traffic, random.Random(dice.random()), options.probes)
         traffic.attempts.extend(probes)
+        for gateway in every_gateway:
+            gateway.measure()
+        meter.read(postmasters(stores))
         # The fuzzer is bounded by its request count; it has had the whole chaos to get there.
         if not await fuzzer.wait(600):
             fuzzer.signal(signal.SIGKILL)
@@ -570,15 +593,18 @@ async def run(options: Options) -> Summary:
         # A run that failed half-way leaves no fault injector behind to hit what comes next.
         for task in [*chaos, *restarts]:
             task.cancel()
-        for gateway in gateways:
-            gateway.end()
+        for deployment in deployments:
+            for gateway in deployment.gateways:
+                gateway.end()
         if fuzz_gateway is not None:
             fuzz_gateway.end()
         for child in children:
             child.end()
-        await asyncio.to_thread(postgres.close)
-        shutil.rmtree(postgres_directory, ignore_errors=True)
+        for store in stores:
+            await asyncio.to_thread(store.close)
 
+    # Before the histories are written and checked: the CPU of the run itself.
+    cpu = meter.figures(len(traffic.attempts))
     performed = history.read(upstream_log, Performed)
     history.write(out / "attempts.jsonl", traffic.attempts)
     history.write(out / "keys.jsonl", rows)
@@ -588,6 +614,13 @@ async def run(options: Options) -> Summary:
         forward_routes=FORWARD_ROUTES,
     )  # fmt: skip
     figures = tally(traffic, performed, rows, events, result, fuzz_results, options)
+    figures["scenarios"] = chosen
+    figures["skipped"] = skipped
+    figures["cpu"] = cpu
+    figures["usage"] = usage.report(
+        [(gateway.name, gateway.processes, gateway.usage) for gateway in every_gateway],
+        start=began,
+    )
     table = render(figures)
     (out / "summary.json").write_text(json.dumps(figures, indent=2))
     with (out / "violations.txt").open("w") as file:
@@ -632,6 +665,11 @@ def tally(
         if attempt.content_type == checker.PROBLEM
     )  # fmt: skip
     happened = collections.Counter(event.what for event in events)
+    by_scenario = collections.Counter(attempt.scenario for attempt in chaos)
+    store_events: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for event in events:
+        if event.target in by_scenario:
+            store_events[event.target][event.what.split(":")[0]] += 1
     soak_records = [record for record in performed if record.route in ROUTES]
     faults = collections.Counter(record.fault for record in soak_records)
     fuzzed = len(fuzz_results.read_text().splitlines()) if fuzz_results.exists() else 0
@@ -649,6 +687,7 @@ def tally(
         "seconds": options.seconds,
         "clients": options.clients,
         "requests": len(chaos),
+        "requests_by_scenario": dict(by_scenario),
         "answered": outcomes["answer"],
         "no_answer": outcomes["no-answer"] + outcomes["timeout"],
         "timeouts": outcomes["timeout"],
@@ -664,6 +703,7 @@ def tally(
         "postgres_outages": {
             kind: happened[f"postgres-{kind}"] for kind in ("fast", "immediate", "kill", "failover")
         },
+        "store_events": {name: dict(counts) for name, counts in store_events.items()},
         "upstream_requests": len(soak_records),
         "upstream_performed": sum(1 for record in soak_records if record.performed),
         "upstream_faults": {fault: faults[fault] for fault in sorted(faults) if fault != "answer"},
@@ -671,6 +711,7 @@ def tally(
         "rows": len(rows),
         "unknown": len(unknown),
         "answered_then_unknown": len(seen_then_unknown),
+        "unknown_causes": dict(result.unknown_causes.most_common()),
         "duplicates": result.count("duplicate") + result.count("sent-twice"),
         "lost": result.count("lost"),
         "cross_scope": result.count("cross-scope"),
@@ -681,7 +722,6 @@ def tally(
 
 def render(figures: dict[str, Any]) -> str:
     faults = figures["upstream_faults"]
-    outages = figures["postgres_outages"]
     rows = [
         ("chaos", f"{figures['seconds']:g} s, {figures['clients']} clients, "
          f"seed {figures['seed']}"),
@@ -691,16 +731,17 @@ def render(figures: dict[str, Any]) -> str:
         ("keys", f"{figures['keys']:,}"),
         ("gateway kills", f"{figures['gateway_kills']} SIGKILL, {figures['gateway_terms']} "
          f"SIGTERM, {figures['gateway_pauses']} SIGSTOP for {PAUSE:g} s"),
-        ("PostgreSQL restarts", f"{figures['postgres_restarts']} (stop fast {outages['fast']}, "
-         f"stop immediate {outages['immediate']}, kill -9 {outages['kill']}; failovers to "
-         f"a synchronous standby {outages['failover']})"),
+        *store_rows(figures),
         ("upstream requests", f"{figures['upstream_requests']:,} "
          f"({figures['upstream_performed']:,} performed)"),
         ("upstream faults", ", ".join(f"{name} {count:,}" for name, count in faults.items())
          or "0"),
         ("keys at the end", f"{figures['rows']:,} rows, {figures['unknown']:,} unknown (of "
          f"which {figures['answered_then_unknown']:,} after a client had its answer)"),
+        ("unknown keys, in flight at", ", ".join(
+            f"{cause} {count:,}" for cause, count in figures["unknown_causes"].items()) or "-"),
         ("probes after the chaos", f"{figures['probes']:,}"),
+        *cpu_rows(figures.get("cpu")),
         ("fuzzed requests", f"{figures['fuzzed_requests']:,}"),
         ("duplicates", str(figures["duplicates"])),
         ("lost", str(figures["lost"])),
@@ -712,4 +753,54 @@ def render(figures: dict[str, Any]) -> str:
     width = max(len(name) for name, _ in rows)
     lines = [f"| {'figure':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + usage.render(figures.get("usage", []))
+
+
+def cpu_rows(cpu: dict[str, float] | None) -> list[tuple[str, str]]:
+    """The CPU the run used per client request, what 10^6 requests would take on two idle cores
+    at that cost, and the machine's load meanwhile."""
+    if not cpu:
+        return []
+    quiet_hours = 10**6 * cpu["ms_per_request"] / 1000 / 2 / 3600
+    return [
+        ("CPU used", f"{cpu['total_seconds']:,.0f} s: soak process {cpu['driver_seconds']:,.0f}, "
+         f"gateways, upstream, fuzzer and tools {cpu['processes_seconds']:,.0f}, PostgreSQL "
+         f"{cpu['postgres_seconds']:,.0f}; {cpu['ms_per_request']:.1f} ms a request (10^6 "
+         f"requests: {quiet_hours:.1f} h on 2 idle cores)"),
+        ("load average (1 min)", f"{cpu['load_mean']:.1f} mean, {cpu['load_max']:.1f} peak, "
+         "read every 15 s"),
+    ]  # fmt: skip
+
+
+def store_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """What each scenario's store went through, and which scenarios did not run."""
+    rows = []
+    requests = figures["requests_by_scenario"]
+    for name in figures.get("scenarios", []):
+        happened = collections.Counter(figures["store_events"].get(name, {}))
+        if name == "single":
+            text = (
+                f"{happened['postgres-start']} restarts after stop fast {happened['postgres-fast']}"
+                f", stop immediate {happened['postgres-immediate']}, kill -9 "
+                f"{happened['postgres-kill']}"
+            )
+        elif name == "failover":
+            text = (
+                f"{happened['postgres-failover']} failovers (primary kill -9ed, standby promoted "
+                f"{happened['postgres-promoted']}x; old primary rejoined as the synchronous "
+                f"standby by pg_rewind {happened['postgres-rejoined-rewind']}x, by a fresh base "
+                f"backup {happened['postgres-rejoined-base-backup']}x)"
+            )
+        else:
+            text = (
+                f"{happened['citus-worker-stop']} worker stops -m immediate (started again "
+                f"{happened['citus-worker-start']}x), {happened['citus-shard-move']} shard moves "
+                f"({happened['citus-shard-move-failed']} failed)"
+            )
+        rows.append((f"store: {name}", f"{requests.get(name, 0):,} requests; {text}"))
+    skipped = figures.get("skipped", {})
+    if skipped:
+        rows.append(
+            ("scenarios left out", "; ".join(f"{name}: {why}" for name, why in skipped.items()))
+        )
+    return rows

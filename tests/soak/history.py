@@ -49,6 +49,7 @@ class Attempt:
     answer: str | None = None  # the answer's body as text
     gateway: str = ""
     phase: str = "chaos"  # "chaos", or "probe" for the checks sent after the chaos stopped
+    scenario: str = ""  # the store the gateway it went through is on (driver.SCENARIOS)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class Event:
     """One injected fault, or a process coming back."""
 
     at: float
-    what: str  # gateway-kill, gateway-term, gateway-start, postgres-stop-fast, ...
-    target: str = ""
+    what: str  # gateway-kill, gateway-term, gateway-start, postgres-fast, citus-worker-stop, ...
+    target: str = ""  # the gateway's name, or the scenario whose store it hit
 
 
 Record = TypeVar("Record", Attempt, Performed, Row, Event)

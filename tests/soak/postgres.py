@@ -21,7 +21,6 @@ from typing import Any
 import psutil
 
 from tests.conftest import start_embedded
-from tests.faults.replication import Pair, Server, running_pair
 
 # How long PostgreSQL's orphaned backends get to notice their postmaster died; they check at
 # once, so this is only a bound for a loaded machine.
@@ -86,40 +85,3 @@ class Postgres:
     def close(self) -> None:
         """Stop the server (if it runs) and delete its data."""
         self.server.cleanup()
-
-
-class ReplicatedPostgres:
-    """A primary and its synchronous standby (Debian's PostgreSQL, `tests/faults/replication.py`)
-    in place of `Postgres`, when they can be started here: the gateways get the multi-host URL,
-    the outages hit whichever server is the primary, and one of them is a failover (`fail_over`:
-    the primary SIGKILLed with all its processes, the standby promoted `down` seconds later; the
-    old primary stays dead, so there is one failover per run)."""
-
-    def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
-        self.pair: Pair = self._stack.enter_context(running_pair(synchronous=True))
-        self.current: Server = self.pair.primary
-
-    def url(self, database: str = "postgres") -> str:
-        return self.pair.url(database)
-
-    def stop(self, mode: str) -> None:
-        self.current.stop_with(mode)
-
-    def kill(self) -> None:
-        self.current.kill()
-
-    def start(self) -> None:
-        if self.current.postmaster() is None:
-            self.current.start()
-
-    def fail_over(self) -> None:
-        """Kill the primary; `promote` makes the standby the primary."""
-        self.pair.primary.kill()
-
-    def promote(self) -> None:
-        self.pair.promote()
-        self.current = self.pair.standby
-
-    def close(self) -> None:
-        self._stack.close()

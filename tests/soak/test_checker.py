@@ -181,6 +181,16 @@ def test_only_a_postgres_crash_between_two_replays_may_change_the_answer(
     assert result.ok == allowed
 
 
+def test_only_a_crash_of_the_keys_own_store_may_change_its_answer() -> None:
+    attempts, upstream, rows = changed_replays()
+    attempts = [dataclasses.replace(attempt, scenario="failover") for attempt in attempts]
+    events = [READ, Event(105.0, "citus-worker-stop", "citus")]
+    result = checker.check(attempts, upstream, rows, events, forward_routes={ROUTE})
+    assert rules(result) == ["answer-changed"]
+    events = [READ, Event(105.0, "postgres-failover", "failover")]
+    assert checker.check(attempts, upstream, rows, events, forward_routes={ROUTE}).ok
+
+
 def test_a_replay_to_a_different_body_is_caught() -> None:
     attempts, upstream, rows = clean()
     attempts[3] = answered("a4", 103.0, 1, replayed=True, body='{"n": 2}')
@@ -269,12 +279,78 @@ def test_a_stored_answer_the_upstream_never_gave_is_caught() -> None:
     assert rules(checker.check(attempts, upstream, rows, [READ])) == ["lost"]
 
 
+UNKNOWN = completed(state="unknown", status=None, answer=None, stored=False)
+
+
 def test_unknown_is_an_allowed_end_for_an_answered_key() -> None:
     """An answer committed asynchronously and lost with PostgreSQL leaves the claim, whose lease
     runs out: `unknown`, never forwarded again."""
     attempts, upstream, _ = clean()
-    rows = [completed(state="unknown", status=None, answer=None, stored=False)]
-    assert checker.check(attempts, upstream, rows, [READ]).ok
+    crash = [Event(101.0, "postgres-kill"), Event(103.0, "postgres-start")]
+    result = checker.check(attempts, upstream, [UNKNOWN], [READ, *crash])
+    assert result.ok, [violation.report() for violation in result.violations]
+    assert result.unknown_causes == {"postgres-kill": 1}
+
+
+def test_an_unknown_key_with_no_failure_around_it_is_caught() -> None:
+    attempts, upstream, _ = clean()
+    result = checker.check(attempts, upstream, [UNKNOWN], [READ])
+    assert rules(result) == ["unexplained-unknown"]
+    assert result.violations[0].timeline[-1] == "key table: unknown None"
+
+
+@pytest.mark.parametrize("fault", ["slow", "reset"])
+def test_an_upstream_timeout_or_reset_explains_unknown(fault: str) -> None:
+    attempts, upstream, _ = clean()
+    upstream = [dataclasses.replace(upstream[0], fault=fault)]
+    result = checker.check(attempts, upstream, [UNKNOWN], [READ])
+    assert result.ok and result.unknown_causes == {f"upstream-{fault}": 1}
+
+
+@pytest.mark.parametrize(
+    ("target", "at", "explained"),
+    [("gateway-1", 100.005, True), ("gateway-2", 100.005, False), ("gateway-1", 120.0, False)],
+    ids=["its-gateway-in-flight", "another-gateway", "its-gateway-later"],
+)  # fmt: skip
+def test_a_gateway_signalled_with_a_request_in_flight_explains_unknown(
+    target: str, at: float, explained: bool
+) -> None:
+    attempts = [answered("a1", 100.0, 1, gateway="gateway-1")]
+    events = [READ, Event(at, "gateway-kill", target)]
+    result = checker.check(attempts, [performed(1, "a1")], [UNKNOWN], events)
+    assert result.ok == explained
+    assert result.unknown_causes == ({"gateway-kill": 1} if explained else {})
+
+
+def test_a_request_whose_client_hung_up_stays_in_flight_in_its_gateway() -> None:
+    attempts = [attempt("a1", 100.0, outcome="hung-up", gateway="gateway-1")]
+    events = [READ, Event(110.0, "gateway-pause", "gateway-1")]
+    assert checker.check(attempts, [performed(1, "a1")], [UNKNOWN], events).ok
+    late = [READ, Event(100.0 + checker.AFTER_HANG_UP + 5, "gateway-pause", "gateway-1")]
+    assert not checker.check(attempts, [performed(1, "a1")], [UNKNOWN], late).ok
+
+
+@pytest.mark.parametrize(
+    ("events", "explained"),
+    [([Event(102.0, "citus-worker-stop", "citus"), Event(104.0, "citus-worker-start", "citus")],
+      True),
+     ([Event(102.0, "citus-worker-stop", "single"), Event(104.0, "citus-worker-start", "single")],
+      False),
+     ([Event(90.0, "citus-shard-move", "citus"), Event(99.0, "citus-shard-moved", "citus")],
+      True),
+     ([Event(80.0, "citus-shard-move", "citus"), Event(90.0, "citus-shard-moved", "citus")],
+      False),
+     ([Event(90.0, "postgres-failover", "citus"), Event(96.0, "postgres-promoted", "citus")],
+      True)],
+    ids=["its-store-after-the-answer", "another-store", "during-a-shard-move",
+         "a-shard-move-long-before", "a-failover-until-its-promotion"],
+)  # fmt: skip
+def test_a_failure_of_its_own_store_around_a_request_explains_unknown(
+    events: list[Event], explained: bool
+) -> None:
+    attempts = [answered("a1", 100.0, 1, scenario="citus")]
+    result = checker.check(attempts, [performed(1, "a1")], [UNKNOWN], [READ, *events])
+    assert result.ok == explained
 
 
 def test_a_forward_route_key_released_by_its_last_forward_may_have_no_row() -> None:

@@ -269,7 +269,7 @@ class Citus(Scenario):
         self.event(events, "citus-shard-move")
         try:
             await self.move_shard(cluster, fault.worker)
-        except asyncpg.PostgresError as error:
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
             # Counted, and the soak goes on: a move Citus refuses is no promise of the gateway's.
             self.event(events, f"citus-shard-move-failed: {error}")
         self.event(events, "citus-shard-moved")

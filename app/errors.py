@@ -70,6 +70,12 @@ class GatewayError(Exception):
             "title": self.title,
             "status": self.status_code,
             "detail": self.detail,
+            # An extension member (RFC 9457 §3.2) repeating the detail: client libraries that
+            # read no RFC 9457 show a vendor error's `message` (PayPal's ErrorException,
+            # Twilio's TwilioRestException, GoCardless's ApiError), and showed None without
+            # it. No `code`: Twilio's library takes a body with `code` for one of its own
+            # services' problems and raises another exception class than its callers catch.
+            "message": self.detail,
         }
 
 

@@ -81,4 +81,5 @@ def test_the_body_stays_an_rfc_9457_problem() -> None:
         "title": errors.KeyReused.title,
         "status": 422,
         "detail": "used before",
+        "message": "used before",  # the detail again, where vendors' libraries look for it
     }

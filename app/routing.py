@@ -26,6 +26,14 @@ class RouteTable:
 def upstream_url(route: Route, path: str, query: str) -> str:
     if route.strip_prefix:
         path = path[len(route.match) :]
-        if not path.startswith("/"):
+        if not path.startswith("/") and (path or not _has_path(route.upstream)):
+            # The path is the prefix itself: an upstream with a path of its own is that
+            # resource (`/checkout/payments` -> `https://host/payments`, not `.../payments/`,
+            # which an API may not serve); a bare host gets the root.
             path = "/" + path
     return route.upstream + path + ("?" + query if query else "")
+
+
+def _has_path(upstream: str) -> bool:
+    """Whether the upstream URL names a path below its host (settings strip its last `/`)."""
+    return "/" in upstream.partition("://")[2]

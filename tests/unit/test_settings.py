@@ -614,6 +614,16 @@ def test_upstream_url_keeps_the_upstream_base_path() -> None:
     assert routing.upstream_url(based, "/payments/charges", "") == "http://h:1/api/charges"
 
 
+def test_the_prefix_itself_is_the_upstream_resource_without_a_slash_added() -> None:
+    """`/checkout/payments` on a route to `https://host/payments` is `https://host/payments`,
+    the create an SDK meant; `/payments/` would be another resource to many APIs."""
+    based = route(match="/checkout/payments", strip_prefix=True, upstream="http://h:1/payments")
+    assert routing.upstream_url(based, "/checkout/payments", "") == "http://h:1/payments"
+    assert routing.upstream_url(based, "/checkout/payments", "a=1") == "http://h:1/payments?a=1"
+    assert routing.upstream_url(based, "/checkout/payments/", "") == "http://h:1/payments/"
+    assert routing.upstream_url(based, "/checkout/payments/p_1", "") == "http://h:1/payments/p_1"
+
+
 def test_the_default_data_directory_is_the_users_never_the_working_directory() -> None:
     user = 1000
     assert settings.default_data_dir({"XDG_DATA_HOME": "/data/ana"}, user) == Path(

@@ -95,11 +95,19 @@ class Process:
 
 
 class DemoUpstream:
-    def __init__(self, directory: Path) -> None:
+    """`oncegate demo-upstream`, or another upstream that lists what it performed the same way
+    (`GET /actions`): tests/e2e/vendor.py's fake vendor, `program=("-m", "tests.e2e.vendor")`."""
+
+    def __init__(
+        self,
+        directory: Path,
+        program: Sequence[str] = ("-m", "oncegate.cli", "demo-upstream"),
+        name: str = "demo-upstream",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = Process(
-            ["demo-upstream", "--port", str(self.port)], directory / "demo-upstream.log"
+            ["--port", str(self.port)], directory / f"{name}.log", program=program
         )
         self.process.wait_listening(self.port)
 
@@ -109,6 +117,10 @@ class DemoUpstream:
         response.raise_for_status()
         actions: list[dict[str, Any]] = response.json()["actions"]
         return actions
+
+    def performed(self, marker: str) -> list[dict[str, Any]]:
+        """The actions performed for the requests that carry `marker` (in their body)."""
+        return [action for action in self.actions() if marker in str(action["request"])]
 
     def __enter__(self) -> DemoUpstream:
         return self

@@ -79,11 +79,6 @@ def gateway_without_wait(
         yield started
 
 
-def performed(upstream: DemoUpstream, marker: str) -> list[dict[str, Any]]:
-    """The actions the upstream performed for the request that carries `marker`."""
-    return [action for action in upstream.actions() if marker in str(action["request"])]
-
-
 def stripe_client(
     gateway: GatewayProcess,
     prefix: str = "/stripe",
@@ -115,7 +110,7 @@ def test_stripe_retry_after_a_timeout_returns_the_original_charge(
         params={"amount": 500, "currency": "usd", "description": marker},
         options={"headers": UPSTREAM_DELAY},
     )
-    [action] = performed(upstream, marker)
+    [action] = upstream.performed(marker)
     assert charge.id == action["id"]
     assert charge.last_response.headers["idempotent-replayed"] == "true"  # the SDK's retry
     assert action["idempotency_key"]  # the key the SDK chose, on every attempt
@@ -133,7 +128,7 @@ def test_gocardless_retry_after_a_timeout_returns_the_original_payment(
                 "links": {"mandate": "MD0001"}},
         headers=UPSTREAM_DELAY,
     )  # fmt: skip
-    [action] = performed(upstream, marker)
+    [action] = upstream.performed(marker)
     assert payment.id == action["id"]
     assert payment.api_response.headers["idempotent-replayed"] == "true"
 
@@ -153,7 +148,7 @@ def test_gocardless_without_wait_fails_where_the_route_with_wait_succeeds(
             # flight however slow the machine.
             headers={"X-Demo-Delay": "8"},
         )
-    assert len(performed(upstream, marker)) == 1  # performed once all the same
+    assert len(upstream.performed(marker)) == 1  # performed once all the same
 
 
 def test_increase_retry_after_a_timeout_returns_the_original_transfer(
@@ -171,7 +166,7 @@ def test_increase_retry_after_a_timeout_returns_the_original_transfer(
         extra_headers=UPSTREAM_DELAY,
     )
     transfer = raw.parse()
-    [action] = performed(upstream, marker)
+    [action] = upstream.performed(marker)
     assert transfer.id == action["id"]
     assert raw.headers["idempotent-replayed"] == "true"
     assert raw.retries_taken >= 1
@@ -194,7 +189,7 @@ def test_a_stripe_call_with_its_parameters_in_another_order_replays(
     assert sent[0].startswith("amount=700&") and sent[1].startswith("description=")
     assert again.id == first.id
     assert again.last_response.headers["idempotent-replayed"] == "true"
-    assert len(performed(upstream, marker)) == 1
+    assert len(upstream.performed(marker)) == 1
 
 
 def test_stripe_does_not_retry_an_outcome_unknown_and_retries_nothing_else_in_vain(
@@ -225,7 +220,7 @@ def test_stripe_does_not_retry_an_outcome_unknown_and_retries_nothing_else_in_va
         - total(before, "oncegate_requests_total", route="stripe-short")
         == 1
     )  # no retry at all
-    assert len(performed(upstream, marker)) == 1
+    assert len(upstream.performed(marker)) == 1
 
 
 def test_the_sdks_see_a_reused_key_as_a_client_error_they_do_not_retry(
@@ -272,7 +267,7 @@ async def test_twenty_copies_with_one_paypal_request_id_are_one_order(
     assert {answer.status_code for answer in answers} == {201}
     assert len({answer.content for answer in answers}) == 1
     assert sum(answer.headers.get("idempotent-replayed") == "true" for answer in answers) == 19
-    [action] = performed(upstream, marker)
+    [action] = upstream.performed(marker)
     assert action["idempotency_key"] == key  # passed upstream under its own name
 
 
@@ -288,7 +283,7 @@ async def test_twenty_copies_with_one_key_in_the_body_are_one_payment(
     assert {answer.status_code for answer in answers} == {201}
     assert len({answer.content for answer in answers}) == 1
     assert sum(answer.headers.get("idempotent-replayed") == "true" for answer in answers) == 19
-    [action] = performed(upstream, marker)
+    [action] = upstream.performed(marker)
     assert action["idempotency_key"] == key
 
 
@@ -373,4 +368,4 @@ async def test_a_form_key_stored_under_the_byte_rule_replays_its_bytes_and_refus
     assert same.status_code == 201 and same.json() == {"id": "ch_before"}
     assert same.headers["idempotent-replayed"] == "true"
     assert other.status_code == 422 and problem_name(other) == "key-reused"
-    assert performed(upstream, marker) == []
+    assert upstream.performed(marker) == []

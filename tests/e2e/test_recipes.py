@@ -22,6 +22,7 @@ import httpx
 import increase
 import modern_treasury
 import pytest
+import requests
 import square
 import square.core.api_error
 import stripe
@@ -309,12 +310,15 @@ def test_adyen_keys_are_per_api_key(gateway: GatewayProcess, vendor: DemoUpstrea
     assert len(vendor.performed(marker)) == 2
 
 
-def paypal_client(gateway: GatewayProcess, prefix: str = "/paypal") -> PaypalServersdkClient:
+def paypal_client(
+    gateway: GatewayProcess, prefix: str = "/paypal", timeout: int = 60
+) -> PaypalServersdkClient:
     config = Configuration(
         client_credentials_auth_credentials=ClientCredentialsAuthCredentials(
             o_auth_client_id="recipes-id", o_auth_client_secret="recipes-secret"
         ),
         environment=Environment.PRODUCTION,
+        timeout=timeout,
     )
     config.environments = {Environment.PRODUCTION: {Server.DEFAULT: gateway.url + prefix}}
     return PaypalServersdkClient(config=config)
@@ -476,3 +480,64 @@ def test_twilio(gateway: GatewayProcess, vendor: DemoUpstream) -> None:
     assert refused.value.status == refused.value.code == 422
     assert "different request" in refused.value.msg
     assert outcomes.counts() == {"forwarded": 1, "replayed": 1, "mismatch": 1, "unprotected": 1}
+
+
+# -- `wait`: a retry after a timeout gets the first answer ------------------------------------
+
+# The SDK gives up on an attempt after this long; the fake vendor answers later, so the retry
+# finds the key in flight, and the route's `wait` holds it until the first answer exists.
+TIMEOUT = 2
+SLOW = f"vendor-delay-{TIMEOUT + 1}"
+
+
+def test_modern_treasury_retries_after_its_timeout_and_gets_the_first_answer(
+    gateway: GatewayProcess, vendor: DemoUpstream
+) -> None:
+    """The SDK's own retry, with the key it drew."""
+    client = modern_treasury.ModernTreasury(
+        organization_id="org", api_key="recipes", base_url=gateway.url + "/modern-treasury",
+        timeout=TIMEOUT, max_retries=2,
+    )  # fmt: skip
+    marker = uuid.uuid4().hex
+    raw = client.payment_orders.with_raw_response.create(
+        amount=1, direction="credit", type="ach", description=f"{marker} {SLOW}",
+        originating_account_id="0f8e3719-3dfd-4613-9bbf-c0333781b59f",
+    )  # fmt: skip
+    [action] = vendor.performed(marker)
+    assert raw.parse().id == action["id"] and raw.retries_taken >= 1
+    assert raw.headers["idempotent-replayed"] == "true"
+    assert action["headers"]["idempotency-key"].startswith("stainless-python-retry-")
+
+
+def test_paypal_retried_by_the_application_after_a_timeout_gets_the_first_answer(
+    gateway: GatewayProcess, vendor: DemoUpstream
+) -> None:
+    """PayPal's SDK retries no POST: the application does, with the same request id."""
+    client = paypal_client(gateway, timeout=TIMEOUT)
+    marker, key = uuid.uuid4().hex, new_key()
+    order = {"body": paypal_order(f"{marker} {SLOW}"), "paypal_request_id": key}
+    with pytest.raises(requests.exceptions.Timeout):
+        client.orders.create_order(order)
+    again = client.orders.create_order(order)
+    [action] = vendor.performed(marker)
+    assert again.body.id == action["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+def test_square_retried_by_the_application_after_a_timeout_gets_the_first_answer(
+    gateway: GatewayProcess, vendor: DemoUpstream, http: httpx.Client
+) -> None:
+    """Square's SDK retries answers, never a timeout: the application does."""
+    client = square.Square(
+        token="EAAA-recipes", base_url=gateway.url + "/square", httpx_client=http
+    )
+    marker, key = uuid.uuid4().hex, new_key()
+    payment: dict[str, Any] = {"source_id": "cnon:card-nonce-ok", "note": f"{marker} {SLOW}",
+                               "amount_money": {"amount": 100, "currency": "USD"},
+                               "idempotency_key": key}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        client.payments.create(**payment, request_options={"timeout_in_seconds": TIMEOUT})
+    again = client.payments.with_raw_response.create(**payment)
+    [action] = vendor.performed(marker)
+    assert again.data.payment is not None and again.data.payment.id == action["id"]
+    assert again.headers["idempotent-replayed"] == "true"

@@ -10,7 +10,8 @@ records every action it really performs, as the demo upstream does (`GET /action
   answered 201 with an id (`<vendor>_<n>`) under each name an SDK reads it from (`id`, `sid`,
   `pspReference`), inside the envelope the vendor's SDK expects (GoCardless `{"payments": ...}`,
   Square `{"payment": ...}`).
-- `X-Demo-Delay: SECONDS` answers that late, the action performed first (as the demo upstream).
+- `X-Demo-Delay: SECONDS`, or `vendor-delay-SECONDS` anywhere in the body (for SDKs that send no
+  header of the caller's), answers that late, the action performed first (as the demo upstream).
 
 Run as `python -m tests.e2e.vendor --port N`.
 """
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import time
 from typing import Any
 from urllib.parse import parse_qsl
@@ -29,6 +31,7 @@ import uvicorn
 
 from oncegate.lab.demo_upstream import Receive, Scope, Send
 
+DELAY = re.compile(rb"vendor-delay-([0-9.]+)")
 # Vendors whose SDK reads the resource from an envelope named after it.
 ENVELOPES = {"gocardless": "plural", "square": "singular"}
 
@@ -63,7 +66,8 @@ class FakeVendor:
             await _respond(send, 200, {"data": [], "items": [], "orders": [], "payments": []})
             return
         resource = self._perform(vendor, method, path, headers, body)
-        delay = float(headers.get("x-demo-delay", 0))
+        asked = DELAY.search(body)
+        delay = float(headers.get("x-demo-delay") or (asked.group(1) if asked else 0))
         if delay:
             await asyncio.sleep(delay)
         await _respond(send, 201, _enveloped(vendor, segments, resource))

@@ -65,7 +65,7 @@ class DemoUpstream:
             return
         if scope["type"] != "http":
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         method, path = scope["method"], scope["path"]
         query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
         params = dict(query)
@@ -82,33 +82,33 @@ class DemoUpstream:
                 ],
                 "body": body.decode("utf-8", "replace"),
             }
-            await _respond(send, 200, received, extra=_extra_headers(query))
+            await respond(send, 200, received, extra=_extra_headers(query))
             return
         if path == "/actions":
             if method == "DELETE":
                 self.actions.clear()
-                await _respond(send, 204, None)
+                await respond(send, 204, None)
                 return
             actions = self.actions
             if "key" in params:
                 actions = [
                     action for action in actions if action["idempotency_key"] == params["key"]
                 ]
-            await _respond(send, 200, {"actions": actions})
+            await respond(send, 200, {"actions": actions})
             return
         kind = KINDS.get(path.rstrip("/") or "/")
         if kind is None:
-            await _respond(send, 404, {"error": f"no such endpoint: {path}"})
+            await respond(send, 404, {"error": f"no such endpoint: {path}"})
             return
         if method != "POST":
-            await _respond(send, 405, {"error": f"{path} takes POST"}, extra=[("allow", "POST")])
+            await respond(send, 405, {"error": f"{path} takes POST"}, extra=[("allow", "POST")])
             return
         try:
             status = int(headers.get("x-demo-status") or params.get("status", 201))
             delay = float(headers.get("x-demo-delay") or params.get("delay", 0))
             size = int(params.get("size", 0))
         except ValueError:
-            await _respond(send, 400, {"error": "status, delay and size take numbers"})
+            await respond(send, 400, {"error": "status, delay and size take numbers"})
             return
         receipt: dict[str, Any] = {"status": status}
         if status < 400:
@@ -121,7 +121,7 @@ class DemoUpstream:
         extra = _extra_headers(query)
         if status < 400:
             extra += [("location", f"/actions/{receipt['id']}"), ("etag", f'"{receipt["id"]}"')]
-        await _respond(send, status, receipt, extra=extra)
+        await respond(send, status, receipt, extra=extra)
 
     def _perform(
         self, kind: str, path: str, headers: dict[str, str], body: bytes
@@ -157,7 +157,7 @@ def _extra_headers(query: list[tuple[str, str]]) -> list[tuple[str, str]]:
     ]
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     chunks = []
     while True:
         message = await receive()
@@ -169,7 +169,7 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(
+async def respond(
     send: Send, status: int, document: object, extra: list[tuple[str, str]] | None = None
 ) -> None:
     if status in _NO_CONTENT:

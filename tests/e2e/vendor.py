@@ -13,7 +13,8 @@ records every action it really performs, as the demo upstream does (`GET /action
 - `X-Demo-Delay: SECONDS`, or `vendor-delay-SECONDS` anywhere in the body (for SDKs that send no
   header of the caller's), answers that late, the action performed first (as the demo upstream).
 
-Run as `python -m tests.e2e.vendor --port N`.
+Run as `python -m tests.e2e.vendor --port N`. It reads and answers HTTP as the demo upstream does
+(its `read_body` and `respond`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from urllib.parse import parse_qsl
 
 import uvicorn
 
-from oncegate.lab.demo_upstream import Receive, Scope, Send
+from oncegate.lab.demo_upstream import Receive, Scope, Send, read_body, respond
 
 DELAY = re.compile(rb"vendor-delay-([0-9.]+)")
 # Vendors whose SDK reads the resource from an envelope named after it.
@@ -45,32 +46,32 @@ class FakeVendor:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         method, path = scope["method"], scope["path"]
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"]}  # fmt: skip
         if path == "/actions":
-            await _respond(send, 200, {"actions": self.actions})
+            await respond(send, 200, {"actions": self.actions})
             return
         vendor, _, rest = path.lstrip("/").partition("/")
         segments = [segment for segment in rest.split("/") if segment]
         if method == "GET" or not segments:
-            await _respond(send, 404, {"message": f"no such resource: {path}"})
+            await respond(send, 404, {"message": f"no such resource: {path}"})
             return
         if segments[-1] == "token":
             token = f"tok-{next(self._tokens)}"
-            await _respond(send, 200, {"access_token": token, "token_type": "Bearer",
+            await respond(send, 200, {"access_token": token, "token_type": "Bearer",
                                        "expires_in": 32400, "scope": "all"})  # fmt: skip
             return
         if "search" in segments:
-            await _respond(send, 200, {"data": [], "items": [], "orders": [], "payments": []})
+            await respond(send, 200, {"data": [], "items": [], "orders": [], "payments": []})
             return
         resource = self._perform(vendor, method, path, headers, body)
         asked = DELAY.search(body)
         delay = float(headers.get("x-demo-delay") or (asked.group(1) if asked else 0))
         if delay:
             await asyncio.sleep(delay)
-        await _respond(send, 201, _enveloped(vendor, segments, resource))
+        await respond(send, 201, _enveloped(vendor, segments, resource))
 
     def _perform(
         self, vendor: str, method: str, path: str, headers: dict[str, str], body: bytes
@@ -103,23 +104,6 @@ def _enveloped(vendor: str, segments: list[str], resource: dict[str, Any]) -> di
     collection = next(segment for segment in reversed(segments) if not segment[0].isupper())
     name = collection if envelope == "plural" else collection.removesuffix("s")
     return {name: resource}
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-async def _respond(send: Send, status: int, document: object) -> None:
-    body = json.dumps(document).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]  # fmt: skip
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def main() -> None:

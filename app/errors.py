@@ -139,6 +139,33 @@ class InvalidKey(GatewayError):
     should_retry = False
 
 
+class InvalidToken(GatewayError):
+    """A route that scopes keys by a verified JWT (`scope_jwt`) got a keyed request whose token
+    is missing or fails a check: never scoped by anything weaker (RFC 6750 §3)."""
+
+    status = 401
+    name = "invalid-token"
+    title = "The bearer token could not be verified"
+    outcome = Outcome.INVALID_TOKEN
+    should_retry = False
+
+    def __init__(self, detail: str, *, sent: bool = True) -> None:
+        # No error code when no token was sent at all (RFC 6750 §3.1).
+        challenge = 'Bearer error="invalid_token"' if sent else "Bearer"
+        super().__init__(detail, headers={"WWW-Authenticate": challenge})
+
+
+class TokenKeysUnavailable(GatewayError):
+    """The keys a route's tokens are verified with have not been read yet (the JWKS file or URL
+    failed since the gateway started): nothing was claimed, and a retry may succeed."""
+
+    status = 503
+    name = "token-keys-unavailable"
+    title = "The keys that verify tokens are unavailable"
+    outcome = Outcome.TOKEN_KEYS_UNAVAILABLE
+    should_retry = True
+
+
 class BodyTooLarge(GatewayError):
     status = 413
     name = "body-too-large"

@@ -30,6 +30,8 @@ class Outcome(StrEnum):
     UNSUPPORTED_TRANSFER_CODING = "unsupported_transfer_coding"
     MISSING_KEY = "missing_key"
     INVALID_KEY = "invalid_key"
+    INVALID_TOKEN = "invalid_token"  # noqa: S105 - an outcome's name, no secret
+    TOKEN_KEYS_UNAVAILABLE = "token_keys_unavailable"  # noqa: S105 - an outcome's name
     BODY_TOO_LARGE = "body_too_large"
     MISMATCH = "mismatch"
     IN_PROGRESS = "in_progress"

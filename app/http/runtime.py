@@ -28,6 +28,7 @@ from ..sealing import Keyring
 from ..settings import Settings
 from ..store import Store
 from ..store.postgres import PostgresStore
+from ..tokens import Identities
 from ..upstream import Upstream
 from ..upstream.client import HttpUpstream
 from . import admin, problems, proxy, sessions, ui
@@ -43,7 +44,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     upstream = HttpUpstream()
     keyring = settings.keyring()
     key_workers = KeyWorkers()
-    gateway = gateway_of(settings, store, upstream, keyring, key_workers)
+    identities = Identities(settings.routes)
+    await identities.start()
+    gateway = gateway_of(settings, store, upstream, keyring, key_workers, identities)
     purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
     counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
     for route in settings.routes:
@@ -66,6 +69,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await key_workers.close()
+        await identities.close()
         await upstream.aclose()
         await store.close()
 
@@ -76,11 +80,12 @@ def gateway_of(
     upstream: Upstream,
     keyring: Keyring | None,
     key_workers: KeyWorkers | None = None,
+    identities: Identities | None = None,
 ) -> service.Gateway:
     """The request path's service, as the settings make it (bench/memory_gateway.py makes it
     with the in-memory store)."""
     waiters = (settings.max_waiters, settings.max_waiters_per_key)
-    return service.Gateway(store, upstream, keyring, waiters, key_workers)
+    return service.Gateway(store, upstream, keyring, waiters, key_workers, identities)
 
 
 def create_proxy_app(runtime: Runtime) -> proxy.ProxyApp:

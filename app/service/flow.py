@@ -48,6 +48,7 @@ from ..routing import upstream_url
 from ..sealing import Keyring, Sealer, StoredAnswer
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
+from ..tokens import Identities
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
 from .messages import Answer, ProxyRequest
@@ -78,10 +79,14 @@ class Gateway:
         keyring: Keyring | None = None,
         waiters: tuple[int, int] = DEFAULT_WAITERS,
         key_workers: KeyWorkers | None = None,
+        identities: Identities | None = None,
     ) -> None:
         self._store = store
         # Where keys of large JSON bodies are read; its owner closes it (the runtime does).
         self._key_workers = key_workers or KeyWorkers()
+        # Who a route's verified tokens say the client is (`scope_jwt`); its owner starts and
+        # closes it (the runtime does).
+        self._identities = identities or Identities()
         self._upstream = upstream
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
@@ -99,8 +104,12 @@ class Gateway:
             if route.key == "optional":
                 return await self._forward_unprotected(route, request, Outcome.UNPROTECTED)
             raise errors.MissingKey(_missing_key(route, request.method))
+        # A route's `scope_jwt` adds who its verified token says the client is (or refuses).
+        identity = await self._identities.scope_part(
+            route, request.header_values(route.scope_jwt.header) if route.scope_jwt else []
+        )
         scope = keys.scope(
-            route.name, [request.header_values(name) for name in route.scope_headers]
+            route.name, [request.header_values(name) for name in route.scope_headers] + identity
         )
         digest = await _fingerprint(request)
         wait = Wait.asked(request, route, self._store, self._waiting)

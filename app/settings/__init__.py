@@ -34,6 +34,7 @@ from .routes import (
     ROUTE_NAME,
     UNUSABLE_KEY_HEADERS,
     Route,
+    TokenScope,
     check_upstream,
 )
 from .units import MAX_DURATION, Duration, Size, Wait, parse_duration, parse_size
@@ -59,6 +60,7 @@ __all__ = [
     "Size",
     "StoreOptions",
     "StoreSettings",
+    "TokenScope",
     "Wait",
     "check_upstream",
     "default_data_dir",

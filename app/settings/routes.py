@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -57,6 +58,71 @@ def check_upstream(value: str) -> str:
     return value.rstrip("/")
 
 
+# The signature algorithms a `scope_jwt` may accept: never `none`, and one per key type, so a
+# key is only ever used with the algorithm its type means (no RSA public key as an HMAC secret).
+TOKEN_ALGORITHMS = frozenset({"RS256", "ES256", "HS256"})
+DEFAULT_TOKEN_LEEWAY = 30.0
+DEFAULT_TOKEN_KEYS_REFRESH = 300.0
+
+
+class TokenScope(BaseModel):
+    """A route's `scope_jwt`: keys are scoped by who a verified JWT says the client is (its
+    issuer and subject), so a refreshed token keeps its keys (oncegate.tokens)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    issuer: str = Field(min_length=1)  # the `iss` every token must carry, compared exactly
+    audience: str | None = None  # when set, the token's `aud` must hold it
+    jwks_file: Path | None = None
+    jwks_url: str | None = None
+    algorithms: frozenset[str] = frozenset({"RS256", "ES256"})
+    # Where the token is, as `Bearer <token>`; kept in lower case, as requests' names are.
+    header: str = Field("Authorization", validate_default=True)
+    leeway: Duration = DEFAULT_TOKEN_LEEWAY  # clock skew allowed on exp, nbf and iat
+    refresh: Duration = DEFAULT_TOKEN_KEYS_REFRESH  # how often the key set is read again
+
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _algorithms(cls, value: object) -> object:
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list | tuple | set | frozenset):
+            unknown = sorted(str(name) for name in names if name not in TOKEN_ALGORITHMS)
+            if unknown or not names:
+                raise ValueError(
+                    f"{unknown or 'none'}: scope_jwt takes one or more of "
+                    f"{', '.join(sorted(TOKEN_ALGORITHMS))}"
+                )
+            return frozenset(names)
+        raise ValueError(f"a list of algorithms, like [RS256, ES256], not {value!r}")
+
+    @field_validator("header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        if not _HEADER_NAME.match(value):
+            raise ValueError(f"{value!r} is not a header name")
+        return value.lower()
+
+    @field_validator("jwks_url")
+    @classmethod
+    def _jwks_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenScope:
+        if (self.jwks_file is None) == (self.jwks_url is None):
+            raise ValueError("scope_jwt takes its keys from one of jwks_file or jwks_url")
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the keys are read from, for messages and logs."""
+        return str(self.jwks_file) if self.jwks_file is not None else str(self.jwks_url)
+
+
 class Route(BaseModel):
     """One `routes:` entry. Defaults are the contract's."""
 
@@ -89,6 +155,16 @@ class Route(BaseModel):
     # How long a duplicate of an in-flight key waits for its answer without asking (`Prefer:
     # wait`), so clients that retry on their own timeout get the replay instead of 409.
     wait: Wait = 0.0
+    # Keys scoped by a verified JWT's issuer and subject instead of raw header values; then
+    # `scope_headers` defaults to none (a refreshed token is the same client).
+    scope_jwt: TokenScope | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_in_scope_headers_by_default(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("scope_jwt") is not None:
+            data = {"scope_headers": [], **data}
+        return data
 
     @field_validator("name")
     @classmethod
@@ -178,6 +254,16 @@ class Route(BaseModel):
             raise ValueError(
                 f"key_header {self.key_header!r} is also a scope header: every key would be a "
                 "scope of its own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _token_not_in_scope_headers(self) -> Route:
+        if self.scope_jwt is not None and self.scope_jwt.header in self.scope_headers:
+            raise ValueError(
+                f"scope_headers names {self.scope_jwt.header!r}, the header whose token "
+                "scope_jwt verifies: every refreshed token would be a scope of its own; leave "
+                "it out (the token's issuer and subject scope the keys)"
             )
         return self
 

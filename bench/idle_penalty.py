@@ -48,7 +48,7 @@ import run  # noqa: E402
 from batch_shapes import load_line, machine_line  # noqa: E402
 
 from oncegate import keys  # noqa: E402
-from oncegate.store.queries import QUERIES  # noqa: E402
+from oncegate.store.queries import DIALECTS  # noqa: E402
 
 WARMUP_PAIRS = 200
 STATEMENT_TIMEOUT = 30.0
@@ -82,7 +82,8 @@ async def _pause(how: str, seconds: float) -> None:
 async def measure(url: str, how: str, pause_ms: float, pairs: int, tag: str) -> Run:
     """`WARMUP_PAIRS` pairs, then `pairs` measured ones, with `pause_ms` after each statement."""
     claims, answers = await run.floor_connections(url)
-    claim, complete = QUERIES["claim"], QUERIES["complete"]
+    plain = DIALECTS["postgres"]
+    claim, complete = plain["claim"], plain["complete"]
     scope = keys.scope(run.ROUTE, [[]])
     columns: dict[str, list[float]] = {"claim_idle": [], "complete_idle": [], "claim": [],
                                        "complete": [], "pair": []}  # fmt: skip

@@ -690,10 +690,11 @@ async def _floor(
     gateway's own statements (one-row arrays, as a lone operation is sent) on two connections
     set as its pools are (generic plans; answers committed without waiting for the WAL flush):
     the claim and complete times in ms of the measured pairs, and how many there were."""
-    from oncegate.store.queries import QUERIES
+    from oncegate.store.queries import DIALECTS
 
     claims, answers = await floor_connections(database_url)
-    claim, complete = QUERIES["claim"], QUERIES["complete"]
+    plain = DIALECTS["postgres"]
+    claim, complete = plain["claim"], plain["complete"]
     scope = keys.scope(ROUTE, [[]])
     claim_ms: list[float] = []
     complete_ms: list[float] = []

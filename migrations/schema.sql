@@ -50,10 +50,12 @@ AS $$
 $$;
 
 -- `at` plus a number of seconds, IMMUTABLE (an interval of seconds alone does not depend on the
--- time zone), so an UPDATE on Citus may compute a lease's end from a column.
+-- time zone), so an UPDATE on Citus may compute a lease's end from a column; written with
+-- IMMUTABLE parts only (UTC wall time, plus the seconds, back from UTC), so PostgreSQL inlines
+-- it: `timestamptz + interval` is STABLE, and a function calling it would run as a call per row.
 CREATE OR REPLACE FUNCTION oncegate_after(at timestamptz, seconds float8) RETURNS timestamptz
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT at + make_interval(secs => seconds) $$;
+AS $$ SELECT timezone('UTC', timezone('UTC', at) + make_interval(secs => seconds)) $$;
 
 -- The batched claim (the query `claim` calls it): each key of the batch in turn, in the
 -- (scope, key) order the caller sends, is inserted or the row that holds it read; a row that a

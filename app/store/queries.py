@@ -4,16 +4,25 @@ Parameters are named (`:fingerprint`), not numbered: a call passes each by name 
 turns them into asyncpg's `$1, $2, ...` in the order they first appear, so swapping two values
 of the same type (a lease and a TTL) cannot pass unnoticed. A call that misses a parameter or
 passes one the query does not have fails at once.
+
+queries.sql is one dialect for two servers: a statement is written once for both, or, where
+the two must differ, once per server (`-- name: NAME [postgres]`, `-- name: NAME [citus]`).
+`DIALECTS[server]` holds what that server runs: asking it for a statement it has no shape of
+raises, it never hands over another server's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+Server = Literal["postgres", "citus"]
+SERVERS: tuple[Server, ...] = ("postgres", "citus")
+
+_NAME = re.compile(r"^-- name: (\w+)(?: \[(\w+)\])?\s*$", re.MULTILINE)
 # `:name`, but not the second colon of a `::type` cast.
 _PARAMETER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
 _COMMENT = re.compile(r"--[^\n]*")
@@ -36,17 +45,65 @@ class Query:
         return tuple(values[name] for name in self.parameters)
 
 
+class Statements(Mapping[str, Query]):
+    """The statements one server runs: those written for both, and its own shapes."""
+
+    def __init__(self, server: str, queries: dict[str, Query]) -> None:
+        self.server = server
+        self._queries = queries
+
+    def __getitem__(self, name: str) -> Query:
+        try:
+            return self._queries[name]
+        except KeyError:
+            raise KeyError(f"queries.sql has no statement {name!r} for {self.server}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._queries)
+
+    def __len__(self) -> int:
+        return len(self._queries)
+
+
 def load(text: str) -> dict[str, Query]:
+    """The statements of a file written for any server (no `[server]` shapes)."""
+    queries: dict[str, Query] = {}
+    for name, server, body in _parts(text):
+        if server is not None:
+            raise ValueError(f"query {name} is written for {server} in a file of one dialect")
+        if name in queries:
+            raise ValueError(f"query {name} is written twice")
+        queries[name] = _numbered(name, body)
+    return queries
+
+
+def load_dialects(text: str) -> dict[Server, Statements]:
+    """Per server, what it runs. A name is either written once for every server or shaped per
+    server, never both (which one would win is what this refuses to decide)."""
+    shared: dict[str, Query] = {}
+    shaped: dict[str, dict[str, Query]] = {server: {} for server in SERVERS}
+    for name, server, body in _parts(text):
+        if server is not None and server not in shaped:
+            raise ValueError(f"query {name} is shaped for {server}, which is none of {SERVERS}")
+        written = shared if server is None else shaped[server]
+        if name in written:
+            raise ValueError(f"query {name} is written twice for {server or 'every server'}")
+        written[name] = _numbered(name, body)
+    for server, own in shaped.items():
+        both = own.keys() & shared.keys()
+        if both:
+            raise ValueError(f"queries {sorted(both)} are written for every server and {server}")
+    return {server: Statements(server, {**shared, **shaped[server]}) for server in SERVERS}
+
+
+def _parts(text: str) -> Iterator[tuple[str, str | None, str]]:
     parts = _NAME.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
-    return {
-        name: _numbered(name, body.strip())
-        for name, body in zip(parts[1::2], parts[2::2], strict=True)
-    }
+    # parts = [preamble, name1, server1 or None, body1, name2, ...]
+    yield from zip(parts[1::3], parts[2::3], parts[3::3], strict=True)
 
 
 def _numbered(name: str, sql: str) -> Query:
-    sql = _COMMENT.sub("", sql).strip()
+    sql = _COMMENT.sub("", sql.strip()).strip()
     parameters: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -57,4 +114,4 @@ def _numbered(name: str, sql: str) -> Query:
     return Query(name, _PARAMETER.sub(number, sql), tuple(parameters))
 
 
-QUERIES = load((Path(__file__).parent / "queries.sql").read_text())
+DIALECTS = load_dialects((Path(__file__).parent / "queries.sql").read_text())

@@ -1,13 +1,32 @@
--- Every SQL statement of the gateway, one named query each (`-- name: NAME`), with named
--- parameters (`:scope`; queries.py numbers them for asyncpg).
+-- The key table's statements, one named query each (`-- name: NAME`), with named parameters
+-- (`:scope`; queries.py numbers them for asyncpg). (The agent's are in checkpoints.sql; the
+-- store reads Citus's catalog in citus.py and the schema's revision in postgres/operator.py.)
 -- Each runs alone, autocommitted: one round trip, and no transaction is ever held open across
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
 --
--- What state a key is in is said once, by `oncegate_key_state(state, lease_expires_at,
--- expires_at)` (migrations/schema.sql): in_progress (its lease runs), expired (past its TTL: a
--- new key), unknown (marked so, or its lease ran out), completed. Every read and every condition on
--- a state goes through it; only a writer's compare-and-set on its own fencing token reads the
--- stored `state` column, which says what the last writer did.
+-- One dialect: each statement is written once, in a form both plain PostgreSQL and a Citus
+-- coordinator run (the key table distributed by `key`, migration 0008). Four operations must
+-- differ, and have one shape per server, named `-- name: NAME [postgres]` and
+-- `-- name: NAME [citus]`: the claim, the purge, the operator's delete and rekey.
+-- store/postgres/dialect.py chooses the server's shapes once; a statement the server has no
+-- shape of is an error there, never another server's statement. What the shared form asks:
+-- - every request-path write names the keys it touches (`k.key = ANY(:keys)`): on Citus the
+--   store batches per shard, so a batch's keys share one shard and Citus sends the statement
+--   there alone (router executor, no two-phase commit); on plain PostgreSQL it is one more
+--   test of each row the primary key found (tests/store/test_plans.py reads the plans);
+-- - a write tests a state with `oncegate_key_is(wanted, ..., now())` and computes a lease's
+--   end with `oncegate_after(now(), seconds)`, both IMMUTABLE SQL functions PostgreSQL inlines:
+--   Citus refuses a CASE around now(), or a STABLE function of a column, in a write, and
+--   evaluates now() once, on the coordinator, sending the value;
+-- - a settle returns `waited` and the store sends `notify` for the rows someone waits on, after
+--   the settle committed: a pg_notify on a Citus worker would never reach the coordinator the
+--   gateways LISTEN on (waiters also poll their row, so a lost notification costs time only).
+--
+-- What state a key is in is said once (migrations/schema.sql): in_progress (its lease runs),
+-- expired (past its TTL: a new key), unknown (marked so, or its lease ran out), completed. A read
+-- names it with `oncegate_key_state(state, lease_expires_at, expires_at)`, a write's condition
+-- with `oncegate_key_is`, its rule as a test; only a writer's compare-and-set on its own fencing
+-- token reads the stored `state` column, which says what the last writer did.
 --
 -- Fencing: a claim starts its row at token 1 and every take-over of the row adds one. Every
 -- write names the row by its primary key, (id, key), and the token it holds, so a gateway that
@@ -26,7 +45,7 @@
 -- (postgres/requests.py) sends each key, or each (id, token), once per batch and answers its
 -- copies itself.
 
--- name: claim
+-- name: claim [postgres]
 -- Take new keys, or read the rows that already hold them: one round trip either way.
 -- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
 -- the statement's snapshot, so a row committed by a concurrent claim after this statement began
@@ -43,7 +62,7 @@ claimed AS (
     INSERT INTO oncegate_keys
         (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
     SELECT route, scope, key, fingerprint, 'in_progress', 1,
-           now() + make_interval(secs => lease), now() + make_interval(secs => ttl)
+           oncegate_after(now(), lease), oncegate_after(now(), ttl)
     FROM wanted
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO NOTHING
@@ -61,6 +80,12 @@ FROM wanted
 LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
 LEFT JOIN oncegate_keys AS held
        ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key;
+
+-- name: claim [citus]
+-- The same, as a function Citus runs on the worker that holds the shard of `anchor` (one of
+-- the batch's keys, which share its shard): one round trip, and the function's statements stay
+-- on that worker. Citus would pull the INSERT ... SELECT above through the coordinator.
+SELECT * FROM oncegate_claim(:anchor, :routes, :scopes, :keys, :fingerprints, :leases, :ttls);
 
 -- name: get
 SELECT id,
@@ -84,10 +109,10 @@ SET route = given.route,
     fingerprint = given.fingerprint,
     state = 'in_progress',
     fencing_token = k.fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => given.lease),
+    lease_expires_at = oncegate_after(now(), given.lease),
     created_at = now(),
     completed_at = NULL,
-    expires_at = now() + make_interval(secs => given.ttl),
+    expires_at = oncegate_after(now(), given.ttl),
     response_status = NULL,
     response_headers = NULL,
     response_body = NULL,
@@ -98,9 +123,9 @@ SET route = given.route,
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
             :fingerprints::bytea[], :leases::float8[], :ttls::float8[])
      AS given(key, id, token, route, fingerprint, lease, ttl)
-WHERE k.id = given.id AND k.key = given.key
-  AND k.fencing_token = given.token
-  AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'expired'
+WHERE k.key = ANY(:keys)
+  AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now())
 RETURNING k.id, k.fencing_token;
 
 -- name: take_over
@@ -109,21 +134,20 @@ RETURNING k.id, k.fencing_token;
 UPDATE oncegate_keys AS k
 SET state = 'in_progress',
     fencing_token = k.fencing_token + 1,
-    lease_expires_at = now() + make_interval(secs => given.lease),
+    lease_expires_at = oncegate_after(now(), given.lease),
     -- the key must not expire while the request it now guards is in flight
-    expires_at = greatest(k.expires_at,
-                          now() + make_interval(secs => given.lease) + interval '1 second')
+    expires_at = greatest(k.expires_at, oncegate_after(now(), given.lease + 1))
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[])
      AS given(key, id, token, lease)
-WHERE k.id = given.id AND k.key = given.key
-  AND k.fencing_token = given.token
-  AND oncegate_key_state(k.state, k.lease_expires_at, k.expires_at) = 'unknown'
+WHERE k.key = ANY(:keys)
+  AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+  AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
 RETURNING k.id, k.fencing_token;
 
 -- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
--- better than `unknown`); a take-over changed the token and refuses it. A settle wakes the
--- requests waiting on the key (`mark_waited`), delivered when it commits.
+-- better than `unknown`); a take-over changed the token and refuses it. `waited`: someone waits
+-- on the row (`mark_waited`), and the store sends `notify` for it.
 UPDATE oncegate_keys AS k
 SET state = 'completed',
     response_status = given.status,
@@ -138,42 +162,47 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallin
             :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
             :sealed_headers::bytea[])
      AS given(key, id, token, status, headers, body, stored, sealed_with, sealed_headers)
-WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+WHERE k.key = ANY(:keys)
+  AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state IN ('in_progress', 'unknown')
-RETURNING k.id, k.fencing_token,
-          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
+RETURNING k.id, k.fencing_token, k.waited;
 
 -- name: release
 DELETE FROM oncegate_keys AS k
 USING unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
-WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+WHERE k.key = ANY(:keys)
+  AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state = 'in_progress'
-RETURNING k.id, k.fencing_token,
-          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
+RETURNING k.id, k.fencing_token, k.waited;
 
 -- name: mark_unknown
 UPDATE oncegate_keys AS k
 SET state = 'unknown',
     lease_expires_at = NULL
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
-WHERE k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+WHERE k.key = ANY(:keys)
+  AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state = 'in_progress'
-RETURNING k.id, k.fencing_token,
-          CASE WHEN k.waited THEN pg_notify('oncegate_settled', k.id::text) END;
+RETURNING k.id, k.fencing_token, k.waited;
+
+-- name: notify
+-- Wakes the requests waiting on settled rows (`Prefer: wait`), sent after the settle committed.
+-- It reads no table, so on Citus it runs on the coordinator, where the gateways LISTEN.
+SELECT pg_notify('oncegate_settled', id::text) FROM unnest(:ids::bigint[]) AS id;
 
 -- name: mark_waited
--- `Prefer: wait`: ask for a notification when this in-flight key settles (complete, release
--- and mark_unknown send one for a row marked so; migration 0006). Nothing returned: it is not
--- in flight any more (or not this claim), so there is nothing to wait for.
+-- `Prefer: wait`: ask for a notification when this in-flight key settles (migration 0006).
+-- Nothing returned: it is not in flight any more (or not this claim), so there is nothing to
+-- wait for.
 UPDATE oncegate_keys
 SET waited = true
-WHERE id = :id
-  AND key = :key
+WHERE key = :key
+  AND id = :id
   AND fencing_token = :token
-  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'in_progress'
+  AND oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
 RETURNING id;
 
--- name: purge
+-- name: purge [postgres]
 -- One bounded batch of expired rows (`expires_at <= now()` first, so the index finds them).
 -- Rows locked by a concurrent reclaim are skipped, and a row still in flight is never deleted,
 -- whatever its TTL.
@@ -186,6 +215,25 @@ WHERE ctid = ANY(ARRAY(
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ));
+
+-- name: purge_candidates [citus]
+-- On Citus the purge finds a batch on every shard, unlocked (no ctid subquery, no FOR UPDATE
+-- across shards: Citus refuses both on a distributed table), then deletes it shard by shard
+-- with `purge`.
+SELECT key, id
+FROM oncegate_keys
+WHERE expires_at <= now()
+  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
+LIMIT :batch_size;
+
+-- name: purge [citus]
+-- One shard's rows of the batch, checked again as they go: a row reclaimed since it was found is
+-- a new key, and stays.
+DELETE FROM oncegate_keys AS k
+USING unnest(:keys::text[], :ids::bigint[]) AS doomed(key, id)
+WHERE k.key = ANY(:keys)
+  AND k.key = doomed.key AND k.id = doomed.id
+  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now());
 
 -- name: admin_find
 -- An operator's look-up: one key in every scope, optionally on one route. Rare, so it may scan;
@@ -209,10 +257,16 @@ FROM oncegate_keys
 WHERE key = :key AND (:route::text IS NULL OR route = :route)
 ORDER BY id;
 
--- name: admin_delete
+-- The operator's writes find a row by its id (`key_of`, which on Citus reads every shard), then
+-- name it by its primary key, (id, key), as the request path does: on Citus, on its own shard.
+
+-- name: key_of
+SELECT key FROM oncegate_keys WHERE id = :id;
+
+-- name: admin_delete [postgres]
 -- Any key but one whose request is in flight right now: deleting that one would let the next
 -- retry be forwarded while the first is still at the upstream. Returns the row's state either
--- way (deleted: NULL means no such key).
+-- way (deleted: NULL means no such key), in one statement.
 WITH doomed AS (
     DELETE FROM oncegate_keys
     WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) <> 'in_progress'
@@ -220,6 +274,14 @@ WITH doomed AS (
 )
 SELECT EXISTS (SELECT FROM doomed) AS deleted,
        EXISTS (SELECT FROM oncegate_keys WHERE id = :id) AS exists;
+
+-- name: admin_delete [citus]
+-- The same rule on the row's shard, found by `key_of` first (Citus runs no CTE that writes one
+-- shard and reads every other); whether a row not deleted exists is read again after.
+DELETE FROM oncegate_keys
+WHERE key = :key AND id = :id
+  AND NOT oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
+RETURNING id;
 
 -- name: admin_resolve_completed
 -- Settle an `unknown` key as completed with the answer an operator found out, with a new fencing
@@ -236,13 +298,14 @@ SET state = 'completed',
     sealed_with = :sealed_with,
     sealed_headers = :sealed_headers,
     completed_at = now()
-WHERE id = :id AND fencing_token = :token
-  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
+WHERE key = :key AND id = :id AND fencing_token = :token
+  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
 RETURNING id;
 
 -- name: admin_resolve_released
 DELETE FROM oncegate_keys
-WHERE id = :id AND oncegate_key_state(state, lease_expires_at, expires_at) = 'unknown'
+WHERE key = :key AND id = :id
+  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
 RETURNING id;
 
 -- name: admin_queue
@@ -298,7 +361,7 @@ FROM (
 -- will give it (this one plus one; the resolution checks this one is still the row's).
 SELECT scope, fencing_token FROM oncegate_keys WHERE id = :id;
 
--- name: rekey_batch
+-- name: rekey_batch [postgres]
 -- `oncegate rekey`: the next batch (by id, after the last one) of stored answers not sealed
 -- under the newest key, locked until the caller has re-sealed them in the same transaction. It
 -- waits for a row another writer holds rather than skip it: a skipped row would keep the old key.
@@ -309,7 +372,7 @@ ORDER BY id
 LIMIT :batch_size
 FOR UPDATE;
 
--- name: rekey_rows
+-- name: rekey_rows [postgres]
 -- The re-sealed answers of one batch, in one statement.
 UPDATE oncegate_keys AS row
 SET response_headers = NULL,
@@ -319,6 +382,30 @@ SET response_headers = NULL,
 FROM unnest(:ids::bigint[], :tokens::bigint[], :bodies::bytea[], :headers::bytea[])
      AS resealed(id, token, body, headers)
 WHERE row.id = resealed.id AND row.fencing_token = resealed.token;
+
+-- name: rekey_batch [citus]
+-- On Citus: the next batch, not locked (Citus takes no row lock over several shards);
+-- `rekey_rows` writes each row back only if it still holds what was read.
+SELECT id, key, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
+FROM oncegate_keys
+WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
+ORDER BY id
+LIMIT :batch_size;
+
+-- name: rekey_rows [citus]
+-- One shard's re-sealed answers, each a compare-and-set on (token, the key that sealed it): a
+-- row settled again since it was read keeps what its new writer stored.
+UPDATE oncegate_keys AS row
+SET response_headers = NULL,
+    response_body = resealed.body,
+    sealed_with = :sealed_with,
+    sealed_headers = resealed.headers
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :was::text[], :bodies::bytea[],
+            :headers::bytea[])
+     AS resealed(key, id, token, was, body, headers)
+WHERE row.key = ANY(:keys)
+  AND row.key = resealed.key AND row.id = resealed.id AND row.fencing_token = resealed.token
+  AND row.response_stored AND row.sealed_with IS NOT DISTINCT FROM resealed.was;
 
 -- name: rekey_remaining
 -- What is still not under the newest key, in the whole table.
@@ -361,187 +448,3 @@ ON CONFLICT (session) DO NOTHING;
 
 -- name: session_ended
 SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS ended;
-
--- On Citus ----------------------------------------------------------------------------------
--- On a Citus coordinator (store/citus.py) the key table is distributed by `key` (migration
--- 0008), and the request path sends the statements below in place of the ones named alike
--- above, which Citus would send to every shard or refuse:
--- - each names the keys it touches (`k.key = ANY(:keys)`): the store batches per shard, so a
---   batch's keys share one shard and Citus sends the statement there alone (router executor, no
---   two-phase commit). The request pools plan them per call on Citus (plan_cache_mode
---   force_custom_plan): a generic plan cannot prune `key = ANY($1)` and goes to every shard;
--- - a state is tested with `oncegate_key_is(..., now())` and a lease's end computed with
---   `oncegate_after(now(), seconds)`: Citus refuses a CASE around now(), or a STABLE function of
---   a column, in a write; it evaluates now() once, on the coordinator, and sends the value;
--- - a settle returns `waited` instead of notifying: a pg_notify on a worker never reaches the
---   coordinator connection the gateways LISTEN on, so the store sends `citus_notify` there
---   for the rows someone waits on, after the settle committed (waiters also poll their row).
-
--- name: citus_claim
--- The batch's keys share the shard of `anchor` (one of them): Citus runs the function on the
--- worker that holds it, one round trip, and the function's statements stay on that worker.
-SELECT * FROM oncegate_claim(:anchor, :routes, :scopes, :keys, :fingerprints, :leases, :ttls);
-
--- name: citus_reclaim_expired
-UPDATE oncegate_keys AS k
-SET route = given.route,
-    fingerprint = given.fingerprint,
-    state = 'in_progress',
-    fencing_token = k.fencing_token + 1,
-    lease_expires_at = oncegate_after(now(), given.lease),
-    created_at = now(),
-    completed_at = NULL,
-    expires_at = oncegate_after(now(), given.ttl),
-    response_status = NULL,
-    response_headers = NULL,
-    response_body = NULL,
-    response_stored = false,
-    sealed_with = NULL,
-    sealed_headers = NULL,
-    waited = false
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
-            :fingerprints::bytea[], :leases::float8[], :ttls::float8[])
-     AS given(key, id, token, route, fingerprint, lease, ttl)
-WHERE k.key = ANY(:keys)
-  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
-  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now())
-RETURNING k.id, k.fencing_token;
-
--- name: citus_take_over
-UPDATE oncegate_keys AS k
-SET state = 'in_progress',
-    fencing_token = k.fencing_token + 1,
-    lease_expires_at = oncegate_after(now(), given.lease),
-    expires_at = greatest(k.expires_at, oncegate_after(now(), given.lease + 1))
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[])
-     AS given(key, id, token, lease)
-WHERE k.key = ANY(:keys)
-  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
-  AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
-RETURNING k.id, k.fencing_token;
-
--- name: citus_complete
-UPDATE oncegate_keys AS k
-SET state = 'completed',
-    response_status = given.status,
-    response_headers = given.headers::jsonb,
-    response_body = given.body,
-    response_stored = given.stored,
-    sealed_with = given.sealed_with,
-    sealed_headers = given.sealed_headers,
-    completed_at = now(),
-    lease_expires_at = NULL
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
-            :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
-            :sealed_headers::bytea[])
-     AS given(key, id, token, status, headers, body, stored, sealed_with, sealed_headers)
-WHERE k.key = ANY(:keys)
-  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
-  AND k.state IN ('in_progress', 'unknown')
-RETURNING k.id, k.fencing_token, k.waited;
-
--- name: citus_release
-DELETE FROM oncegate_keys AS k
-USING unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
-WHERE k.key = ANY(:keys)
-  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
-  AND k.state = 'in_progress'
-RETURNING k.id, k.fencing_token, k.waited;
-
--- name: citus_mark_unknown
-UPDATE oncegate_keys AS k
-SET state = 'unknown',
-    lease_expires_at = NULL
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
-WHERE k.key = ANY(:keys)
-  AND k.key = given.key AND k.id = given.id AND k.fencing_token = given.token
-  AND k.state = 'in_progress'
-RETURNING k.id, k.fencing_token, k.waited;
-
--- name: citus_mark_waited
-UPDATE oncegate_keys
-SET waited = true
-WHERE key = :key
-  AND id = :id
-  AND fencing_token = :token
-  AND oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
-RETURNING id;
-
--- name: citus_notify
--- Runs on the coordinator (it reads no table), where the gateways LISTEN.
-SELECT pg_notify('oncegate_settled', id::text) FROM unnest(:ids::bigint[]) AS id;
-
--- The operator's writes on Citus: a key is found by its id on every shard (`citus_key_of`, a
--- read), then written on its own shard, named by (key, id) as the request path does; the purge
--- deletes the rows it found per shard. No ctid subquery, no FOR UPDATE across shards: Citus
--- refuses both on a distributed table.
-
--- name: citus_key_of
-SELECT key FROM oncegate_keys WHERE id = :id;
-
--- name: citus_purge_candidates
-SELECT key, id
-FROM oncegate_keys
-WHERE expires_at <= now()
-  AND oncegate_key_state(state, lease_expires_at, expires_at) = 'expired'
-LIMIT :batch_size;
-
--- name: citus_purge
--- Checked again as it deletes: a row reclaimed since it was found is a new key, and stays.
-DELETE FROM oncegate_keys AS k
-USING unnest(:keys::text[], :ids::bigint[]) AS doomed(key, id)
-WHERE k.key = ANY(:keys)
-  AND k.key = doomed.key AND k.id = doomed.id
-  AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now());
-
--- name: citus_admin_delete
-DELETE FROM oncegate_keys
-WHERE key = :key AND id = :id
-  AND NOT oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
-RETURNING id;
-
--- name: citus_admin_resolve_completed
-UPDATE oncegate_keys
-SET state = 'completed',
-    fencing_token = fencing_token + 1,
-    lease_expires_at = NULL,
-    response_status = :status,
-    response_headers = :headers::jsonb,
-    response_body = :body,
-    response_stored = :stored,
-    sealed_with = :sealed_with,
-    sealed_headers = :sealed_headers,
-    completed_at = now()
-WHERE key = :key AND id = :id AND fencing_token = :token
-  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
-RETURNING id;
-
--- name: citus_admin_resolve_released
-DELETE FROM oncegate_keys
-WHERE key = :key AND id = :id
-  AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
-RETURNING id;
-
--- name: citus_rekey_batch
--- `oncegate rekey` on Citus: the next batch, not locked (Citus takes no row lock over several
--- shards); `citus_rekey_rows` writes each row back only if it still holds what was read.
-SELECT id, key, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
-FROM oncegate_keys
-WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
-ORDER BY id
-LIMIT :batch_size;
-
--- name: citus_rekey_rows
--- One shard's re-sealed answers, each a compare-and-set on (token, the key that sealed it): a
--- row settled again since it was read keeps what its new writer stored.
-UPDATE oncegate_keys AS row
-SET response_headers = NULL,
-    response_body = resealed.body,
-    sealed_with = :sealed_with,
-    sealed_headers = resealed.headers
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :was::text[], :bodies::bytea[],
-            :headers::bytea[])
-     AS resealed(key, id, token, was, body, headers)
-WHERE row.key = ANY(:keys)
-  AND row.key = resealed.key AND row.id = resealed.id AND row.fencing_token = resealed.token
-  AND row.response_stored AND row.sealed_with IS NOT DISTINCT FROM resealed.was;

@@ -24,7 +24,8 @@ from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
 from oncegate.store.postgres import PostgresStore
 from oncegate.store.postgres.connections import request_settings
-from oncegate.store.queries import QUERIES
+from oncegate.store.postgres.dialect import Plain
+from oncegate.store.queries import DIALECTS
 from tests import citus
 
 pytestmark = pytest.mark.usefixtures("citus_cluster")
@@ -86,7 +87,7 @@ def keys_of_one_shard(shards: ShardMap, count: int) -> list[str]:
 
 
 async def explain(connection: asyncpg.Connection, name: str, **values: object) -> str:
-    query = QUERIES[name]
+    query = DIALECTS["citus"][name]
     rows = await connection.fetch("EXPLAIN " + query.sql, *query.arguments(values))
     return "\n".join(row[0] for row in rows)
 
@@ -104,27 +105,27 @@ async def test_every_request_path_statement_goes_to_one_shard(
         tokens = [1] * len(keys)
         many = {"keys": keys, "ids": ids, "tokens": tokens}
         plans = {
-            "citus_claim": await explain(
-                coordinator, "citus_claim", anchor=keys[0], routes=["r"] * 3, scopes=[SCOPE] * 3,
+            "claim": await explain(
+                coordinator, "claim", anchor=keys[0], routes=["r"] * 3, scopes=[SCOPE] * 3,
                 keys=keys, fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
             ),
             "get": await explain(coordinator, "get", scope=SCOPE, key=keys[0]),
-            "citus_reclaim_expired": await explain(
-                coordinator, "citus_reclaim_expired", **many, routes=["r"] * 3,
+            "reclaim_expired": await explain(
+                coordinator, "reclaim_expired", **many, routes=["r"] * 3,
                 fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
             ),
-            "citus_take_over": await explain(
-                coordinator, "citus_take_over", **many, leases=[60.0] * 3
+            "take_over": await explain(
+                coordinator, "take_over", **many, leases=[60.0] * 3
             ),
-            "citus_complete": await explain(
-                coordinator, "citus_complete", **many, statuses=[201] * 3, headers=["[]"] * 3,
+            "complete": await explain(
+                coordinator, "complete", **many, statuses=[201] * 3, headers=["[]"] * 3,
                 bodies=[b""] * 3, stored=[True] * 3, sealed_with=[None] * 3,
                 sealed_headers=[None] * 3,
             ),
-            "citus_release": await explain(coordinator, "citus_release", **many),
-            "citus_mark_unknown": await explain(coordinator, "citus_mark_unknown", **many),
-            "citus_mark_waited": await explain(
-                coordinator, "citus_mark_waited", key=keys[0], id=ids[0], token=1
+            "release": await explain(coordinator, "release", **many),
+            "mark_unknown": await explain(coordinator, "mark_unknown", **many),
+            "mark_waited": await explain(
+                coordinator, "mark_waited", key=keys[0], id=ids[0], token=1
             ),
         }  # fmt: skip
         for name, plan in plans.items():
@@ -133,9 +134,9 @@ async def test_every_request_path_statement_goes_to_one_shard(
             assert "Task Count: 1\n" in plan + "\n", shown  # one shard: the router executor
             assert "Distributed Subplan" not in plan, shown  # nothing pulled to the coordinator
         # The claim runs whole on the worker that holds the batch's shard.
-        assert "Function Scan on oncegate_claim" in plans["citus_claim"]
+        assert "Function Scan on oncegate_claim" in plans["claim"]
         # The state's rule was evaluated with the coordinator's now(): a value, sent along.
-        assert "now()" not in plans["citus_take_over"].split("Task Count")[1]
+        assert "now()" not in plans["take_over"].split("Task Count")[1]
     finally:
         await shards.close()
         await store.close()
@@ -178,22 +179,17 @@ async def test_concurrent_requests_over_every_shard_run_no_multi_shard_statement
 async def test_a_statement_citus_refuses_is_logged_with_its_name(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The plain statement that Citus refuses (a pg_notify in RETURNING): sent as the store
-    # would, it is a 503 for the request and a log line naming the statement.
+    # Plain PostgreSQL's purge (a ctid subquery, FOR UPDATE) sent to Citus as if the store did
+    # not know it was on Citus: an error for the caller and a log line naming the statement.
     store = await PostgresStore.connect(database_url)
     try:
-        claimed = await store.claim("r", SCOPE, str(uuid.uuid4()), FINGERPRINT, 600, 600)
-        assert isinstance(claimed, Claim)
-        store._requests._shards = None  # as if it did not know it was on Citus
+        store._operator._dialect = Plain()
         with pytest.raises(errors.StoreUnavailable):
-            await store.mark_unknown(claimed)
+            await store.purge(10)
     finally:
         await store.close()
     refused = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
-    assert refused and refused[0].startswith(
-        "PostgreSQL refused the store's mark_unknown statement"
-    )
-    assert "non-IMMUTABLE functions are not allowed in the RETURNING clause" in refused[0]
+    assert refused and refused[0].startswith("PostgreSQL refused the store's purge statement")
 
 
 async def test_the_shard_map_follows_a_shard_split(

@@ -16,6 +16,7 @@ from oncegate.store import Claim, Replication
 from oncegate.store.postgres import PostgresStore
 from oncegate.store.postgres.connections import Primary, reached
 from oncegate.store.postgres.failover import RecentAnswers
+from oncegate.store.queries import DIALECTS
 from tests.helpers import behind_a_dead_host
 
 
@@ -49,7 +50,7 @@ async def test_answers_not_stored_in_an_outage_that_ended_on_the_same_host_are_n
     url = behind_a_dead_host(database_url)
     primary = Primary(url)
     pool = await asyncpg.create_pool(url, min_size=1, max_size=2, init=primary.connected)
-    answers = RecentAnswers(pool, StoreOptions())
+    answers = RecentAnswers(pool, DIALECTS["postgres"], StoreOptions())
     primary.on_same_host.append(answers.back_on_same_host)
     try:
         here = primary.host

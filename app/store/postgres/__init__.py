@@ -2,6 +2,7 @@
 
 `PostgresStore` is the table of contents; each idea has a room of its own:
 - `connections`: the three pools by job (`Pools`) and the connection that LISTENs (`Listener`);
+- `dialect`: what differs between plain PostgreSQL and Citus, chosen once when the store opens;
 - `requests`: the batched request path (claims, reads, take-overs, settles), with `operations`,
   what each queued operation is and what a batch's rows say it got;
 - `operator`: the operator's queries, the purger's batches, the key count;
@@ -26,12 +27,12 @@ from ... import database_url
 from ...sealing import Keyring, StoredAnswer
 from ...settings import StoreOptions
 from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
-from ..citus import ShardMap
 from ..errors import Outage, translated
 from ..notify import Watch
 from .connections import Listener, Pools
+from .dialect import Dialect, RekeyBatch, for_pools
 from .operator import OperatorQueries
-from .rekey import RekeyBatch, Rekeying
+from .rekey import Rekeying
 from .requests import RequestPath
 
 __all__ = ["Pools", "PostgresStore", "RekeyBatch"]
@@ -42,19 +43,19 @@ class PostgresStore:
         self,
         pools: Pools,
         url: str,
+        dialect: Dialect,
         where: str = "",
         options: StoreOptions | None = None,
-        shards: ShardMap | None = None,
     ) -> None:
         options = options or StoreOptions()
         self._pools = pools
         # With several hosts, the outage lines name the primary: which host failed, which took over.
         primary = pools.primary if pools.primary.several_hosts else None
         self.outage = Outage(where or "(unnamed)", primary)
-        self._shards = shards
-        self._requests = RequestPath(pools, options, self.outage, shards)
-        self._operator = OperatorQueries(pools.operator, options, self.outage, shards)
-        self._rekeying = Rekeying(pools.operator, options, self.outage, shards)
+        self._dialect = dialect
+        self._requests = RequestPath(pools, options, self.outage, dialect)
+        self._operator = OperatorQueries(pools.operator, options, self.outage, dialect)
+        self._rekeying = Rekeying(pools.operator, options, self.outage, dialect)
         self._listener = Listener(url, options)
 
     @classmethod
@@ -66,17 +67,16 @@ class PostgresStore:
         options = options or StoreOptions()
         pools = await Pools.open(url, options, min_size)
         try:
-            shards = await ShardMap.load(pools.operator) if pools.citus else None
+            dialect = await for_pools(pools)
         except BaseException:
             await pools.close()
             raise
-        return cls(pools, url, database_url.describe(url), options, shards)
+        return cls(pools, url, dialect, database_url.describe(url), options)
 
     async def close(self) -> None:
         await self._requests.close()
         await self._listener.close()
-        if self._shards is not None:
-            await self._shards.close()
+        await self._dialect.close()
         await self._pools.close()
 
     # The request path (`requests`).

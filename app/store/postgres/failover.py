@@ -32,6 +32,7 @@ from ...database_url import Host
 from ...settings import StoreOptions
 from .. import Claim
 from ..errors import DRIVER_ERRORS, reason
+from ..queries import Statements
 from .rows import fetchrow
 
 log = logging.getLogger("oncegate.store.postgres")
@@ -48,8 +49,9 @@ UNSTORED_KEPT = 10_000
 
 
 class RecentAnswers:
-    def __init__(self, pool: asyncpg.Pool, options: StoreOptions) -> None:
+    def __init__(self, pool: asyncpg.Pool, statements: Statements, options: StoreOptions) -> None:
         self._pool = pool
+        self._statements = statements
         self._options = options
         self._stored: collections.deque[tuple[float, int, int]] = collections.deque()
         self._unstored: collections.deque[tuple[int, int]] = collections.deque(maxlen=UNSTORED_KEPT)
@@ -91,6 +93,7 @@ class RecentAnswers:
         try:
             found = await fetchrow(
                 self._pool,
+                self._statements,
                 "answers_after_failover",
                 ids=[record_id for record_id, _ in rows],
                 tokens=[token for _, token in rows],

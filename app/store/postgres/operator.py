@@ -2,13 +2,15 @@
 `oncegate keys`), the purger's batches, the key count, and the schema's revision. They run on
 the operator's pool, never on a connection a request waits for, one autocommitted statement each.
 
-On Citus (`shards` given) the writes are their `citus_` twins of queries.sql: a key is found by
-id, then written on its own shard; the purge deletes what it found shard by shard.
+A write finds its row by id, then names it by (id, key), as the request path does (on Citus,
+on the row's shard alone). The purge and the delete take the dialect's shape of work
+(`dialect.Dialect`).
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -16,9 +18,8 @@ from ... import metrics
 from ...sealing import StoredAnswer
 from ...settings import StoreOptions
 from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
-from ..citus import ShardMap
 from ..errors import Outage, translated
-from ..queries import QUERIES
+from .dialect import Dialect
 from .rows import answer_columns, answer_of, fetchrow
 
 
@@ -28,46 +29,29 @@ class OperatorQueries:
         pool: asyncpg.Pool,
         options: StoreOptions,
         outage: Outage,
-        shards: ShardMap | None = None,
+        dialect: Dialect,
     ) -> None:
         self._pool = pool
         self._options = options
         self.outage = outage
-        self._shards = shards
+        self._dialect = dialect
+        self._statements = dialect.statements
 
     @translated("purge")
     async def purge(self, batch_size: int) -> int:
-        if self._shards is not None:
-            return await self._purge_by_shard(self._shards, batch_size)
-        query = QUERIES["purge"]
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
-            status: str = await connection.execute(
-                query.sql, *query.arguments({"batch_size": batch_size})
-            )
-        return int(status.rsplit(" ", 1)[1])
+            return await self._dialect.purge(connection, batch_size)
 
-    async def _purge_by_shard(self, shards: ShardMap, batch_size: int) -> int:
-        found, delete = QUERIES["citus_purge_candidates"], QUERIES["citus_purge"]
-        deleted = 0
-        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
-            rows = await connection.fetch(found.sql, *found.arguments({"batch_size": batch_size}))
-            by_shard: dict[int, list[asyncpg.Record]] = {}
-            for row in rows:
-                by_shard.setdefault(shards.shard_of(row["key"]), []).append(row)
-            for doomed in by_shard.values():
-                arguments = {"keys": [row["key"] for row in doomed],
-                             "ids": [row["id"] for row in doomed]}  # fmt: skip
-                status: str = await connection.execute(delete.sql, *delete.arguments(arguments))
-                deleted += int(status.rsplit(" ", 1)[1])
-        return deleted
+    async def _fetchrow(self, name: str, **parameters: object) -> Any:
+        return await fetchrow(self._pool, self._statements, name, **parameters)
 
     async def _key_of(self, record_id: int) -> str | None:
-        row = await fetchrow(self._pool, "citus_key_of", id=record_id)
+        row = await self._fetchrow("key_of", id=record_id)
         return None if row is None else str(row["key"])
 
     @translated("admin_find")
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
-        query = QUERIES["admin_find"]
+        query = self._statements["admin_find"]
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows = await connection.fetch(query.sql, *query.arguments({"key": key, "route": route}))
         return [
@@ -88,36 +72,17 @@ class OperatorQueries:
 
     @translated("admin_delete")
     async def delete(self, record_id: int) -> bool | None:
-        if self._shards is not None:
-            key = await self._key_of(record_id)
-            if key is None:
-                return None
-            if await fetchrow(self._pool, "citus_admin_delete", key=key, id=record_id):
-                return True
-            return False if await self._key_of(record_id) is not None else None
-        row = await fetchrow(self._pool, "admin_delete", id=record_id)
-        if row["deleted"]:
-            return True
-        return False if row["exists"] else None
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            return await self._dialect.delete(connection, record_id)
 
     @translated("admin_resolve_completed")
     async def resolve_completed(self, record_id: int, token: int, answer: StoredAnswer) -> bool:
-        if self._shards is not None:
-            key = await self._key_of(record_id)
-            if key is None:
-                return False
-            row = await fetchrow(
-                self._pool,
-                "citus_admin_resolve_completed",
-                key=key,
-                id=record_id,
-                token=token,
-                **answer_columns(answer),
-            )
-            return row is not None
-        row = await fetchrow(
-            self._pool,
+        key = await self._key_of(record_id)
+        if key is None:
+            return False
+        row = await self._fetchrow(
             "admin_resolve_completed",
+            key=key,
             id=record_id,
             token=token,
             **answer_columns(answer),
@@ -126,23 +91,20 @@ class OperatorQueries:
 
     @translated("admin_scope")
     async def scope_of(self, record_id: int) -> tuple[bytes, int] | None:
-        row = await fetchrow(self._pool, "admin_scope", id=record_id)
+        row = await self._fetchrow("admin_scope", id=record_id)
         return None if row is None else (bytes(row["scope"]), row["fencing_token"])
 
     @translated("admin_resolve_released")
     async def resolve_released(self, record_id: int) -> bool:
-        if self._shards is not None:
-            key = await self._key_of(record_id)
-            if key is None:
-                return False
-            row = await fetchrow(self._pool, "citus_admin_resolve_released", key=key, id=record_id)
-            return row is not None
-        return await fetchrow(self._pool, "admin_resolve_released", id=record_id) is not None
+        key = await self._key_of(record_id)
+        if key is None:
+            return False
+        return await self._fetchrow("admin_resolve_released", key=key, id=record_id) is not None
 
     @translated("total_keys")
     async def total_keys(self) -> int:
         """Every row of the key table, expired ones not yet purged included."""
-        keys: int = (await fetchrow(self._pool, "total_keys"))["keys"]
+        keys: int = (await self._fetchrow("total_keys"))["keys"]
         return keys
 
     @translated("admin_queue")
@@ -168,7 +130,7 @@ class OperatorQueries:
     async def _queued(
         self, after: tuple[datetime, int] | None, **parameters: object
     ) -> list[QueuedKey]:
-        query = QUERIES["admin_queue"]
+        query = self._statements["admin_queue"]
         after_time, after_id = after if after is not None else (None, None)
         arguments = query.arguments({**parameters, "after_time": after_time, "after_id": after_id})
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
@@ -191,7 +153,7 @@ class OperatorQueries:
 
     @translated("count_keys")
     async def count_keys(self, after: int, limit: int) -> KeyCount:
-        row = await fetchrow(self._pool, "count_keys", after=after, page_size=limit)
+        row = await self._fetchrow("count_keys", after=after, page_size=limit)
         return KeyCount(
             last_id=row["last_id"],
             rows=row["counted"],
@@ -205,7 +167,7 @@ class OperatorQueries:
     @translated("replication")
     async def replication(self) -> Replication:
         """The primary's standbys and commit setting; `oncegate_store_failover_unsafe` follows."""
-        row = await fetchrow(self._pool, "replication")
+        row = await self._fetchrow("replication")
         found = Replication(
             standbys=row["standbys"],
             synchronous=None if row["hidden"] else row["synchronous"],
@@ -217,7 +179,7 @@ class OperatorQueries:
 
     @translated("end_session")
     async def end_session(self, session: bytes, expires_at: datetime) -> None:
-        query = QUERIES["end_session"]
+        query = self._statements["end_session"]
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             await connection.execute(
                 query.sql, *query.arguments({"session": session, "expires_at": expires_at})
@@ -225,7 +187,7 @@ class OperatorQueries:
 
     @translated("session_ended")
     async def session_ended(self, session: bytes) -> bool:
-        row = await fetchrow(self._pool, "session_ended", session=session)
+        row = await self._fetchrow("session_ended", session=session)
         ended: bool = row["ended"]
         return ended
 

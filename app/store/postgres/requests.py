@@ -14,10 +14,12 @@ Design rules:
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
-- On Citus (`shards` given) every batch is one shard's (`batching.PerShard`), its statement the
-  `citus_` one of queries.sql, which names the batch's keys so Citus sends it to that shard
-  alone; a settle of a row someone waits on is announced on the coordinator (`citus_notify`).
-  On plain PostgreSQL: one batcher per operation, the plain statements, nothing more sent.
+- The statements are the dialect's (`dialect.Dialect`): the same on both servers but the
+  claim's, each naming the batch's keys. On Citus the dialect batches per shard
+  (`batching.PerShard`), so Citus sends each statement to that shard alone.
+- A settle returns whether someone waits on each row it settled (`Prefer: wait`), and the store
+  announces those rows (`notify`) on the same connection once it committed: on Citus that is the
+  coordinator, where the gateways LISTEN, never a worker. Without a waiter nothing more is sent.
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ from ...sealing import StoredAnswer
 from ...settings import StoreOptions
 from .. import Claim, Record
 from ..batching import Batcher, PerShard
-from ..citus import ShardMap
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated
-from ..queries import QUERIES
 from .connections import Pools
+from .dialect import Dialect
 from .failover import RecentAnswers
 from .operations import (
     Claiming,
@@ -73,13 +74,14 @@ class RequestPath:
     `schema_revision`), each batched with its concurrent twins."""
 
     def __init__(
-        self, pools: Pools, options: StoreOptions, outage: Outage, shards: ShardMap | None = None
+        self, pools: Pools, options: StoreOptions, outage: Outage, dialect: Dialect
     ) -> None:
         self._pool = pools.requests
         self._answer_pool = pools.answers
         self._options = options
         self.outage = outage
-        self._shards = shards
+        self._dialect = dialect
+        self._statements = dialect.statements
         self._claims = self._batcher(
             "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
         )
@@ -104,7 +106,7 @@ class RequestPath:
             self._completes, self._releases, self._unknowns,
         )  # fmt: skip
         self._cleanups: set[asyncio.Task[bool]] = set()
-        self._answers = RecentAnswers(pools.operator, options)
+        self._answers = RecentAnswers(pools.operator, self._statements, options)
         pools.primary.on_change.append(self._answers.failed_over)
         pools.primary.on_same_host.append(self._answers.back_on_same_host)
 
@@ -114,22 +116,13 @@ class RequestPath:
         send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
         **options: Any,
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
-        """The operation's batcher: one, or on Citus one per shard of the key table."""
+        """The operation's batcher, as the dialect batches (on Citus, one per shard)."""
 
         def make() -> Batcher[Keyed, Outcome]:
             size = self._options.batch_size
             return Batcher(operation, send, size, isolate=isolable, **options)
 
-        shards = self._shards
-        if shards is None:
-            return make()
-        return PerShard(lambda operation: shards.shard_of(operation.key), make)
-
-    def _query(self, operation: str) -> str:
-        """The statement of queries.sql to send: on Citus, its `citus_` twin where it has one."""
-        if self._shards is not None and f"citus_{operation}" in QUERIES:
-            return f"citus_{operation}"
-        return operation
+        return self._dialect.batcher(make)
 
     async def close(self) -> None:
         """End the batchers: the claims first, then the settles of claims nobody waited for,
@@ -144,10 +137,10 @@ class RequestPath:
 
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
-        operation = self._query("mark_waited")
         row = await fetchrow(
-            self._pool, operation, key=record.key, id=record.id, token=record.token
-        )
+            self._pool, self._statements, "mark_waited",
+            key=record.key, id=record.id, token=record.token,
+        )  # fmt: skip
         return row is not None
 
     async def _fetch_batch(
@@ -155,15 +148,14 @@ class RequestPath:
     ) -> list[asyncpg.Record]:
         """One batched statement: its parameters are arrays, one element per operation, the
         keys among them (each row is named by (key, id); on Citus the keys name the shard)."""
-        name = self._query(operation)
         arrays["keys"] = [each.key for each in sent]
-        query = QUERIES[name]
+        query = self._statements[operation]
         async with pool.acquire() as connection:  # within the pool's acquire timeout
             rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
-            if self._shards is not None and operation in SETTLES:
+            if operation in SETTLES:
                 waited = [row["id"] for row in rows if row["waited"]]
-                if waited:  # announced where the gateways LISTEN: the coordinator
-                    notify = QUERIES["citus_notify"]
+                if waited:  # committed: wake whoever waits on these rows
+                    notify = self._statements["notify"]
                     await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
         return rows
 
@@ -181,17 +173,14 @@ class RequestPath:
         first: dict[tuple[bytes, str], int] = {}
         for index, wanted in enumerate(batch):
             first.setdefault((wanted.scope, wanted.key), index)
-        sent = [batch[index] for index in first.values()]
-        anchor: dict[str, object] = {}
-        if self._shards is not None:
-            # The function writes its keys in turn: in one order, as the plain statement does.
-            sent.sort(key=lambda wanted: (wanted.scope, wanted.key))
-            anchor["anchor"] = sent[0].key
+        # Written in one order, so two batches wait for each other rather than deadlock.
+        sent = sorted((batch[index] for index in first.values()),
+                      key=lambda wanted: (wanted.scope, wanted.key))  # fmt: skip
         rows = await self._fetch_batch(
             "claim",
             self._pool,
             sent,
-            **anchor,
+            **self._dialect.claim_arguments(sent),
             routes=[wanted.route for wanted in sent],
             scopes=[wanted.scope for wanted in sent],
             fingerprints=[wanted.fingerprint for wanted in sent],
@@ -240,7 +229,7 @@ class RequestPath:
 
     @translated("get")
     async def get(self, scope: bytes, key: str) -> Record | None:
-        row = await fetchrow(self._pool, "get", scope=scope, key=key)
+        row = await fetchrow(self._pool, self._statements, "get", scope=scope, key=key)
         return record_of(row, key) if row is not None else None
 
     @translated("reclaim_expired")

@@ -16,13 +16,15 @@ import asyncpg
 
 from ...sealing import SealedAnswer, StoredAnswer
 from .. import Record
-from ..queries import QUERIES
+from ..queries import Statements
 from .pool import Pool
 
 
-async def fetchrow(pool: Pool | asyncpg.Pool, operation: str, **parameters: object) -> Any:
+async def fetchrow(
+    pool: Pool | asyncpg.Pool, statements: Statements, name: str, **parameters: object
+) -> Any:
     """One autocommitted statement, its first row (or None)."""
-    query = QUERIES[operation]
+    query = statements[name]
     return await pool.fetchrow(query.sql, *query.arguments(parameters))
 
 

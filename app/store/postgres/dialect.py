@@ -1,0 +1,252 @@
+"""What differs between plain PostgreSQL and a Citus coordinator, chosen once (`for_pools`).
+
+Every statement of queries.sql is written once for both servers but four, which must differ:
+the claim, the purge, the operator's delete and rekey. A `Dialect` is one server's: its
+statements (`queries.DIALECTS`, which refuse a statement the server has no shape of), how the
+request path batches (one batcher per operation, or one per shard), the claim's arguments, and
+the three operator paths that take a different shape of work. The rooms of the store ask their
+dialect and never which server they are on.
+
+- Plain PostgreSQL: one batcher per operation; the purge deletes a locked batch in one statement;
+  a delete says in the same statement whether the row exists; rekey locks a batch and writes it
+  back in one transaction.
+- Citus (the key table distributed by `key`): a batcher per shard, so each statement's keys
+  share one shard and Citus sends it there alone (`citus.ShardMap`); the claim runs as the
+  function Citus pushes down to the worker of its `anchor`; the purge, the delete and rekey find
+  their rows on every shard first, unlocked, then write each shard's, checked again as they go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import asyncpg
+
+from ... import sealing
+from ...sealing import Keyring
+from ..batching import Batcher, PerShard
+from ..citus import ShardMap
+from ..queries import DIALECTS, Server, Statements
+from .connections import Pools
+from .operations import Claiming, OnKey
+from .rows import content_of
+
+Keyed = TypeVar("Keyed", bound=OnKey)
+Outcome = TypeVar("Outcome")
+Row = TypeVar("Row")
+
+
+@dataclass(frozen=True, slots=True)
+class RekeyBatch:
+    resealed: int
+    unopenable: list[tuple[int, str]]  # row id and why
+    last: int  # the highest id looked at: the next batch starts after it
+    done: bool  # the batch was not full: nothing after it to look at
+
+
+class Dialect(Protocol):
+    server: Server
+    statements: Statements
+
+    def batcher(
+        self, make: Callable[[], Batcher[Keyed, Outcome]]
+    ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
+        """The request path's batcher of one operation, from `make`, which makes one."""
+
+    def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
+        """What the claim's shape takes besides the batch's arrays."""
+
+    async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
+        """Delete one bounded batch of expired rows; how many went."""
+
+    async def delete(self, connection: asyncpg.Connection, record_id: int) -> bool | None:
+        """An operator's delete: True deleted, False in flight (kept), None no such row."""
+
+    async def rekey(
+        self, connection: asyncpg.Connection, keyring: Keyring, batch_size: int, after: int
+    ) -> RekeyBatch:
+        """Re-seal the next batch of stored answers (ids above `after`) under the newest key."""
+
+    async def close(self) -> None: ...
+
+
+async def for_pools(pools: Pools) -> Dialect:
+    """The dialect of the server the pools reached (`Pools.citus`, read as they opened)."""
+    if pools.citus:
+        return OnCitus(await ShardMap.load(pools.operator))
+    return Plain()
+
+
+class _Server:
+    statements: Statements
+
+    async def close(self) -> None:
+        pass
+
+    async def _execute(self, connection: asyncpg.Connection, name: str, **values: object) -> str:
+        query = self.statements[name]
+        status: str = await connection.execute(query.sql, *query.arguments(values))
+        return status
+
+    async def _fetchrow(self, connection: asyncpg.Connection, name: str, **values: object) -> Any:
+        query = self.statements[name]
+        return await connection.fetchrow(query.sql, *query.arguments(values))
+
+
+class Plain(_Server):
+    server: Server = "postgres"
+    statements = DIALECTS["postgres"]
+
+    def batcher(
+        self, make: Callable[[], Batcher[Keyed, Outcome]]
+    ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
+        return make()
+
+    def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
+        return {}
+
+    async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
+        return _count(await self._execute(connection, "purge", batch_size=batch_size))
+
+    async def delete(self, connection: asyncpg.Connection, record_id: int) -> bool | None:
+        row = await self._fetchrow(connection, "admin_delete", id=record_id)
+        if row["deleted"]:
+            return True
+        return False if row["exists"] else None
+
+    async def rekey(
+        self, connection: asyncpg.Connection, keyring: Keyring, batch_size: int, after: int
+    ) -> RekeyBatch:
+        """One transaction: the batch locked as it is read (a writer waits for it, and it for a
+        writer), written back by (id, token)."""
+        batch, update = self.statements["rekey_batch"], self.statements["rekey_rows"]
+        resealed: list[tuple[int, int, bytes | None, bytes]] = []
+        unopenable: list[tuple[int, str]] = []
+        async with connection.transaction():
+            rows = await connection.fetch(
+                batch.sql,
+                *batch.arguments(
+                    {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
+                ),
+            )
+            for row, sealed in _resealed(rows, keyring, unopenable):
+                resealed.append((row["id"], row["fencing_token"], sealed.body, sealed.headers))
+            if resealed:
+                ids, tokens, bodies, sealed_headers = zip(*resealed, strict=True)
+                await connection.execute(
+                    update.sql,
+                    *update.arguments(
+                        {"sealed_with": keyring.sealed_with, "ids": list(ids),
+                         "tokens": list(tokens), "bodies": list(bodies),
+                         "headers": list(sealed_headers)}
+                    ),
+                )  # fmt: skip
+        last = rows[-1]["id"] if rows else after
+        return RekeyBatch(len(resealed), unopenable, last, done=len(rows) < batch_size)
+
+
+class OnCitus(_Server):
+    server: Server = "citus"
+    statements = DIALECTS["citus"]
+
+    def __init__(self, shards: ShardMap) -> None:
+        self.shards = shards
+
+    def batcher(
+        self, make: Callable[[], Batcher[Keyed, Outcome]]
+    ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
+        shards = self.shards
+        return PerShard(lambda operation: shards.shard_of(operation.key), make)
+
+    def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
+        return {"anchor": sent[0].key}  # the batch's keys share its shard
+
+    async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
+        found = self.statements["purge_candidates"]
+        rows = await connection.fetch(found.sql, *found.arguments({"batch_size": batch_size}))
+        deleted = 0
+        for doomed in self._by_shard(rows, lambda row: str(row["key"])):
+            status = await self._execute(
+                connection,
+                "purge",
+                keys=[row["key"] for row in doomed],
+                ids=[row["id"] for row in doomed],
+            )
+            deleted += _count(status)
+        return deleted
+
+    async def delete(self, connection: asyncpg.Connection, record_id: int) -> bool | None:
+        key = await self._key_of(connection, record_id)
+        if key is None:
+            return None
+        if await self._fetchrow(connection, "admin_delete", key=key, id=record_id):
+            return True
+        return False if await self._key_of(connection, record_id) is not None else None
+
+    async def rekey(
+        self, connection: asyncpg.Connection, keyring: Keyring, batch_size: int, after: int
+    ) -> RekeyBatch:
+        """The batch read without a lock (Citus takes none over several shards), written back
+        per shard, each row a compare-and-set on its token and the key that had sealed it."""
+        batch = self.statements["rekey_batch"]
+        unopenable: list[tuple[int, str]] = []
+        written: list[dict[str, object]] = []
+        rows = await connection.fetch(
+            batch.sql,
+            *batch.arguments(
+                {"newest": keyring.sealed_with, "batch_size": batch_size, "after": after}
+            ),
+        )
+        for row, sealed in _resealed(rows, keyring, unopenable):
+            written.append(
+                {"key": row["key"], "id": row["id"], "token": row["fencing_token"],
+                 "was": row["sealed_with"], "body": sealed.body, "headers": sealed.headers}
+            )  # fmt: skip
+        resealed = 0
+        for shard in self._by_shard(written, lambda each: str(each["key"])):
+            arrays = {
+                name: [each[column] for each in shard]
+                for name, column in (("keys", "key"), ("ids", "id"), ("tokens", "token"),
+                                     ("was", "was"), ("bodies", "body"), ("headers", "headers"))
+            }  # fmt: skip
+            status = await self._execute(
+                connection, "rekey_rows", sealed_with=keyring.sealed_with, **arrays
+            )
+            resealed += _count(status)
+        last = rows[-1]["id"] if rows else after
+        return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
+
+    async def close(self) -> None:
+        await self.shards.close()
+
+    async def _key_of(self, connection: asyncpg.Connection, record_id: int) -> str | None:
+        row = await self._fetchrow(connection, "key_of", id=record_id)
+        return None if row is None else str(row["key"])
+
+    def _by_shard(self, rows: Sequence[Row], key: Callable[[Row], str]) -> list[list[Row]]:
+        grouped: dict[int, list[Row]] = {}
+        for row in rows:
+            grouped.setdefault(self.shards.shard_of(key(row)), []).append(row)
+        return list(grouped.values())
+
+
+def _count(status: str) -> int:
+    """The rows a command's status says it touched ("DELETE 3")."""
+    return int(status.rsplit(" ", 1)[1])
+
+
+def _resealed(
+    rows: list[asyncpg.Record], keyring: Keyring, unopenable: list[tuple[int, str]]
+) -> Iterator[tuple[asyncpg.Record, sealing.SealedAnswer]]:
+    """Each row whose answer opens, with it sealed again under the newest key for the row's
+    claim (its id and fencing token); a row that does not open goes to `unopenable`, untouched."""
+    for row in rows:
+        try:
+            claim = (row["id"], row["fencing_token"])
+            sealed = keyring.reseal(claim, bytes(row["scope"]), content_of(row))
+        except sealing.Unopenable as exc:
+            unopenable.append((row["id"], str(exc)))
+            continue
+        yield row, sealed

@@ -1,0 +1,68 @@
+"""queries.sql is one dialect: a statement is written once for both servers, and only the
+operations that must differ have a shape per server, which the loader keeps apart and refuses
+to mix up. (That each server runs its statements is the store suites' work, on both.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from oncegate.store.queries import DIALECTS, SERVERS, load, load_dialects
+
+# The operations whose work takes another shape on Citus: the claim runs as a function on the
+# worker, and the purge, the operator's delete and rekey find rows on every shard first.
+SHAPED = {"claim", "purge", "admin_delete", "rekey_batch", "rekey_rows"}
+REQUEST_PATH = {"get", "reclaim_expired", "take_over", "complete", "release", "mark_unknown",
+                "mark_waited", "notify"}  # fmt: skip
+
+
+def test_only_the_operations_that_must_differ_have_a_shape_per_server() -> None:
+    postgres, citus = DIALECTS["postgres"], DIALECTS["citus"]
+    differ = {name for name in postgres.keys() & citus.keys() if postgres[name] != citus[name]}
+    assert differ == SHAPED
+    # The Citus purge's first step is its own: plain PostgreSQL locks and deletes in one.
+    assert citus.keys() - postgres.keys() == {"purge_candidates"}
+    assert postgres.keys() - citus.keys() == set()
+
+
+def test_every_request_path_write_names_its_keys_and_tests_states_as_citus_runs_them() -> None:
+    for name in REQUEST_PATH - {"get", "mark_waited", "notify"}:
+        sql = DIALECTS["postgres"][name].sql
+        assert "k.key = ANY($1)" in sql, name  # the shard, on Citus
+        assert "oncegate_key_state" not in sql, name  # a CASE around now(): Citus refuses it
+        assert "make_interval" not in sql, name  # a STABLE function of a column: refused too
+        assert "pg_notify" not in sql, name  # would notify on a worker, where nobody listens
+
+
+def test_a_statement_a_server_has_no_shape_of_is_an_error_never_another_servers() -> None:
+    with pytest.raises(KeyError, match="no statement 'purge_candidates' for postgres"):
+        DIALECTS["postgres"]["purge_candidates"]
+    with pytest.raises(KeyError, match="no statement 'citus_claim' for citus"):
+        DIALECTS["citus"]["citus_claim"]
+
+
+def test_a_name_written_for_every_server_and_shaped_for_one_does_not_load() -> None:
+    text = "-- name: get\nSELECT 1;\n-- name: get [citus]\nSELECT 2;\n"
+    with pytest.raises(ValueError, match=r"\['get'\] are written for every server and citus"):
+        load_dialects(text)
+
+
+def test_a_shape_for_an_unknown_server_or_twice_for_one_does_not_load() -> None:
+    with pytest.raises(ValueError, match="shaped for mysql"):
+        load_dialects("-- name: get [mysql]\nSELECT 1;\n")
+    with pytest.raises(ValueError, match="written twice for citus"):
+        load_dialects("-- name: get [citus]\nSELECT 1;\n-- name: get [citus]\nSELECT 2;\n")
+
+
+def test_a_file_of_one_dialect_refuses_shapes() -> None:
+    with pytest.raises(ValueError, match="written for citus in a file of one dialect"):
+        load("-- name: get [citus]\nSELECT 1;\n")
+
+
+def test_each_server_gets_the_shared_statement_itself() -> None:
+    dialects = load_dialects(
+        "-- name: get\nSELECT :id;\n-- name: claim [postgres]\nSELECT 1;\n"
+        "-- name: claim [citus]\nSELECT :anchor;\n"
+    )
+    assert [dialects[server]["get"].sql for server in SERVERS] == ["SELECT $1;"] * 2
+    assert dialects["postgres"]["claim"].parameters == ()
+    assert dialects["citus"]["claim"].parameters == ("anchor",)

@@ -1,8 +1,8 @@
 """How long other requests wait while large JSON bodies are read for their key.
 
-Starts, on 127.0.0.1 and free ports: a sink upstream (reads each request whole, answers 201
-`{}`: this script with `--sink`), the demo upstream (the probes' far end), and two gateways on
-one embedded PostgreSQL: the gateway as it is, and the same gateway with the key of a large body
+Starts, on 127.0.0.1 and free ports: the demo upstream (its `/sink` reads each large request
+whole and answers 201 `{}`; its `/echo` answers the probes), and two gateways on one embedded
+PostgreSQL: the gateway as it is, and the same gateway with the key of a large body
 read in a worker thread, as it was before `oncegate.key_workers` (patched in by this script: an
 instrument, never a way to run the gateway). Each gateway has three routes: `/bulk` (the key in
 `Idempotency-Key`), `/bulkbody` (`key_from_body: /idempotency_key`) and `/probe` (a passed
@@ -67,36 +67,14 @@ ROWS = (
 )
 
 
-async def sink(port: int) -> None:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n"
-                             b"content-length: 2\r\n\r\n{}")  # fmt: skip
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
-    server = await asyncio.start_server(serve, quick.HOST, port)
-    async with server:
-        await server.serve_forever()
-
-
-def config(work: Path, name: str, sink_url: str, demo_url: str) -> Path:
+def config(work: Path, name: str, demo_url: str) -> Path:
     def route(path: str, upstream: str, **options: object) -> dict[str, object]:
         return {"name": path, "match": f"/{path}", "upstream": upstream, "strip_prefix": True,
                 **options}  # fmt: skip
 
     routes = [
-        route("bulk", sink_url),
-        route("bulkbody", sink_url, key_from_body="/idempotency_key"),
+        route("bulk", demo_url),
+        route("bulkbody", demo_url, key_from_body="/idempotency_key"),
         route("probe", demo_url),
     ]
     path = work / f"{name}.yaml"
@@ -125,7 +103,7 @@ async def measure(
                 keys = [uuid.uuid4().hex for _ in range(bodies)]
                 posts = [
                     uploads.post(
-                        f"{url}{path}/payments",
+                        f"{url}{path}/sink",
                         content=head + json.dumps(key).encode() + tail,
                         headers={"content-type": "application/json", "idempotency-key": key},
                     )
@@ -165,19 +143,18 @@ def table(figures: dict[str, tuple[list[float], list[float]]]) -> str:
 def start_servers(
     work: Path, database_url: str, started: list[subprocess.Popen[bytes]]
 ) -> dict[str, str]:
-    """The sink, the demo upstream and both gateways, listening; the gateways' URLs by name."""
+    """The demo upstream and both gateways, listening; the gateways' URLs by name."""
     environment = {**quick.server_environment(work / "data"), "ONCEGATE_DATABASE_URL": database_url}
-    sink_port, demo_port = quick.free_port(), quick.free_port()
-    sink_url, demo_url = (f"http://{quick.HOST}:{port}" for port in (sink_port, demo_port))
+    demo_port = quick.free_port()
+    demo_url = f"http://{quick.HOST}:{demo_port}"
     programs = {
-        "sink": ([sys.executable, __file__, "--sink", str(sink_port)], sink_port),
         "demo": (quick.oncegate("demo-upstream", "--host", quick.HOST, "--port", str(demo_port)),
                  demo_port),
     }  # fmt: skip
     gateways: dict[str, str] = {}
     for name, program in (("now", ["-m", "oncegate.cli"]), ("before", ["-c", THREAD_GATEWAY])):
         port, admin = quick.free_port(), quick.free_port()
-        serve = ["serve", "--config", str(config(work, name, sink_url, demo_url)),
+        serve = ["serve", "--config", str(config(work, name, demo_url)),
                  "--host", quick.HOST, "--port", str(port), "--admin-port", str(admin)]  # fmt: skip
         programs[f"gateway-{name}"] = ([sys.executable, *program, *serve], port)
         gateways[name] = f"http://{quick.HOST}:{port}"
@@ -192,11 +169,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bodies", type=int, default=3, help="large bodies at once (3)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every row (3)")
-    parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)  # the sink upstream's port
     arguments = parser.parse_args()
-    if arguments.sink is not None:
-        asyncio.run(sink(arguments.sink))
-        return 0
     work = quick.work_directory("oncegate-key-from-body-")
     started: list[subprocess.Popen[bytes]] = []
     try:

@@ -8,6 +8,8 @@
 - `GET /actions` lists every action really performed, with the key it came with
   (`?key=K` filters); `DELETE /actions` forgets them all.
 - Any path under `/echo` answers 200 with what it received: method, path, query, headers, body.
+- Any path under `/sink` reads the request whole and answers 201 `{}`, performing and keeping
+  nothing: a far end for large bodies, which `/echo` and the actions would send back or parse.
 - Query parameters make a call misbehave: `?delay=SECONDS` answers late (the action is performed
   first, as a slow real service would), `?status=CODE` answers that status (an error status
   performs nothing), `?size=BYTES` pads the receipt to that many bytes, and
@@ -72,6 +74,9 @@ class DemoUpstream:
         headers = {
             name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
         }
+        if path.startswith("/sink"):
+            await respond(send, 201, {})
+            return
         if path.startswith("/echo"):
             received = {
                 "method": method,

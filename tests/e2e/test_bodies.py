@@ -19,66 +19,24 @@ import pytest
 from tests.e2e.conftest import (
     DemoUpstream,
     GatewayProcess,
-    Process,
     keyed,
     prefix_route,
     problem_name,
     row,
 )
-from tests.helpers import free_port, new_key
+from tests.helpers import new_key
 
 MULTIPART = "multipart/form-data"
 
 
-# An upstream that reads each request whole and answers 201 `{}`: the demo upstream parses and
-# echoes what it performs, which for 8.6 MiB bodies would cost more than the gateway under test.
-SINK = """
-import asyncio, sys
-
-async def serve(reader, writer):
-    try:
-        while True:
-            head = await reader.readuntil(b"\\r\\n\\r\\n")
-            length = 0
-            for line in head.split(b"\\r\\n"):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            writer.write(b"HTTP/1.1 201 Created\\r\\ncontent-type: application/json\\r\\n"
-                         b"content-length: 2\\r\\n\\r\\n{}")
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        writer.close()
-
-async def main():
-    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
-    async with server:
-        await server.serve_forever()
-
-asyncio.run(main())
-"""
-
-
-@pytest.fixture(scope="module")
-def sink(module_dir: Path) -> Iterator[str]:
-    port = free_port()
-    process = Process([str(port)], module_dir / "sink.log", program=("-c", SINK))
-    try:
-        process.wait_listening(port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.stop()
-
-
 @pytest.fixture(scope="module")
 def gateway(
-    module_dir: Path, database_url: str, upstream: DemoUpstream, sink: str
+    module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
     routes: list[dict[str, Any]] = [
         prefix_route("files", upstream.url),
-        prefix_route("bulk", sink),
-        prefix_route("bulkbody", sink, key_from_body="/idempotency_key"),
+        prefix_route("bulk", upstream.url),
+        prefix_route("bulkbody", upstream.url, key_from_body="/idempotency_key"),
     ]
     with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
@@ -223,7 +181,8 @@ async def probe_latencies(
     return latencies, await uploading
 
 
-@pytest.mark.slow
+# Not marked slow (about 15 s): it is the contract's test of "key from a large body", and slow
+# tests run in no CI job.
 async def test_keys_read_from_large_bodies_stall_others_no_more_than_header_keys(
     gateway: GatewayProcess, db: asyncpg.Connection
 ) -> None:
@@ -245,10 +204,10 @@ async def test_keys_read_from_large_bodies_stall_others_no_more_than_header_keys
             bodies = [template[0] + json.dumps(key).encode() + template[1] for key in keys]
             headers = {"Content-Type": "application/json"}
             if route == "bulkbody":
-                posts = [uploads.post("/bulkbody/payments", content=body, headers=headers)
+                posts = [uploads.post("/bulkbody/sink", content=body, headers=headers)
                          for body in bodies]  # fmt: skip
             else:
-                posts = [uploads.post("/bulk/payments", content=body,
+                posts = [uploads.post("/bulk/sink", content=body,
                                       headers=keyed(key, **headers))
                          for key, body in zip(keys, bodies, strict=True)]  # fmt: skip
             latencies, answers = await probe_latencies(probes, posts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oncegate import keys as gateway_keys
-from oncegate.agent.keys import action_key
+from oncegate.agent.keys import action_key, task_key, tool_call_key
 
 
 def test_the_key_names_the_run_the_step_and_the_action() -> None:
@@ -42,3 +42,22 @@ def test_steps_count_from_one_and_actions_are_plain_words() -> None:
 def test_a_key_longer_than_the_gateway_accepts_is_refused() -> None:
     with pytest.raises(ValueError, match="at most 255"):
         action_key("r" * 250, 1, "email")
+
+
+def test_a_langgraph_tool_calls_key_has_the_call_between_the_task_and_the_action() -> None:
+    key = task_key("case-81", "tools:abc", "email", tool_call_id="call_1")
+    assert key == "case-81:tools:abc:call_1:email"
+    assert key != task_key("case-81", "tools:abc", "email", tool_call_id="call_2")
+    assert task_key("case-81", "tools:abc", "email") == "case-81:tools:abc:email"
+
+
+def test_a_tool_calls_key_names_the_run_the_call_and_the_action() -> None:
+    assert tool_call_key("run-81", "call_Ab12", "email") == "run-81:call_Ab12:email"
+    # Ids are the model's: whatever they hold is written so the key stays a bare header value.
+    assert tool_call_key("run-81", "toolu 01:x", "email") == "run-81:toolu%2001%3Ax:email"
+    assert gateway_keys.parse([tool_call_key("run-81", "call_Ab12", "email")])
+    assert tool_call_key("run-81", "call_1", "email") != tool_call_key("run-82", "call_1", "email")
+    with pytest.raises(ValueError, match="tool call's id"):
+        tool_call_key("run-81", "", "email")
+    with pytest.raises(ValueError, match="run id"):
+        tool_call_key("run 81", "call_1", "email")

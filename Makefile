@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-tools faults soak lint lock bench bench-all bench-quick clean
+.PHONY: run test test-langgraph-oldest test-tools faults soak lint lock bench bench-all bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,15 @@ test-tools: $(STAMP)
 # The whole suite but the slowest fault tests (a few minutes).
 test: test-tools
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The LangGraph integration's tests again on the oldest LangGraph the extra allows (pyproject.toml),
+# in an environment of its own; `make test` runs them on the newest.
+LANGGRAPH_OLDEST := 1.1.10
+OLDEST := .venv-langgraph-oldest
+test-langgraph-oldest: $(STAMP)
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet -e '.[dev]' 'langgraph==$(LANGGRAPH_OLDEST)'
+	$(OLDEST)/bin/python -m pytest -q tests/agent/test_langgraph.py tests/agent/test_langgraph_tools.py
 
 # The fault suite in full: real kills, outages under load, three gateways (docs/faults.md).
 faults: $(STAMP)
@@ -84,4 +93,4 @@ lock: $(STAMP)
 		--no-emit-index-url --no-emit-find-links --output-file requirements.lock pyproject.toml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache .ruff_cache

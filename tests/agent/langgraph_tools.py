@@ -46,8 +46,14 @@ CUSTOMERS = ("ana@example.com", "bo@example.com")
 CALLS = len(CUSTOMERS)
 
 
+REPORTING = threading.Lock()
+
+
 def report(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)  # noqa: T201 - the test reads these lines
+    """One JSON line on stdout, whole: a `ToolNode`'s tools report from threads of their own."""
+    with REPORTING:
+        sys.stdout.write(json.dumps(fields) + "\n")
+        sys.stdout.flush()
 
 
 class ScriptedModel(BaseChatModel):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DemoUpstream, Process
+from tests.e2e.conftest import DemoUpstream, GatewayProcess, Process
 from tests.helpers import free_port
 
 
@@ -72,12 +72,16 @@ def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_wi
         assert result.returncode == 0, result.stderr
         outputs.append(result.stdout)
     lines = outputs[0].splitlines()
-    assert [line.split(":", 1)[0] for line in lines] == ["step 1", "step 2", "step 3", "step 4"]
+    assert [line.split(":", 1)[0] for line in lines] == [
+        "step 1", "step 2", "step 3", "step 4", "tool call", "tool call"
+    ]  # fmt: skip
     # The second run found the finished run's checkpoint: the same outputs (key order aside, as
-    # PostgreSQL's jsonb keeps them), nothing sent again.
+    # PostgreSQL's jsonb keeps them), nothing sent again; its tool calls, sent again with the
+    # keys of their ids, were answered from the gateway's store with the same receipts.
     assert [parse(line) for line in outputs[1].splitlines()] == [parse(line) for line in lines]
-    assert len(upstream.actions(f"{run_id}:step-2:email")) == 1
-    assert len(upstream.actions(f"{run_id}:step-3:charge")) == 1
+    for key in (f"{run_id}:step-2:email", f"{run_id}:step-3:charge",
+                f"{run_id}:call_team:email", f"{run_id}:call_manager:email"):  # fmt: skip
+        assert len(upstream.actions(key)) == 1, key
 
 
 LANGGRAPH_EXAMPLE = Path(__file__).parents[2] / "examples" / "langgraph_agent.py"
@@ -115,3 +119,37 @@ def test_the_langgraph_example_killed_after_its_email_sends_it_once_when_run_aga
     emails = [a for a in upstream.actions() if a["idempotency_key"].startswith(f"{thread}:")]
     assert len(emails) == 1
     assert emails[0]["idempotency_key"].startswith(f"{thread}:send_email:")
+
+
+def readme_agent() -> str:
+    """The README's whole LangGraph agent, as printed there."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = readme.split("```python\n")[1:]
+    [agent] = [block.split("```")[0] for block in blocks if "import Gateway, retry_on" in block]
+    return agent
+
+
+def test_the_readmes_langgraph_agent_runs_and_a_second_run_sends_nothing_again(
+    gateway: GatewayProcess, database_url: str, upstream: DemoUpstream, tmp_path: Path
+) -> None:
+    thread = f"case-{uuid.uuid4()}"
+    source = readme_agent()
+    assert source.count('"http://127.0.0.1:8080"') == 1 and source.count('"case-81"') == 1
+    program = tmp_path / "agent.py"
+    program.write_text(
+        f"DATABASE_URL = {database_url!r}\n"
+        + source.replace('"http://127.0.0.1:8080"', repr(gateway.url)).replace(
+            '"case-81"', repr(thread)
+        )
+    )
+    printed = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, str(program)], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        printed.append(result.stdout)
+    assert printed[0] == printed[1] and "'id': 'em_" in printed[0]
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread)]
+    assert len(emails) == 1
+    assert emails[0]["request"]["to"] == "ana@example.com"

@@ -22,16 +22,21 @@ _ACTION = re.compile(r"[a-z][a-z0-9_-]*")
 
 def action_key(run_id: str, step: int, action: str) -> str:
     """The key of `action` at `step` of run `run_id`: `f"{run_id}:step-{step}:{action}"`."""
+    if step < 1:
+        raise ValueError(f"steps count from 1, not {step}")
+    return _run_key(run_id, f"step-{step}", action)
+
+
+def _run_key(run_id: str, source: str, action: str) -> str:
+    """`f"{run_id}:{source}:{action}"`, each part checked."""
     if not _PART.fullmatch(run_id):
         raise ValueError(
             f"run id {run_id!r}: use letters, digits and -._~!$&'()*+;=@/ only (no ':', "
             "space, comma or quote)"
         )
-    if step < 1:
-        raise ValueError(f"steps count from 1, not {step}")
     if not _ACTION.fullmatch(action):
         raise ValueError(f"action {action!r}: lower-case letters, digits, '-' and '_' only")
-    key = f"{run_id}:step-{step}:{action}"
+    key = f"{run_id}:{source}:{action}"
     if len(key) > MAX_KEY_LENGTH:
         raise ValueError(f"the key {key[:40]}... is {len(key)} characters; at most 255 fit")
     return key
@@ -44,19 +49,9 @@ def tool_call_key(run_id: str, tool_call_id: str, action: str) -> str:
     A model's tool call ids are the model's (`call_Ab12...`, `toolu_01...`): the run id keeps
     two runs' calls apart should a model (or a scripted one) use an id twice. The id must come
     from the model's message as the run saved it, so that a resumed run reads the same one."""
-    if not _PART.fullmatch(run_id):
-        raise ValueError(
-            f"run id {run_id!r}: use letters, digits and -._~!$&'()*+;=@/ only (no ':', "
-            "space, comma or quote)"
-        )
     if not tool_call_id:
         raise ValueError("a tool call key needs the tool call's id, not ''")
-    if not _ACTION.fullmatch(action):
-        raise ValueError(f"action {action!r}: lower-case letters, digits, '-' and '_' only")
-    key = f"{run_id}:{_escape(tool_call_id)}:{action}"
-    if len(key) > MAX_KEY_LENGTH:
-        raise ValueError(f"the key {key[:40]}... is {len(key)} characters; at most 255 fit")
-    return key
+    return _run_key(run_id, _escape(tool_call_id), action)
 
 
 # A LangGraph task's key (`oncegate.agent.langgraph`): `case-81:send-email:1f0c...-...:email`.

@@ -42,10 +42,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     lab.add_argument(
         "--runtime",
-        choices=["runner", "langgraph"],
+        choices=["runner", "langgraph", "langgraph-tools"],
         default="runner",
-        help="what plays the task: the agent library's runner (default) or a LangGraph graph "
-        "checkpointed by PostgresSaver (strategies A, B, C; needs oncegate[langgraph])",
+        help="what plays the task: the agent library's runner (default), a LangGraph graph "
+        "checkpointed by PostgresSaver, or that graph with each action a tool call of a scripted "
+        "model (strategies A, B, C; needs oncegate[langgraph])",
     )
     lab.add_argument(
         "--kill-gateway",
@@ -145,7 +146,7 @@ def run(arguments: argparse.Namespace) -> int:
             "not a day): drop --gateway"
         )
     runtime: Runtime = worker.RUNNER
-    if arguments.runtime == "langgraph":
+    if arguments.runtime in ("langgraph", "langgraph-tools"):
         runtime = _langgraph_runtime(arguments)
     arguments.strategies = arguments.strategies or "".join(
         name for name in "ABCD" if name in runtime.titles
@@ -182,20 +183,24 @@ def run(arguments: argparse.Namespace) -> int:
 
 
 def _langgraph_runtime(arguments: argparse.Namespace) -> Runtime:
-    """`lab --runtime langgraph`'s runtime, after refusing what it does not have."""
+    """`lab --runtime langgraph` (or `langgraph-tools`)'s runtime, after refusing what it does
+    not have."""
+    name = arguments.runtime
     unknown = set(arguments.strategies or "") - set("ABC")
     if unknown:
         raise errors.ConfigError(
-            f"--runtime langgraph plays strategies A, B and C, not {', '.join(sorted(unknown))}"
+            f"--runtime {name} plays strategies A, B and C, not {', '.join(sorted(unknown))}"
         )
     if arguments.kill_gateway or arguments.late_resume:
         raise errors.ConfigError(
-            "--kill-gateway and --late-resume are the runner's: drop them or --runtime langgraph"
+            f"--kill-gateway and --late-resume are the runner's: drop them or --runtime {name}"
         )
     try:
         from . import langgraph_runtime
     except ImportError as exc:
         raise errors.ConfigError(
-            f"--runtime langgraph needs LangGraph: pip install 'oncegate[langgraph]' ({exc})"
+            f"--runtime {name} needs LangGraph: pip install 'oncegate[langgraph]' ({exc})"
         ) from exc
-    return langgraph_runtime.RUNTIME
+    return (
+        langgraph_runtime.TOOLS_RUNTIME if name == "langgraph-tools" else langgraph_runtime.RUNTIME
+    )

@@ -85,17 +85,18 @@ class ProgressBar:
 def table(outcome: Outcome) -> str:
     runtime = outcome.runtime or RUNNER
     on = "" if runtime is RUNNER else f" on {runtime.name}"
+    width = max([42, *(len(f"{name}  {runtime.titles[name]}") for name in outcome.strategies)])
     rows = [
         f"crash-recovery lab{on}: {outcome.runs} runs per strategy, seed {outcome.seed}, "
         f"{outcome.seconds:.0f} s",
         "",
-        f"{'strategy':<42} {'steps redone':>13} {'action twice':>13} {'action lost':>12} "
+        f"{'strategy':<{width}} {'steps redone':>13} {'action twice':>13} {'action lost':>12} "
         f"{'wasted tokens':>14} {'wasted s':>9} {'checkpoint s':>13}",
     ]
     for name, figures in outcome.strategies.items():
         title = f"{name}  {runtime.titles[name]}"
         rows.append(
-            f"{title:<42} {figures.redone_avg:>13.2f} {figures.duplicate_runs_pct:>12.1f}% "
+            f"{title:<{width}} {figures.redone_avg:>13.2f} {figures.duplicate_runs_pct:>12.1f}% "
             f"{figures.lost_runs_pct:>11.1f}% {figures.wasted_tokens_avg:>14,.0f} "
             f"{figures.wasted_seconds_avg:>9.2f} {figures.checkpoint_seconds_avg:>13.2f}"
         )

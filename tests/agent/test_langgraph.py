@@ -447,6 +447,16 @@ def test_a_subgraphs_task_in_a_forked_run_is_refused_before_anything_is_sent(
     assert len(thread_emails(upstream, thread_id)) == 1
 
 
+def retried(node: Any, checkpointer: PostgresSaver) -> Any:
+    """A graph of `node` alone, retried by LangGraph with oncegate's `retry_on`."""
+    builder = StateGraph(Loop)
+    policy = NodeRetryPolicy(max_attempts=3, initial_interval=0.01, retry_on=retry_on)
+    builder.add_node("act", node, retry_policy=policy)
+    builder.add_edge(START, "act")
+    builder.add_edge("act", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
 def test_langgraphs_retry_of_a_node_resends_with_the_same_key(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
@@ -462,12 +472,7 @@ def test_langgraphs_retry_of_a_node_resends_with_the_same_key(
             raise ConnectionError("the network went away after the email was sent")
         return {"keys": sent_keys[-1:]}
 
-    builder = StateGraph(Loop)
-    policy = NodeRetryPolicy(max_attempts=3, initial_interval=0.01, retry_on=retry_on)
-    builder.add_node("act", flaky, retry_policy=policy)
-    builder.add_edge(START, "act")
-    builder.add_edge("act", END)
-    graph = builder.compile(checkpointer=checkpointer)
+    graph = retried(flaky, checkpointer)
     final = graph.invoke({"iteration": 0, "keys": []}, thread(), durability="sync")
     first, second = sent_keys
     assert first == second == final["keys"][0]
@@ -499,12 +504,7 @@ def test_a_retried_500_is_performed_again_only_where_the_route_releases_it(
         answers.append(response.status_code)
         return {"keys": [response.request.headers["Idempotency-Key"]]}
 
-    builder = StateGraph(Loop)
-    policy = NodeRetryPolicy(max_attempts=3, initial_interval=0.01, retry_on=retry_on)
-    builder.add_node("act", send, retry_policy=policy)
-    builder.add_edge(START, "act")
-    builder.add_edge("act", END)
-    graph = builder.compile(checkpointer=checkpointer)
+    graph = retried(send, checkpointer)
     config = thread()
     if released:
         final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")

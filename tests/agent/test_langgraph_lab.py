@@ -20,8 +20,10 @@ from oncegate.lab.model import draw_crashes
 from tests.e2e.test_lab import FIGURES
 
 
-def lab(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", "langgraph", *args]
+def lab(
+    *args: str, timeout: float = 540, runtime: str = "langgraph"
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "oncegate.cli", "lab", "--runtime", runtime, *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -94,3 +96,49 @@ def test_what_the_langgraph_runtime_does_not_have_is_refused_before_anything_sta
         result = lab(*args, timeout=60)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
+
+
+def check_tool_calls(runs: int, seed: int, database_url: str) -> None:
+    """`--runtime langgraph-tools`: every action a scripted model's tool call, run by a
+    `ToolNode`; C keys it by the tool call's id."""
+    result = lab("--runs", str(runs), "--seed", str(seed), "--json", "--database-url",
+                 database_url, runtime="langgraph-tools")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert set(document["strategies"]) == {"A", "B", "C"}
+    a, b, c = (document["strategies"][name] for name in "ABC")
+    gaps = sum(crash.gap for crash in draw_crashes(runs, seed))
+    assert gaps > 0
+    # The gap is in the tool, between the action's answer and LangGraph's write of the tool
+    # step: B performs those actions twice, C replays them.
+    assert c["duplicate_runs_pct"] == 0 and c["lost_runs_pct"] == 0
+    assert b["duplicate_runs_pct"] == 100 * gaps / runs and b["lost_runs_pct"] == 0
+    assert b["redone_avg"] == c["redone_avg"] == round(gaps / runs, 3)
+    assert a["duplicate_runs_pct"] > b["duplicate_runs_pct"] and a["lost_runs_pct"] == 0
+
+
+@pytest.mark.timeout(400)
+def test_tool_calls_keyed_by_their_ids_repeat_nothing_over_killed_runs(database_url: str) -> None:
+    check_tool_calls(20, 7, database_url)  # 6 of its 20 crashes are in the gap
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tool_calls_keyed_by_their_ids_repeat_nothing_over_200_killed_runs(
+    database_url: str,
+) -> None:
+    check_tool_calls(200, 7, database_url)
+
+
+@pytest.mark.timeout(300)
+def test_the_tool_calling_table_names_its_strategies(database_url: str) -> None:
+    result = lab("--runs", "3", "--seed", "1", "--database-url", database_url,
+                 runtime="langgraph-tools")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("crash-recovery lab on LangGraph with tool calls: 3 runs")
+    rows = [line for line in lines if line[:3] in ("A  ", "B  ", "C  ")]
+    assert rows[-1].startswith("C  PostgresSaver + tool call keys via oncegate ")
+    # The columns hold under the longer title.
+    header = next(line for line in lines if line.startswith("strategy"))
+    assert all(len(row) == len(header) for row in rows), (header, rows)

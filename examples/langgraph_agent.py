@@ -9,8 +9,10 @@ saves that step: kill it then (`kill -9`, Ctrl-C) and run the same command again
 resumes thread case-81 from its last checkpoint and runs the killed node again; the node sends the
 email again with the same key, and the gateway answers from its store ("replayed"): one email.
 
-What oncegate asks of a LangGraph user is the three lines marked 1, 2, 3 below: a `Gateway`, its
-`post` in the node (the key comes from the task LangGraph runs), and `durability="sync"`.
+What oncegate asks of a LangGraph user is the two lines marked 1 and 2 below: a `Gateway`, and its
+`post` in the node (the key comes from the task LangGraph runs). The run is invoked with
+`durability="sync"`, which saves each step before it starts; LangGraph's default, `"async"`, works
+too (the key then waits for the step's save before sending). docs/agents.md is the reference.
 
 Needs the extra `oncegate[langgraph]` (`make` installs it). The checkpoints are LangGraph's own
 `PostgresSaver` in the gateway's database: `ONCEGATE_DATABASE_URL` when it is set, otherwise the
@@ -100,7 +102,7 @@ def main(thread_id: str) -> None:
         graph = builder.compile(checkpointer=checkpointer)
         # A thread with a checkpoint is resumed where it stopped; a new one starts.
         start = None if checkpointer.get_tuple(config) else {"customer": "ana@example.com"}
-        final = graph.invoke(start, config, durability="sync")  # 3. saved before each next step
+        final = graph.invoke(start, config, durability="sync")
     gateway.close()
     print(f"closed: {final['closed']}; receipt: {final['receipt']}")
 

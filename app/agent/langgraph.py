@@ -441,6 +441,10 @@ class Sent:
                 del self._sent[key]
 
 
+# One per process: two clients in one task (a client made per call) see each other's keys.
+SENT = Sent()
+
+
 class Gateway:
     """Sends a node's (or a tool's) actions through the gateway at `base_url`, each with its
     task's key.
@@ -462,7 +466,6 @@ class Gateway:
         self._own = http is None
         self._http = http or httpx.Client(timeout=DEFAULT_TIMEOUT)
         self._client = SyncActionClient(self._http, base_url, policy=policy, rng=rng)
-        self._sent = Sent()
 
     def post(
         self,
@@ -494,11 +497,11 @@ class Gateway:
         `action` for the running task (and tool call); the final 2xx answer, or raise."""
         key = task_key(action, tool_call_id=tool_call_id, save_wait=self._save_wait)
         attempt = running_task_attempt()
-        self._sent.claim(key, attempt, action, tool_call_id)
+        SENT.claim(key, attempt, action, tool_call_id)
         try:
             return self._client.request(method, path, key, json=json, form=form, headers=headers)
         except BaseException:
-            self._sent.forget(key, attempt)
+            SENT.forget(key, attempt)
             raise
 
     def close(self) -> None:
@@ -534,7 +537,6 @@ class AsyncGateway:
         self._http = http or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT)
         # No key lifetime: a LangGraph run has no saved pending action whose age it could check.
         self._client = ActionClient(self._http, base_url, policy=policy, rng=rng, key_lifetime=None)
-        self._sent = Sent()
 
     async def post(
         self,
@@ -565,13 +567,13 @@ class AsyncGateway:
         """`Gateway.request`, awaited."""
         key = await atask_key(action, tool_call_id=tool_call_id, save_wait=self._save_wait)
         attempt = running_task_attempt()
-        self._sent.claim(key, attempt, action, tool_call_id)
+        SENT.claim(key, attempt, action, tool_call_id)
         try:
             return await self._client.request(
                 method, path, key, json=json, form=form, headers=headers
             )
         except BaseException:
-            self._sent.forget(key, attempt)
+            SENT.forget(key, attempt)
             raise
 
     async def aclose(self) -> None:

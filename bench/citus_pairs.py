@@ -3,8 +3,9 @@ claim+complete pair costs PostgreSQL on a shard beside what it costs on a single
 
 Both are Debian's PostgreSQL 15 started here with the same settings (tests/citus.py: a
 temporary directory, free ports on 127.0.0.1, fsync off on both): a single server, and a Citus
-coordinator with two workers (8 shards). Each gets oncegate's migrations (`oncegate.schema`: on
-the cluster the key table is distributed by key), then the real store (`PostgresStore`, its
+coordinator with two workers, its key table in `--shards` shards (a database per shard count,
+32 by default: Citus's). Each gets oncegate's migrations (`oncegate.schema`: on the cluster the
+key table is distributed by key), then the real store (`PostgresStore`, its
 batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
 completing it, over and over, for `--duration` seconds after `--warmup`.
 
@@ -15,6 +16,7 @@ multi-shard executions, and two-phase commits recorded in `pg_dist_transaction`)
 operations per statement of the store's batches (`oncegate_store_batch_size`).
 
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
+        [--shards 32,8,2]
 
 On one machine the cluster cannot be faster than the single server (three servers share its
 cores with the client); what the figures show is the cost of a pair on the cluster: docs/
@@ -166,25 +168,35 @@ async def measure(
 
 
 @contextmanager
-def servers(work: Path) -> Iterator[dict[str, tuple[str, list[int]]]]:
-    """The two targets: name -> (database URL, postmaster pids)."""
+def servers(work: Path, shard_counts: list[int]) -> Iterator[dict[str, tuple[str, list[int]]]]:
+    """The targets: name -> (database URL, postmaster pids): one server, and the cluster once
+    per shard count (a database of its own, distributed with that many shards)."""
     single = citus.Cluster.start(work / "single", workers=0, with_citus=False)
     try:
         cluster = citus.Cluster.start(work / "citus")
         try:
             single.create_database(DATABASE)
-            cluster.create_database(DATABASE)
-            yield {
-                "PostgreSQL 15, one server": (single.url(DATABASE), single.postmasters()),
-                f"Citus, coordinator + {citus.WORKERS} workers": (
-                    cluster.url(DATABASE),
-                    cluster.postmasters(),
-                ),
-            }
+            targets = {"PostgreSQL 15, one server": (single.url(DATABASE), single.postmasters())}
+            for shards in shard_counts:
+                url = cluster.create_database(f"{DATABASE}_{shards}")
+                asyncio.run(set_shard_count(url, shards))
+                name = f"Citus, coordinator + {citus.WORKERS} workers, {shards} shards"
+                targets[name] = (url, cluster.postmasters())
+            yield targets
         finally:
             cluster.stop()
     finally:
         single.stop()
+
+
+async def set_shard_count(url: str, shards: int) -> None:
+    """`migrate` distributes the key table into the database's `citus.shard_count` shards."""
+    connection = await asyncpg.connect(url)
+    try:
+        database = await connection.fetchval("SELECT current_database()")
+        await connection.execute(f"ALTER DATABASE {database} SET citus.shard_count = {shards:d}")
+    finally:
+        await connection.close()
 
 
 def table(samples: list[Sample]) -> str:
@@ -222,6 +234,13 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--tasks", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--shards",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=[32],
+        metavar="N,N,...",
+        help="the key table's shard counts on the cluster, one target each (default 32, Citus's)",
+    )
     return parser.parse_args()
 
 
@@ -231,7 +250,7 @@ def main() -> int:
     if why is not None:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
-    runs = 2 * arguments.repeats
+    runs = (1 + len(arguments.shards)) * arguments.repeats
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:
@@ -243,7 +262,7 @@ def main() -> int:
     work = citus.temporary_directory("oncegate-citus-pairs-")
     samples: list[Sample] = []
     try:
-        with servers(work) as targets:
+        with servers(work, arguments.shards) as targets:
             for url, _ in targets.values():
                 schema.upgrade(url)
             for _ in range(arguments.repeats):
@@ -257,7 +276,7 @@ def main() -> int:
         print(
             f"{arguments.tasks} asyncio tasks on PostgresStore, each a claim then a complete of a"
             f" new key; {arguments.warmup:g} s warm-up + {arguments.duration:g} s per run;"
-            f" {citus.SHARD_COUNT} shards; CPU from /proc"
+            " CPU from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(table(samples))

@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-langgraph-oldest test-tools faults soak lint lock bench bench-all bench-quick clean
+.PHONY: run test test-all test-langgraph-oldest test-tools faults soak lint lock bench bench-all \
+	bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,9 +38,16 @@ test-tools: $(STAMP)
 				"and the failover's tests will be skipped."; \
 		fi; }
 
-# The whole suite but the slowest fault tests (a few minutes).
+# The contract's whole surface: every test not marked slow (pyproject.toml), the gateway on
+# PostgreSQL and the store on PostgreSQL and on Citus. A new user's second command: a few minutes.
 test: test-tools
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The rest of the suite, what `make test` leaves out (-m slow): the gateway's modules again on
+# Citus, the 200-run LangGraph lab, load and fault loops, the chaos soak, the Dockerfile's
+# install replayed. CI runs `make test` and then this: every test gates every landing, once.
+test-all: test-tools
+	$(BIN)/python -m pytest -q -m slow
 
 # The LangGraph integration's tests again on the oldest LangGraph the extra allows (pyproject.toml),
 # in an environment of its own; `make test` runs them on the newest.

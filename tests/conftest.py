@@ -112,8 +112,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Modules marked `citus` run on both backends (module-scoped: one database each)."""
     marker = metafunc.definition.get_closest_marker("citus")
     if marker and "backend" in metafunc.fixturenames:
-        # `citus(slow=True)`: the Citus run is marked slow (`make test` leaves it out; a plain
-        # `pytest` runs it), the PostgreSQL one stays in `make test`.
+        # `citus(slow=True)`: the Citus run is marked slow (`make test` leaves it out, `make
+        # test-all` runs it), the PostgreSQL one stays in `make test`. For modules about the
+        # gateway rather than the store: the store's own suite runs on Citus in `make test`.
         slow = [pytest.mark.slow] if marker.kwargs.get("slow") else []
         backends = [pytest.param("postgresql"), pytest.param("citus", marks=slow)]
         metafunc.parametrize("backend", backends, indirect=True, scope="module")

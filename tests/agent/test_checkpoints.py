@@ -13,7 +13,9 @@ from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, che
 from oncegate.store.checkpoints import PostgresCheckpoints
 
 # The agent's table on the embedded PostgreSQL and on a Citus cluster (distributed by run_id).
-pytestmark = pytest.mark.citus
+# On Citus too in `make test-all`: these tests are about the gateway, not the store (the
+# store's own suite runs on Citus in `make test`, tests/store/test_conformance.py).
+pytestmark = pytest.mark.citus(slow=True)
 
 
 async def test_a_run_never_saved_has_no_checkpoint(checkpoints: PostgresCheckpoints) -> None:

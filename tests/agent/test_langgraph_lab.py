@@ -40,6 +40,8 @@ def lab(
 
 
 # 600 runs, 1,200 agent processes: about half a minute on 2 idle cores; a bound for a busy machine.
+# `make test-all`; the table's test below runs the same lab on a few runs in `make test`.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_keys_from_the_task_repeat_nothing_over_200_killed_runs_and_the_saver_alone_does(
     database_url: str,

@@ -451,7 +451,9 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:
                 assert source.rstrip("/") in allowed, f".dockerignore leaves out {source}"
 
 
-# Replaying the install takes about 30 s with a warm pip cache, about a minute with a cold one.
+# Replaying the install takes about 30 s with a warm pip cache, about a minute with a cold one:
+# `make test-all`.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dockerfile_install_steps_give_a_working_oncegate(tmp_path: Path) -> None:
     """The Dockerfile's COPY and RUN pip steps, replayed in a fresh venv in place of the image's

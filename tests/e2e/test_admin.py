@@ -17,7 +17,9 @@ from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key, scrape, value
 
 # On the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
-pytestmark = pytest.mark.citus
+# On Citus too in `make test-all`: these tests are about the gateway, not the store (the
+# store's own suite runs on Citus in `make test`, tests/store/test_conformance.py).
+pytestmark = pytest.mark.citus(slow=True)
 
 TOKEN = "s3cret-admin-token"
 

@@ -257,6 +257,7 @@ def _wait_listening(popen: subprocess.Popen[bytes], port: int, log: Path) -> Non
     raise AssertionError(f"serve did not listen on {port}:\n{log.read_text()}")
 
 
+@pytest.mark.slow  # a kill at a bad moment, found under load: `make test-all`
 def test_a_restart_right_after_postgres_was_killed_recovers_by_itself(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:
@@ -303,6 +304,7 @@ def test_a_restart_right_after_postgres_was_killed_recovers_by_itself(
     assert len(upstream.actions(key)) == 1
 
 
+@pytest.mark.slow  # a kill at a bad moment, found under load: `make test-all`
 def test_a_list_of_handles_cut_short_by_a_kill_does_not_stop_the_next_start(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:
@@ -330,6 +332,7 @@ def test_a_list_of_handles_cut_short_by_a_kill_does_not_stop_the_next_start(
         assert postmaster(data_dir) is None  # the last one out still stops the server
 
 
+@pytest.mark.slow  # a kill at a bad moment, found under load: `make test-all`
 def test_a_gateway_whose_handle_was_lost_puts_it_back_and_keeps_its_server(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:

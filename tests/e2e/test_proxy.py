@@ -32,7 +32,9 @@ from tests.e2e.conftest import (
 from tests.helpers import free_port, new_key
 
 # Every row holds on the embedded PostgreSQL and on a Citus cluster (`backend`, tests/conftest.py).
-pytestmark = pytest.mark.citus
+# On Citus too in `make test-all`: these tests are about the gateway, not the store (the
+# store's own suite runs on Citus in `make test`, tests/store/test_conformance.py).
+pytestmark = pytest.mark.citus(slow=True)
 
 
 def routes(upstream: str, blackhole: int) -> list[dict[str, Any]]:

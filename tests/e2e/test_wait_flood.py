@@ -22,6 +22,10 @@ import pytest
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, parse_head, wait_for_state
 from tests.helpers import new_key, total
 
+# A load test (hundreds of waiting copies): `make test-all`. tests/e2e/test_wait.py is `Prefer:
+# wait` itself, in `make test`.
+pytestmark = pytest.mark.slow
+
 FLOOD = 1000
 PER_KEY = 16
 # A small pool makes the connection bound tight: claims and settles, answers (half as many),

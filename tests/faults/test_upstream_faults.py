@@ -132,6 +132,7 @@ async def test_a_no_content_answer_with_a_body_in_the_same_packet_is_an_unreadab
     assert raw_upstream.requests(broken)[0].connection != raw_upstream.requests(after)[0].connection
 
 
+@pytest.mark.slow  # the same breakage as the test above, under load: `make test-all`
 async def test_under_load_broken_no_content_answers_turn_no_other_key_unknown(
     client: httpx.AsyncClient, raw_upstream: RawUpstream, db: asyncpg.Connection
 ) -> None:

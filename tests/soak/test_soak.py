@@ -1,9 +1,10 @@
-"""Short chaos soaks in the test suite (`make soak` runs the long one, every scenario at once).
+"""Short chaos soaks, all marked slow (`make test-all`; `make soak` runs the long one, every
+scenario at once).
 
-- 30 seconds on one PostgreSQL, in `make test`: three gateways SIGKILLed and SIGTERMed at random
-  under 16 clients, PostgreSQL `kill -9`ed once, an upstream that answers slow, 429/503/500 or
-  resets, and 1,000 fuzzed requests at a fourth gateway meanwhile.
-- Marked slow (`make test-all`), each skipped where its store cannot run here, saying why: a
+- 30 seconds on one PostgreSQL: three gateways SIGKILLed and SIGTERMed at random under 16
+  clients, PostgreSQL `kill -9`ed once, an upstream that answers slow, 429/503/500 or resets, and
+  1,000 fuzzed requests at a fourth gateway meanwhile.
+- Each skipped where its store cannot run here, saying why: a
   primary and its synchronous standby failed over 3 times (the old primary rejoined by
   pg_rewind, and once from a fresh base backup); a Citus cluster whose workers are stopped
   `-m immediate` and started again while a shard moves.
@@ -62,6 +63,7 @@ async def soak(directory: Path, seconds: float, scenario: str, sizes: Sizes) -> 
     return figures
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_a_30_second_chaos_soak_breaks_no_promise(tmp_path: Path) -> None:
     figures = await soak(tmp_path, 30, "single", Sizes(outages=1))

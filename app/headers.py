@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import errors, keys
+from . import errors
 
 # RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
 # Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
@@ -129,14 +129,19 @@ def relayable(
     return sent, dropped
 
 
-def check_request(http_version: str, headers: list[tuple[str, str]]) -> None:
+def check_request(
+    http_version: str, headers: list[tuple[str, str]], key_header: str | None = "Idempotency-Key"
+) -> None:
     """Refuse what cannot be passed on as the client meant it (docs/security.md):
     - an HTTP/1.1 request without exactly one Host (RFC 9112 §3.2 says 400);
     - a transfer coding other than chunked: the body is read without it and sent with a
       Content-Length, so the upstream would get coded bytes it has no way to decode (501);
     - a header value that cannot reach the upstream byte for byte: values arrive as Latin-1
       text, one character per byte, and the upstream client writes text as UTF-8, so a value
-      above ASCII passes unchanged only when its bytes are UTF-8."""
+      above ASCII passes unchanged only when its bytes are UTF-8. In `key_header` (the
+      request's route's key header, as the route spells it; None when its key is in the body)
+      that is a malformed key, `InvalidKey`, as any other character a key cannot hold is."""
+    key_name = key_header.lower() if key_header is not None else None
     hosts = 0
     for name, value in headers:
         if name == "host":
@@ -150,8 +155,10 @@ def check_request(http_version: str, headers: list[tuple[str, str]]) -> None:
             try:
                 value.encode("latin-1").decode("utf-8")
             except UnicodeDecodeError:
-                if name == keys.HEADER:
-                    raise errors.InvalidKey("an Idempotency-Key is printable ASCII") from None
+                if name == key_name:
+                    raise errors.InvalidKey(
+                        f"the {key_header} must be printable ASCII characters only"
+                    ) from None
                 raise errors.InvalidHeader(
                     f"the value of the {name!r} header is not UTF-8 text, and the gateway "
                     "forwards header values unchanged or not at all; send it as UTF-8 (or ASCII)"

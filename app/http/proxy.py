@@ -19,6 +19,7 @@ from typing import Any, assert_never
 from .. import errors, headers, metrics, paths, tracing
 from ..routing import RouteTable
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
+from ..settings import Route, routes
 from . import problems
 
 log = logging.getLogger("oncegate.request")
@@ -84,9 +85,18 @@ class ProxyApp:
         problem that stopped it."""
         route_name = UNMATCHED
         try:
-            headers.check_request(scope.get("http_version", "1.1"), request_headers)
             path = paths.normalize(scope.get("raw_path", b"").decode("latin-1") or scope["path"])
             route = self._routes.match(path)
+            # The head is checked before anything else is said about the request, and which
+            # header holds the key is the route's to say: a byte no key may hold in it is a
+            # malformed key, counted under the route, as keys.parse's refusals are.
+            try:
+                headers.check_request(
+                    scope.get("http_version", "1.1"), request_headers, _key_header(route)
+                )
+            except errors.InvalidKey:
+                route_name = route.name if route is not None else UNMATCHED
+                raise
             if route is None:
                 raise errors.RouteNotFound(f"no route of this gateway matches the path {path!r}")
             slashed = paths.as_slashes(path)
@@ -123,6 +133,14 @@ class ProxyApp:
             return route_name, errors.GatewayError(
                 f"the gateway failed unexpectedly; report request id {request_id} to its operator"
             )
+
+
+def _key_header(route: Route | None) -> str | None:
+    """The header that holds the key of a request to `route`, as the route spells it: the
+    contract's Idempotency-Key where no route matched, None where the key is in the body."""
+    if route is None:
+        return routes.KEY_HEADER
+    return None if route.key_pointer is not None else route.key_header_shown
 
 
 def _relayed(

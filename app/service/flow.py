@@ -332,8 +332,8 @@ def _missing_key(route: Route, method: str) -> str:
         )
     header = route.key_header_shown
     return (
-        f"{method} requests on route {route.name!r} need an {header} header, e.g. "
-        f'{header}: "{EXAMPLE_KEY}"'
+        f"{method} requests on route {route.name!r} carry their key in the {header} header, "
+        f'e.g. {header}: "{EXAMPLE_KEY}"'
     )
 
 

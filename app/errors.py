@@ -291,6 +291,16 @@ class KeyNotUnknown(GatewayError):
     title = "The key is not in state unknown"
 
 
+class RequestNotKept(GatewayError):
+    """A re-send asked for a key whose request the gateway did not keep (its route says
+    `keep_request: never`, it was claimed before requests were kept, or its route is gone),
+    or cannot open (sealed with a key it does not hold)."""
+
+    status = 409
+    name = "request-not-kept"
+    title = "The key's request is not kept"
+
+
 class InvalidRequest(GatewayError):
     """A request that does not validate: on the proxy port, HTTP a proxy must not pass on (RFC
     9112 §3.2: no Host, or two); on the admin port, a path or query (400) or a body (422)."""

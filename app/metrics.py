@@ -205,6 +205,13 @@ WAITS_REFUSED = Counter(
     "max_waiters or max_waiters_per_key was reached.",
     ["route"],
 )
+RESOLUTIONS = Counter(
+    "oncegate_resolutions_total",
+    "Operators' resolutions of unknown keys, by action (complete, release, resend) and result "
+    "(done; for resend, the forward's outcome: forwarded, released, unknown, unavailable; "
+    "refused: the key was not unknown or its request not kept).",
+    ["action", "result"],
+)
 KEYS_PURGED = Counter(
     "oncegate_keys_purged_total",
     "Expired keys deleted by the purger.",

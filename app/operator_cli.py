@@ -66,13 +66,27 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show.add_argument("id", nargs="?", type=int, help="the key's id (from `list`)")
     show.add_argument("--key", metavar="KEY", help="the Idempotency-Key, in every scope")
     show.add_argument("--route", metavar="R", help="with --key: on this route only")
+    show.add_argument(
+        "--request",
+        action="store_true",
+        help="with --key: also the request behind each record (credentials masked), the "
+        "gateway that claimed it and what it saw",
+    )
     show.set_defaults(action=_show)
 
     resolve = actions.add_parser(
-        "resolve", help="settle an unknown key as completed with the answer the upstream gave"
+        "resolve",
+        help="settle an unknown key as completed with the answer the upstream gave, or re-send "
+        "its kept request (--resend)",
     )
     resolve.add_argument("id", type=int)
-    resolve.add_argument("--status", type=int, required=True, help="the upstream's status")
+    resolve.add_argument(
+        "--resend",
+        action="store_true",
+        help="the upstream did not perform it: forward its kept request once more under the "
+        "same key and store what comes back",
+    )
+    resolve.add_argument("--status", type=int, help="the upstream's status (without --resend)")
     resolve.add_argument(
         "--header", action="append", default=[], metavar="'NAME: VALUE'", help="repeatable"
     )
@@ -226,12 +240,34 @@ def _show(client: AdminClient, arguments: argparse.Namespace) -> int:
         params = {"key": arguments.key, "body": "1"}
         if arguments.route:
             params["route"] = arguments.route
+        if arguments.request:
+            params["request"] = "1"
         document = client.call("GET", "/admin/keys", params=params)
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
     return 0
 
 
 def _resolve(client: AdminClient, arguments: argparse.Namespace) -> int:
+    if arguments.resend:
+        if (
+            arguments.status is not None
+            or arguments.header
+            or arguments.body is not None
+            or (arguments.body_file is not None)
+        ):
+            raise errors.ConfigError("--resend sends the kept request: give no answer with it")
+        document = client.call(
+            "POST", f"/admin/keys/{arguments.id}/resolve", json={"action": "resend"}
+        )
+        answer = document["answer"]
+        sys.stdout.write(
+            f"key {arguments.id} re-sent: the upstream answered {answer['status']} "
+            f"({answer['outcome']}); retries get that answer\n"
+        )
+        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+        return 0
+    if arguments.status is None:
+        raise errors.ConfigError("give --status (the answer the upstream gave), or --resend")
     headers = []
     for line in arguments.header:
         name, colon, value = line.partition(":")

@@ -1,4 +1,5 @@
-"""`oncegate rekey`: re-seal every stored answer under the newest key, so an old one can go.
+"""`oncegate rekey`: re-seal every stored answer (and every request kept behind a key) under
+the newest key, so an old one can go.
 
 Batches are bounded: each is one transaction that locks its rows, waiting for a row another
 writer holds rather than skipping it (a skipped row would keep the old key), so a rekey can run
@@ -47,6 +48,15 @@ async def _run(
             unopenable += batch.unopenable
             after = batch.last
             _progress(out, done + len(unopenable), total, keyring.current)
+            if batch.done:
+                break
+        # The requests kept behind keys that can still turn unknown, sealed like answers.
+        after = 0
+        while True:
+            batch = await store.rekey_requests(keyring, batch_size, after)
+            done += batch.resealed
+            unopenable += batch.unopenable
+            after = batch.last
             if batch.done:
                 break
         left = await store.rekey_remaining(keyring)

@@ -89,6 +89,17 @@ class StoredAnswer:
         return self.content is not None
 
 
+@dataclass(frozen=True, slots=True)
+class SealedRequest:
+    """A kept request (the request behind a key, `service.evidence` encodes it) as stored:
+    sealed under `key_name`, or in plaintext when `key_name` is None. It is bound to its key
+    (scope and key) rather than to a claim: the claim's insert writes it before the row has an
+    id. Copied into another key's row, it does not open."""
+
+    key_name: str | None
+    data: bytes
+
+
 class Keyring:
     def __init__(self, keys: Sequence[tuple[str, bytes]]) -> None:
         if not keys:
@@ -170,6 +181,26 @@ class Keyring:
             body = _open(cipher, stored, stored.body, bound(b"body"))
         return header_pairs(headers), body
 
+    def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
+        cipher = self._ciphers[self.current]
+        return SealedRequest(self.current, _seal(cipher, data, _request_bound(scope, key)))
+
+    def open_request(self, scope: bytes, key: str, stored: SealedRequest) -> bytes:
+        if stored.key_name is None:
+            return stored.data
+        cipher = self._ciphers.get(stored.key_name)
+        if cipher is None:
+            raise Unopenable(
+                f"sealed with key {stored.key_name!r}, which ONCEGATE_ENCRYPTION_KEYS does not "
+                "hold",
+                stored.key_name,
+            )
+        return _open_bytes(cipher, stored.key_name, stored.data, _request_bound(scope, key))
+
+    def reseal_request(self, scope: bytes, key: str, stored: SealedRequest) -> SealedRequest:
+        """A kept request sealed again under the newest key (`oncegate rekey`)."""
+        return self.seal_request(scope, key, self.open_request(scope, key, stored))
+
     def reseal(self, claim: Claimed, scope: bytes, stored: SealedAnswer) -> SealedAnswer:
         """A stored answer sealed again under the newest key and the claim binding (`oncegate
         rekey`): opened with the key that sealed it and the binding it was sealed under, or read
@@ -199,6 +230,21 @@ class Sealer:
         if self._keyring is None:
             return open_plain(stored)
         return self._keyring.open(claim, scope, stored)
+
+    def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
+        if self._keyring is None:
+            return SealedRequest(None, data)
+        return self._keyring.seal_request(scope, key, data)
+
+    def open_request(self, scope: bytes, key: str, stored: SealedRequest) -> bytes:
+        if self._keyring is not None:
+            return self._keyring.open_request(scope, key, stored)
+        if stored.key_name is not None:
+            raise Unopenable(
+                f"sealed with key {stored.key_name!r}, and ONCEGATE_ENCRYPTION_KEYS is not set",
+                stored.key_name,
+            )
+        return stored.data
 
 
 def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
@@ -230,20 +276,25 @@ def _seal(cipher: AESGCM, data: bytes, associated: bytes) -> bytes:
     return nonce + cipher.encrypt(nonce, data, associated)
 
 
+def _request_bound(scope: bytes, key: str) -> bytes:
+    return b"oncegate:request:" + scope + b":" + key.encode()
+
+
 def _open(cipher: AESGCM, stored: SealedAnswer, data: bytes, associated: bytes) -> bytes:
+    return _open_bytes(cipher, (stored.key_name or "").partition(":")[0], data, associated)
+
+
+def _open_bytes(cipher: AESGCM, key_name: str, data: bytes, associated: bytes) -> bytes:
     if len(data) < _NONCE_BYTES + _TAG_BYTES:
         # AES-GCM refuses a short nonce with a ValueError, not InvalidTag: checked here.
-        raise Unopenable(
-            f"is cut short: {len(data)} bytes, less than a nonce and a tag",
-            (stored.key_name or "").partition(":")[0],
-        )
+        raise Unopenable(f"is cut short: {len(data)} bytes, less than a nonce and a tag", key_name)
     try:
         return cipher.decrypt(data[:_NONCE_BYTES], data[_NONCE_BYTES:], associated)
     except InvalidTag:
         raise Unopenable(
             "does not open: it was changed, moved from another row, or written back after its "
             "key was claimed again",
-            (stored.key_name or "").partition(":")[0],
+            key_name,
         ) from None
 
 

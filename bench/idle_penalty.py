@@ -95,6 +95,8 @@ async def measure(url: str, how: str, pause_ms: float, pairs: int, tag: str) -> 
             arrays = {
                 "routes": [run.ROUTE], "scopes": [scope], "keys": [key],
                 "fingerprints": [bytes(32)], "leases": [60.0], "ttls": [86400.0],
+                "requests": [run.FLOOR_REQUEST], "requests_sealed_with": [None],
+                "claimant": run.FLOOR_CLAIMANT,
             }  # fmt: skip
             started = time.perf_counter()
             rows = await claims.fetch(

@@ -4,8 +4,8 @@
 -- functions as running every migration. Change a function with a new migration, and change it
 -- here in the same commit.
 --
--- The tables: oncegate_keys (0001, 0003, 0004, 0006, 0007, 0008), oncegate_checkpoints (0002),
--- oncegate_ended_sessions (0009).
+-- The tables: oncegate_keys (0001, 0003, 0004, 0006, 0007, 0008, 0010), oncegate_checkpoints
+-- (0002), oncegate_ended_sessions (0009).
 
 
 -- The state a key is in, said once (tests/store/test_state_rule.py holds it as a table and
@@ -62,7 +62,8 @@ AS $$ SELECT timezone('UTC', timezone('UTC', at) + make_interval(secs => seconds
 -- concurrent claim inserted and released before it could be read comes back with id NULL.
 CREATE OR REPLACE FUNCTION oncegate_claim(
     anchor text, routes text[], scopes bytea[], keys text[], fingerprints bytea[],
-    leases float8[], ttls float8[]
+    leases float8[], ttls float8[], requests bytea[], requests_sealed_with text[],
+    claimant text
 ) RETURNS TABLE (
     n integer, claimed boolean, id bigint, fencing_token bigint, fingerprint bytea, state text,
     response_status smallint, response_headers jsonb, response_body bytea,
@@ -74,9 +75,11 @@ BEGIN
     FOR i IN 1 .. coalesce(cardinality(keys), 0) LOOP
         n := i;
         INSERT INTO oncegate_keys AS k
-            (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
+            (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at,
+             request, request_sealed_with, claimed_by)
         VALUES (routes[i], scopes[i], keys[i], fingerprints[i], 'in_progress', 1,
-                now() + make_interval(secs => leases[i]), now() + make_interval(secs => ttls[i]))
+                now() + make_interval(secs => leases[i]), now() + make_interval(secs => ttls[i]),
+                requests[i], requests_sealed_with[i], claimant)
         ON CONFLICT ON CONSTRAINT oncegate_keys_scope_key DO NOTHING
         RETURNING k.id, k.fencing_token INTO id, fencing_token;
         claimed := FOUND;

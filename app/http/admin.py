@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import json
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -27,6 +28,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from .. import errors, headers, service
 from .. import metrics as app_metrics
 from ..service import Operator
+from ..service.evidence import masked
+from ..service.messages import Answer
 from ..settings import DEFAULT_BODY_LIMIT, Settings
 from ..store import Cause, KeyRecord, QueuedKey, State
 from .deps import RuntimeDep
@@ -127,13 +130,31 @@ class KeyView(BaseModel):
         description="the key that sealed the stored answer (ONCEGATE_ENCRYPTION_KEYS) and its "
         "binding: `k1:2` (bound to its claim), or a bare `k1` (an earlier release's: run rekey)",
     )
+    request: dict[str, object] | None = Field(
+        None,
+        description="only with ?request=1: the request behind the key while it can turn "
+        "unknown ({method, path, query, headers, body_base64}, credentials masked); null once "
+        "it completed, on a route with keep_request: never, or when it cannot be opened",
+    )
+    claimed_by: dict[str, object] | None = Field(
+        None,
+        description="only with ?request=1: the gateway that claimed it (host, pid, started_at)",
+    )
+    failure: dict[str, object] | None = Field(
+        None,
+        description="only with ?request=1: what that gateway saw when the key turned unknown "
+        "(kind, status_line_received, status, bytes_received, detail); null when its lease ran "
+        "out instead",
+    )
 
 
 class KeyList(BaseModel):
     records: list[KeyView]
 
 
-def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
+async def _view(
+    record: KeyRecord, with_body: bool, with_request: bool, operator: Operator
+) -> KeyView:
     view = KeyView(
         id=record.id,
         route=record.route,
@@ -154,7 +175,19 @@ def _view(record: KeyRecord, with_body: bool, operator: Operator) -> KeyView:
                 view.body = body.decode("utf-8")
             except UnicodeDecodeError:
                 view.body_base64 = base64.b64encode(body).decode()
+    if with_request:
+        kept = await operator.kept_request(record)
+        view.request = None if kept is None else kept.shown()
+        view.claimed_by = _document(record.claimed_by)
+        view.failure = _document(record.failure)
     return view
+
+
+def _document(text: str | None) -> dict[str, object] | None:
+    if text is None:
+        return None
+    document: dict[str, object] = json.loads(text)
+    return document
 
 
 def _sealed_with(record: KeyRecord) -> str | None:
@@ -207,6 +240,7 @@ async def find_keys(
     key: str | None = None,
     route: str | None = None,
     body: bool = False,
+    request: bool = False,
     state: str | None = None,
     since: datetime | None = None,
     cursor: str | None = None,
@@ -216,7 +250,9 @@ async def find_keys(
         if state is not None:
             raise errors.InvalidRequest("give key (one key in every scope) or state, not both")
         records = await runtime.operator.find(key, route)
-        return KeyList(records=[_view(record, body, runtime.operator) for record in records])
+        return KeyList(
+            records=[await _view(record, body, request, runtime.operator) for record in records]
+        )
     if state is None:
         raise errors.InvalidRequest(
             "give key=K (one key in every scope) or state=unknown (the queue, oldest first)"
@@ -261,9 +297,10 @@ def _encodes(text: str) -> bool:
 class Resolution(BaseModel):
     """How an operator settles an `unknown` key, once they know what the upstream did."""
 
-    action: Literal["complete", "release"] = Field(
+    action: Literal["complete", "release", "resend"] = Field(
         description="complete: store this answer and replay it to every retry; "
-        "release: forget the key, so the next retry is forwarded"
+        "release: forget the key, so the next retry is forwarded; resend: forward the kept "
+        "request once more under the same key and store what comes back"
     )
     status: int | None = Field(None, ge=200, le=599, description="with complete")
     headers: list[tuple[str, str]] = Field(default_factory=list, description="with complete")
@@ -298,9 +335,9 @@ class Resolution(BaseModel):
 
 @router.post(
     "/admin/keys/{record_id}/resolve",
-    summary="Settle an unknown key as completed, or release it",
+    summary="Settle an unknown key as completed, release it, or re-send its request",
     dependencies=[Admin],
-    responses={409: {"description": "the key is not unknown"}},
+    responses={409: {"description": "the key is not unknown, or (resend) its request is not kept"}},
 )
 async def resolve_key(runtime: RuntimeDep, record_id: int, request: Request) -> dict[str, object]:
     # The body is read here, after `Admin` checked the token, not by FastAPI before it.
@@ -312,9 +349,26 @@ async def resolve_key(runtime: RuntimeDep, record_id: int, request: Request) -> 
         raise RequestValidationError(
             [{**detail, "loc": ("body", *detail["loc"])} for detail in exc.errors()]
         ) from None
+    if resolution.action == "resend":
+        sent = await runtime.operator.resend(record_id)
+        return {"id": record_id, "resolved": "resend", "answer": answer_document(sent)}
     answer = None
     if resolution.action == "complete":
         assert resolution.status is not None
         answer = (resolution.status, resolution.headers, resolution.body_bytes())
     await runtime.operator.resolve(record_id, answer)
     return {"id": record_id, "resolved": resolution.action}
+
+
+def answer_document(answer: Answer) -> dict[str, object]:
+    """A re-send's answer as the resolve returns it: status, headers, body as text or base64."""
+    document: dict[str, object] = {
+        "status": answer.status,
+        "outcome": answer.outcome.value,
+        "headers": [list(pair) for pair in masked(answer.headers)],
+    }
+    try:
+        document["body"] = answer.body.decode("utf-8")
+    except UnicodeDecodeError:
+        document["body_base64"] = base64.b64encode(answer.body).decode()
+    return document

@@ -58,7 +58,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         yield Runtime(
             settings,
             gateway,
-            service.Operator(store, keyring),
+            service.Operator(store, keyring, gateway, settings.routes),
             service.Health(store),
             RouteTable(settings.routes),
         )

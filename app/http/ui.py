@@ -13,6 +13,7 @@ operator's browser but forms, and the Content-Security-Policy says so (`default-
 from __future__ import annotations
 
 import hmac
+import json
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -24,6 +25,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
 from .. import errors, service
+from ..service.evidence import masked
 from ..store import QueuedKey
 from .admin import Resolution, read_bounded
 from .deps import RuntimeDep
@@ -172,6 +174,12 @@ CAUSES = {
 SETTLED = {
     "complete": "settled as completed: retries get that answer",
     "release": "released: the next retry is forwarded",
+    "resend": "re-sent: its request was forwarded once more and its answer stored",
+}
+FAILURES = {
+    "read_timeout": "the upstream's answer did not come back in time",
+    "no_answer": "the connection broke (reset, closed or a malformed answer) before a status line",
+    "answer_broken": "the connection broke while the answer's body came",
 }
 
 
@@ -256,12 +264,49 @@ async def key_page(runtime: RuntimeDep, session: SessionDep, record_id: int) -> 
         record = await runtime.operator.describe(record_id)
     except errors.NotFound as exc:
         return page("no such key", f'<p class="error">{escape(exc.detail)}</p>', 404, session)
-    return _key_page(session, record)
+    return _key_page(session, record, await _evidence(runtime.operator, record.id))
+
+
+async def _evidence(operator: service.Operator, record_id: int) -> str:
+    """The request behind the key (credentials masked, a JSON or form body readable), who
+    claimed it and what it saw, as rows of the key's table."""
+    try:
+        record = await operator.by_id(record_id)
+    except errors.NotFound:
+        return ""
+    rows: list[tuple[str, str]] = []
+    kept = await operator.kept_request(record)
+    if kept is not None:
+        target = kept.path + (f"?{kept.query}" if kept.query else "")
+        rows.append(("request", f"<code>{escape(kept.method)} {escape(target)}</code>"))
+        shown = "\n".join(f"{name}: {value}" for name, value in masked(kept.headers))
+        rows.append(("request headers (credentials masked)", f"<pre>{escape(shown)}</pre>"))
+        rows.append(("request body", f"<pre>{escape(kept.readable_body())}</pre>"))
+    elif record.request is not None:
+        rows.append(("request", "kept, but sealed with a key this gateway does not hold"))
+    elif record.state in ("unknown", "in_progress"):
+        rows.append(("request", "not kept (the route says keep_request: never)"))
+    if record.claimed_by is not None:
+        claimed = json.loads(record.claimed_by)
+        rows.append(("gateway", escape(
+            f"{claimed.get('host')}, pid {claimed.get('pid')}, started {claimed.get('started_at')}"
+        )))  # fmt: skip
+    if record.failure is not None:
+        seen = json.loads(record.failure)
+        status = "not received" if not seen.get("status_line_received") else (
+            f"received ({seen.get('status')})"
+        )  # fmt: skip
+        rows.append(("what it saw", escape(
+            f"{FAILURES.get(seen.get('kind'), seen.get('kind'))}; status line {status}; "
+            f"{seen.get('bytes_received', 0)} bytes of the body; {seen.get('detail', '')}"
+        )))  # fmt: skip
+    return "".join(f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in rows)
 
 
 def _key_page(
     session: Session,
     record: QueuedKey,
+    evidence: str,
     error: str = "",
     status: int = 200,
     form: Mapping[str, str] | None = None,
@@ -278,12 +323,11 @@ def _key_page(
         ("lease ends / ended", _time(record.lease_expires_at)),
         ("completed", _time(record.completed_at)),
         ("expires (then a retry is forwarded again)", _time(record.expires_at)),
-        ("gateway", "not recorded: claims do not say which gateway made them"),
     ]
     table = "<table>" + "".join(
         f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in facts
     )
-    table += "</table>"
+    table += evidence + "</table>"
     shown = f'<p class="error">{escape(error)}</p>' if error else ""
     actions = "<p>Only an <b>unknown</b> key can be resolved here.</p>"
     if record.state == "unknown":
@@ -300,14 +344,18 @@ Idempotency-Key above), then settle the key with the answer it gave, or release 
 </label><button>Settle as completed</button></fieldset></form>
 <form method="post" action="{target}"><fieldset><legend>It was not performed</legend>
 {_csrf_field(session)}<input type="hidden" name="action" value="release">
-<button>Release: the next retry is forwarded</button></fieldset></form>"""
+<button>Release: the next retry is forwarded</button></fieldset></form>
+<form method="post" action="{target}"><fieldset><legend>It was not performed: send it now</legend>
+{_csrf_field(session)}<input type="hidden" name="action" value="resend">
+<button>Re-send: forward the request above once more, store its answer</button>
+</fieldset></form>"""
     return page(f"key {record.id}", f"{shown}{table}{actions}", status, session)
 
 
 def _resolution(form: Mapping[str, str]) -> Resolution:
     """The form as the admin API's resolution, validated by the same rules."""
-    if form["action"] == "release":
-        return Resolution(action="release")
+    if form["action"] in ("release", "resend"):
+        return Resolution(action=form["action"])
     pairs = []
     for line in form.get("headers", "").splitlines():
         if line.strip():
@@ -332,25 +380,32 @@ async def resolve(
     refused = _forged(session, form)
     if refused is not None:
         return refused
-    record = await runtime.operator.describe(record_id)
+    operator = runtime.operator
+    record = await operator.describe(record_id)
     if form.get("action") not in SETTLED:
         # Only the two buttons' actions exist: anything else settles nothing, least of all a
         # release that would let the next retry be forwarded again.
         actions = " or ".join(repr(action) for action in SETTLED)
         error = f"the action is {form.get('action')!r}: it is {actions}; nothing was changed"
-        return _key_page(session, record, error, 400, form)
+        return _key_page(session, record, await _evidence(operator, record_id), error, 400, form)
     try:
         resolution = _resolution(form)
     except (ValidationError, ValueError) as exc:
         message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        return _key_page(session, record, message.removeprefix("Value error, "), 422, form)
+        message = message.removeprefix("Value error, ")
+        return _key_page(session, record, await _evidence(operator, record_id), message, 422, form)
     answer = None
     if resolution.action == "complete":
         assert resolution.status is not None
         answer = (resolution.status, resolution.headers, resolution.body_bytes())
     try:
-        await runtime.operator.resolve(record_id, answer)
-    except errors.KeyNotUnknown as exc:
-        return _key_page(session, record, exc.detail, exc.status_code, form)
+        if resolution.action == "resend":
+            await operator.resend(record_id)
+        else:
+            await operator.resolve(record_id, answer)
+    except (errors.KeyNotUnknown, errors.RequestNotKept, errors.OutcomeUnknown,
+            errors.UpstreamUnavailable) as exc:  # fmt: skip
+        evidence = await _evidence(operator, record_id)
+        return _key_page(session, record, evidence, exc.detail, exc.status_code, form)
     query = urlencode({"settled": record_id, "action": resolution.action})
     return RedirectResponse(f"/admin/ui?{query}", status_code=303, headers=SECURITY_HEADERS)

@@ -6,7 +6,8 @@ One idea per room, each readable top to bottom:
 - `flow`: `Gateway.handle`, claim -> forward -> settle (start here);
 - `waiting`: `Prefer: wait=N`, a request that waits for a key in flight to settle;
 - `decision`: `decide`, pure: what to do with a key someone claimed before;
-- `operator`: `Operator`, the operator's queue, its cursors, release and resolve;
+- `operator`: `Operator`, the operator's queue, its cursors, release, resolve and re-send;
+- `evidence`: the request kept behind a key, and what its gateway saw when it turned `unknown`;
 - `maintenance`: the purger and the key count behind `oncegate_keys`;
 - `health`: whether the gateway can serve (`/readyz`);
 - `messages`: what the edge hands the gateway and gets back.

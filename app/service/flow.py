@@ -45,11 +45,12 @@ from .. import errors, fingerprint, headers, keys, metrics
 from ..key_workers import KeyWorkers
 from ..outcomes import Outcome
 from ..routing import upstream_url
-from ..sealing import Keyring, Sealer, StoredAnswer
+from ..sealing import Keyring, SealedRequest, Sealer, StoredAnswer
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
 from ..tokens import Identities
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
+from . import evidence
 from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
 from .messages import Answer, ProxyRequest
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
@@ -112,9 +113,13 @@ class Gateway:
             route.name, [request.header_values(name) for name in route.scope_headers] + identity
         )
         digest = await _fingerprint(request)
+        kept = None
+        if route.keep_request != "never":
+            encoded = evidence.KeptRequest.of(route, request).encode()
+            kept = self._sealer.seal_request(scope, key, encoded)
         wait = Wait.asked(request, route, self._store, self._waiting)
         try:
-            answer = await self._claim_or_answer(route, request, scope, key, digest, wait)
+            answer = await self._claim_or_answer(route, request, scope, key, digest, wait, kept)
         except errors.GatewayError as error:
             if wait is not None and wait.used and wait.applied:
                 error.headers[PREFERENCE_APPLIED] = wait.applied
@@ -134,11 +139,12 @@ class Gateway:
         key: str,
         digest: fingerprint.Fingerprint,
         wait: Wait | None,
+        kept: SealedRequest | None,
     ) -> Answer:
         laps = 0
         while laps < CLAIM_ATTEMPTS:
             found = await self._store.claim(
-                route.name, scope, key, digest.digest, route.lease_seconds, route.ttl
+                route.name, scope, key, digest.digest, route.lease_seconds, route.ttl, kept
             )
             if found is None:
                 # Held by a claim that committed while ours ran: read it now.
@@ -165,7 +171,7 @@ class Gateway:
                     raise error
                 case Reclaim():
                     claimed = await self._store.reclaim_expired(
-                        found, route.name, digest.digest, route.lease_seconds, route.ttl
+                        found, route.name, digest.digest, route.lease_seconds, route.ttl, kept
                     )
                 case TakeOver():
                     claimed = await self._store.take_over(found, route.lease_seconds)
@@ -223,7 +229,8 @@ class Gateway:
                 "the key was released, and a retry with the same key is safe"
             ) from exc
         except AnswerLost as exc:
-            await self._settle("mark_unknown", self._store.mark_unknown(claim))
+            seen = evidence.failure(exc)
+            await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
             raise errors.OutcomeUnknown(
                 f"the upstream of route {route.name!r} received the request but its answer was "
                 f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
@@ -247,6 +254,20 @@ class Gateway:
         stored = StoredAnswer(response.status, content)
         await self._settle("complete", self._store.complete(claim, stored))
         return _answer(response, Outcome.FORWARDED)
+
+    async def resend(
+        self, route: Route, request: ProxyRequest, record: Record, scope: bytes
+    ) -> Answer:
+        """Forward the kept request of an `unknown` key once more, under the same key: the key
+        is taken over with a new fencing token, as every forward claims it, and settled with
+        what comes back (an operator's re-send). `KeyNotUnknown` when it is not `unknown` any
+        more (another re-send or retry took it)."""
+        claim = await self._store.take_over(record, route.lease_seconds)
+        if claim is None:
+            raise errors.KeyNotUnknown(
+                f"key {record.id} is no longer in state unknown: nothing was sent"
+            )
+        return await self._forward_protected(route, request, claim, scope)
 
     async def _forward_unprotected(
         self, route: Route, request: ProxyRequest, outcome: Outcome

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from .. import errors, headers, keys, sealing
+from .. import errors, headers, keys, metrics, sealing
 from ..sealing import Keyring, Sealer, StoredAnswer
-from ..settings import ROUTE_NAME
-from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey
+from ..settings import ROUTE_NAME, Route
+from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey, Record
+from .evidence import KeptRequest
+from .flow import Gateway
+from .messages import Answer
+
+log = logging.getLogger("oncegate.operator")
 
 # One page of the operator's queue: enough for a screen, small enough to scan quickly.
 QUEUE_PAGE_SIZE = 100
@@ -27,9 +33,18 @@ class Operator:
     that cannot name a key never reaches the store. With a keyring, the answers it stores
     are sealed and the ones it shows are opened."""
 
-    def __init__(self, store: AdminStore, keyring: Keyring | None = None) -> None:
+    def __init__(
+        self,
+        store: AdminStore,
+        keyring: Keyring | None = None,
+        gateway: Gateway | None = None,
+        routes: Sequence[Route] = (),
+    ) -> None:
         self._store = store
         self._sealer = Sealer(keyring)
+        # A re-send forwards through the request path's gateway, on the key's route.
+        self._gateway = gateway
+        self._routes = {route.name: route for route in routes}
 
     def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
         """A record's stored headers and body, opened; (None, None) when it has none or they
@@ -102,11 +117,72 @@ class Operator:
                 "settled."
             )
 
+    async def kept_request(self, record: KeyRecord) -> KeptRequest | None:
+        """The request behind a key, opened; None when none is kept or it cannot be opened."""
+        if record.request is None:
+            return None
+        try:
+            return KeptRequest.decode(
+                self._sealer.open_request(record.scope, record.key, record.request)
+            )
+        except sealing.Unopenable:
+            return None
+
+    async def by_id(self, record_id: int) -> KeyRecord:
+        found = await self._store.by_id(_existing_id(record_id))
+        if found is None:
+            raise errors.NotFound(f"no key with id {record_id}")
+        return found
+
     async def resolve(
         self, record_id: int, answer: tuple[int, Sequence[tuple[str, str]], bytes] | None
     ) -> None:
         """Settle an `unknown` key: as completed with `answer` (status, headers, body), or
-        released when `answer` is None."""
+        released when `answer` is None. Audited: a log line and `oncegate_resolutions_total`."""
+        action = "release" if answer is None else "complete"
+        try:
+            await self._resolve(record_id, answer)
+        except errors.GatewayError as error:
+            _audit(record_id, action, "refused", error.detail)
+            raise
+        _audit(record_id, action, "done", "")
+
+    async def resend(self, record_id: int) -> Answer:
+        """Re-send the kept request of an `unknown` key once, under the same key, fenced as
+        every forward; the key is settled with what comes back, and that answer returned (a
+        lost answer again: `OutcomeUnknown`, the key `unknown` again with its request)."""
+        try:
+            record = await self.by_id(record_id)
+            if record.state != "unknown":
+                raise errors.KeyNotUnknown(f"key {record_id} is {record.state}, not unknown")
+            route = self._routes.get(record.route)
+            if route is None or self._gateway is None:
+                raise errors.RequestNotKept(
+                    f"key {record_id} was claimed on route {record.route!r}, which this gateway "
+                    "does not have: nothing was sent"
+                )
+            kept = await self.kept_request(record)
+            if kept is None:
+                why = (
+                    "its request was not kept (keep_request: never, or claimed before requests "
+                    "were kept)"
+                    if record.request is None
+                    else "its kept request cannot be opened (ONCEGATE_ENCRYPTION_KEYS lacks the "
+                    "key that sealed it)"
+                )
+                raise errors.RequestNotKept(f"key {record_id}: {why}; nothing was sent")
+            claimed = Record(record.id, record.token, record.key, b"", "unknown", None)
+            answer = await self._gateway.resend(route, kept.to_proxy(), claimed, record.scope)
+        except errors.GatewayError as error:
+            result = "refused" if error.status_code in (404, 409) else error.outcome.value
+            _audit(record_id, "resend", result, error.detail)
+            raise
+        _audit(record_id, "resend", answer.outcome.value, f"upstream status {answer.status}")
+        return answer
+
+    async def _resolve(
+        self, record_id: int, answer: tuple[int, Sequence[tuple[str, str]], bytes] | None
+    ) -> None:
         record_id = _existing_id(record_id)
         found = await self._store.scope_of(record_id)
         if found is None:
@@ -125,6 +201,13 @@ class Operator:
             )
         if not settled:
             raise errors.KeyNotUnknown(f"key {record_id} does not exist or is not in state unknown")
+
+
+def _audit(record_id: int, action: str, result: str, detail: str) -> None:
+    metrics.RESOLUTIONS.labels(action, result).inc()
+    log.info(
+        "resolution of key %d: %s, %s%s", record_id, action, result, f": {detail}" if detail else ""
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,10 @@ class Route(BaseModel):
     # `status_only`: keep the status and headers of answers, not their bodies (for APIs whose
     # answers must not be kept); a replay then has an empty body.
     store: Literal["full", "status_only"] = "full"
+    # The request behind a key (method, path, query, forwarded headers, body) is kept from its
+    # claim until it settles, so an operator can see and re-send the request of an `unknown`
+    # key; `never`: not kept (bodies that must not be written to the database).
+    keep_request: Literal["until_settled", "never"] = "until_settled"
     # Where the key is (contract section 10): a header of another name (`PayPal-Request-Id`),
     # passed upstream under that name, or a string field of a JSON body, named by an RFC 6901
     # pointer (`/idempotency_key`). Unset: the `Idempotency-Key` header.

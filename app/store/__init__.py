@@ -8,11 +8,14 @@ errors become `errors.StoreUnavailable` here.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Literal, Protocol
 
-from ..sealing import StoredAnswer
+from ..sealing import SealedRequest, StoredAnswer
 from .notify import Watch
 
 # What a key is now (`oncegate_key_state` in SQL, migrations/schema.sql): `in_progress` while
@@ -58,6 +61,12 @@ class KeyRecord:
     completed_at: datetime | None
     expires_at: datetime
     token: int = 1  # the fencing token: with the id, the claim a sealed answer is bound to
+    # The request behind the key, while it can turn `unknown` (None once it completes, or on a
+    # route with `keep_request: never`); who claimed it and what they saw when it turned
+    # `unknown` (JSON documents, `service.evidence` writes and reads them).
+    request: SealedRequest | None = None
+    claimed_by: str | None = None
+    failure: str | None = None
 
     @property
     def scope_fingerprint(self) -> str:
@@ -66,6 +75,13 @@ class KeyRecord:
         headers' values: its first 6 bytes name it without saying more about a credential than
         the digest does (one key rarely has more than a few scopes; 48 bits never collide)."""
         return self.scope[:6].hex()
+
+
+def claimant() -> str:
+    """This gateway process, as a claim records it (`claimed_by`): its host, its pid and when
+    it started (made its store), as JSON."""
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started_at": started})
 
 
 # How a key turned `unknown`, read from what its last writer stored (not from the clock):
@@ -146,15 +162,29 @@ class Replication:
 
 class Store(Protocol):
     async def claim(
-        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        route: str,
+        scope: bytes,
+        key: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | Record | None:
-        """Insert the key, or return the row that already holds it. None when a concurrent
-        claim committed it too recently to be read in the same statement: read it with `get`."""
+        """Insert the key (with the request it stands for, kept until it settles), or return
+        the row that already holds it. None when a concurrent claim committed it too recently
+        to be read in the same statement: read it with `get`."""
 
     async def get(self, scope: bytes, key: str) -> Record | None: ...
 
     async def reclaim_expired(
-        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        record: Record,
+        route: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | None:
         """Take over a row past its TTL as a new claim; None if someone changed it meanwhile."""
 
@@ -167,8 +197,9 @@ class Store(Protocol):
     async def release(self, claim: Claim) -> bool:
         """Delete the key so the next request is forwarded. False if the claim was lost."""
 
-    async def mark_unknown(self, claim: Claim) -> bool:
-        """The request may have reached the upstream and its answer is lost."""
+    async def mark_unknown(self, claim: Claim, failure: str | None = None) -> bool:
+        """The request may have reached the upstream and its answer is lost; `failure` says
+        what the gateway saw (JSON)."""
 
     async def mark_waited(self, record: Record) -> bool:
         """Ask to be told when this in-flight claim settles (`watch`). False when it is not in
@@ -192,6 +223,8 @@ class AdminStore(Protocol):
     an `unknown` one; and the count by state behind the gauge `oncegate_keys`."""
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]: ...
+
+    async def by_id(self, record_id: int) -> KeyRecord | None: ...
 
     async def delete(self, record_id: int) -> bool | None:
         """Delete a key: True; False when its request is in flight now; None if no such key."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
-from ..sealing import StoredAnswer
+from ..sealing import SealedRequest, StoredAnswer
 from . import (
     Cause,
     Claim,
@@ -31,6 +31,7 @@ from . import (
     Record,
     Replication,
     State,
+    claimant,
 )
 from .notify import Watch, Watchers
 
@@ -49,6 +50,9 @@ class _Row:
     created_at: float
     completed_at: float | None = None
     answer: StoredAnswer | None = None
+    request: SealedRequest | None = None  # kept until the key completes
+    claimed_by: str | None = None
+    failure: str | None = None
     waited: bool = False  # someone waits for it to settle (`mark_waited`): a settle notifies
 
 
@@ -91,6 +95,7 @@ class MemoryStore:
         self._ids = itertools.count(1)
         self._watchers = Watchers()
         self._ended_sessions: dict[bytes, float] = {}
+        self._claimant = claimant()  # who claims keys here: this process
 
     def watch(self, record_id: int) -> Watch:
         return self._watchers.watch(record_id)
@@ -113,7 +118,14 @@ class MemoryStore:
         await asyncio.sleep(0)
 
     async def claim(
-        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        route: str,
+        scope: bytes,
+        key: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | Record | None:
         await self._yield()
         existing = self._rows.get((scope, key))
@@ -123,7 +135,7 @@ class MemoryStore:
         row = _Row(
             id=next(self._ids), route=route, scope=scope, key=key, fingerprint=fingerprint,
             state="in_progress", token=1, lease_expires_at=now + lease, expires_at=now + ttl,
-            created_at=now,
+            created_at=now, request=request, claimed_by=self._claimant,
         )  # fmt: skip
         if self._capacity is not None and len(self._rows) >= self._capacity:
             oldest = next(iter(self._rows.values()))  # a dict keeps its keys in claim order
@@ -139,7 +151,13 @@ class MemoryStore:
         return self._record(row) if row is not None else None
 
     async def reclaim_expired(
-        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        record: Record,
+        route: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | None:
         await self._yield()
         now = self._clock()
@@ -149,7 +167,7 @@ class MemoryStore:
         fresh = _Row(
             id=row.id, route=route, scope=row.scope, key=row.key, fingerprint=fingerprint,
             state="in_progress", token=row.token + 1, lease_expires_at=now + lease,
-            expires_at=now + ttl, created_at=now,
+            expires_at=now + ttl, created_at=now, request=request, claimed_by=self._claimant,
         )  # fmt: skip
         self._rows[(row.scope, row.key)] = fresh
         return Claim(fresh.id, fresh.token, fresh.key)
@@ -166,6 +184,8 @@ class MemoryStore:
             token=row.token + 1,
             lease_expires_at=now + lease,
             expires_at=max(row.expires_at, now + lease + 1),
+            claimed_by=self._claimant,
+            failure=None,
         )
         self._rows[(row.scope, row.key)] = taken
         return Claim(taken.id, taken.token, taken.key)
@@ -181,6 +201,8 @@ class MemoryStore:
             answer=answer,
             completed_at=self._clock(),
             lease_expires_at=None,
+            request=None,
+            claimed_by=None,
         )
         self._settled(row)
         return True
@@ -194,12 +216,14 @@ class MemoryStore:
         self._settled(row)
         return True
 
-    async def mark_unknown(self, claim: Claim) -> bool:
+    async def mark_unknown(self, claim: Claim, failure: str | None = None) -> bool:
         await self._yield()
         row = self._held(claim, ("in_progress",))
         if row is None:
             return False
-        self._rows[(row.scope, row.key)] = replace(row, state="unknown", lease_expires_at=None)
+        self._rows[(row.scope, row.key)] = replace(
+            row, state="unknown", lease_expires_at=None, failure=failure
+        )
         self._settled(row)
         return True
 
@@ -231,23 +255,33 @@ class MemoryStore:
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         await self._yield()
-        now = self._clock()
         return [
-            KeyRecord(
-                id=row.id,
-                route=row.route,
-                scope=row.scope,
-                key=row.key,
-                state=state_of(row, now),
-                answer=row.answer,
-                created_at=_datetime(row.created_at),
-                completed_at=None if row.completed_at is None else _datetime(row.completed_at),
-                expires_at=_datetime(row.expires_at),
-                token=row.token,
-            )
+            self._key_record(row)
             for row in sorted(self._rows.values(), key=lambda row: row.id)
             if row.key == key and (route is None or row.route == route)
         ]
+
+    async def by_id(self, record_id: int) -> KeyRecord | None:
+        await self._yield()
+        row = self._by_id(record_id)
+        return None if row is None else self._key_record(row)
+
+    def _key_record(self, row: _Row) -> KeyRecord:
+        return KeyRecord(
+            id=row.id,
+            route=row.route,
+            scope=row.scope,
+            key=row.key,
+            state=state_of(row, self._clock()),
+            answer=row.answer,
+            created_at=_datetime(row.created_at),
+            completed_at=None if row.completed_at is None else _datetime(row.completed_at),
+            expires_at=_datetime(row.expires_at),
+            token=row.token,
+            request=row.request,
+            claimed_by=row.claimed_by,
+            failure=row.failure,
+        )
 
     async def delete(self, record_id: int) -> bool | None:
         await self._yield()
@@ -272,6 +306,8 @@ class MemoryStore:
             lease_expires_at=None,
             answer=answer,
             completed_at=now,
+            request=None,
+            claimed_by=None,
         )
         return True
 

@@ -55,14 +55,18 @@
 WITH wanted AS (
     SELECT *
     FROM unnest(:routes::text[], :scopes::bytea[], :keys::text[], :fingerprints::bytea[],
-                :leases::float8[], :ttls::float8[])
-         WITH ORDINALITY AS wanted(route, scope, key, fingerprint, lease, ttl, n)
+                :leases::float8[], :ttls::float8[], :requests::bytea[],
+                :requests_sealed_with::text[])
+         WITH ORDINALITY
+         AS wanted(route, scope, key, fingerprint, lease, ttl, request, request_sealed_with, n)
 ),
 claimed AS (
     INSERT INTO oncegate_keys
-        (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at)
+        (route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at,
+         request, request_sealed_with, claimed_by)
     SELECT route, scope, key, fingerprint, 'in_progress', 1,
-           oncegate_after(now(), lease), oncegate_after(now(), ttl)
+           oncegate_after(now(), lease), oncegate_after(now(), ttl),
+           request, request_sealed_with, :claimant
     FROM wanted
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO NOTHING
@@ -85,7 +89,8 @@ LEFT JOIN oncegate_keys AS held
 -- The same, as a function Citus runs on the worker that holds the shard of `anchor` (one of
 -- the batch's keys, which share its shard): one round trip, and the function's statements stay
 -- on that worker. Citus would pull the INSERT ... SELECT above through the coordinator.
-SELECT * FROM oncegate_claim(:anchor, :routes, :scopes, :keys, :fingerprints, :leases, :ttls);
+SELECT * FROM oncegate_claim(:anchor, :routes, :scopes, :keys, :fingerprints, :leases, :ttls,
+                             :requests, :requests_sealed_with, :claimant);
 
 -- name: get
 SELECT id,
@@ -119,10 +124,16 @@ SET route = given.route,
     response_stored = false,
     sealed_with = NULL,
     sealed_headers = NULL,
-    waited = false
+    waited = false,
+    request = given.request,
+    request_sealed_with = given.request_sealed_with,
+    claimed_by = given.claimant,
+    failure = NULL
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
-            :fingerprints::bytea[], :leases::float8[], :ttls::float8[])
-     AS given(key, id, token, route, fingerprint, lease, ttl)
+            :fingerprints::bytea[], :leases::float8[], :ttls::float8[], :requests::bytea[],
+            :requests_sealed_with::text[], :claimants::text[])
+     AS given(key, id, token, route, fingerprint, lease, ttl, request, request_sealed_with,
+              claimant)
 WHERE k.key = ANY(:keys)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now())
@@ -136,9 +147,13 @@ SET state = 'in_progress',
     fencing_token = k.fencing_token + 1,
     lease_expires_at = oncegate_after(now(), given.lease),
     -- the key must not expire while the request it now guards is in flight
-    expires_at = greatest(k.expires_at, oncegate_after(now(), given.lease + 1))
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[])
-     AS given(key, id, token, lease)
+    expires_at = greatest(k.expires_at, oncegate_after(now(), given.lease + 1)),
+    -- a new claim: who holds it now, and nothing seen yet (the kept request stays)
+    claimed_by = given.claimant,
+    failure = NULL
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[],
+            :claimants::text[])
+     AS given(key, id, token, lease, claimant)
 WHERE k.key = ANY(:keys)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
@@ -157,7 +172,12 @@ SET state = 'completed',
     sealed_with = given.sealed_with,
     sealed_headers = given.sealed_headers,
     completed_at = now(),
-    lease_expires_at = NULL
+    lease_expires_at = NULL,
+    -- a completed key cannot turn `unknown`: its kept request goes (the new row version
+    -- carries no copy of it), and who claimed it
+    request = NULL,
+    request_sealed_with = NULL,
+    claimed_by = NULL
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
             :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
             :sealed_headers::bytea[])
@@ -178,8 +198,10 @@ RETURNING k.id, k.fencing_token, k.waited;
 -- name: mark_unknown
 UPDATE oncegate_keys AS k
 SET state = 'unknown',
-    lease_expires_at = NULL
-FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
+    lease_expires_at = NULL,
+    failure = given.failure::jsonb  -- what the gateway saw (service.evidence)
+FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :failures::text[])
+     AS given(key, id, token, failure)
 WHERE k.key = ANY(:keys)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state = 'in_progress'
@@ -252,10 +274,38 @@ SELECT id,
        fencing_token,
        created_at,
        completed_at,
-       expires_at
+       expires_at,
+       request,
+       request_sealed_with,
+       claimed_by,
+       failure::text
 FROM oncegate_keys
 WHERE key = :key AND (:route::text IS NULL OR route = :route)
 ORDER BY id;
+
+-- name: admin_by_id
+-- One key by id, as admin_find shows it (the operator page, a re-send).
+SELECT id,
+       route,
+       scope,
+       key,
+       oncegate_key_state(state, lease_expires_at, expires_at) AS state,
+       response_status,
+       response_headers,
+       response_body,
+       response_stored,
+       sealed_with,
+       sealed_headers,
+       fencing_token,
+       created_at,
+       completed_at,
+       expires_at,
+       request,
+       request_sealed_with,
+       claimed_by,
+       failure::text
+FROM oncegate_keys
+WHERE id = :id;
 
 -- The operator's writes find a row by its id (`key_of`, which on Citus reads every shard), then
 -- name it by its primary key, (id, key), as the request path does: on Citus, on its own shard.
@@ -297,7 +347,10 @@ SET state = 'completed',
     response_stored = :stored,
     sealed_with = :sealed_with,
     sealed_headers = :sealed_headers,
-    completed_at = now()
+    completed_at = now(),
+    request = NULL,
+    request_sealed_with = NULL,
+    claimed_by = NULL
 WHERE key = :key AND id = :id AND fencing_token = :token
   AND oncegate_key_is('unknown', state, lease_expires_at, expires_at, now())
 RETURNING id;
@@ -448,3 +501,19 @@ ON CONFLICT (session) DO NOTHING;
 
 -- name: session_ended
 SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS ended;
+
+-- name: rekey_request_batch
+-- `oncegate rekey`: the next batch (by id) of kept requests not sealed under the newest key.
+-- Read without a lock: each is written back by a compare-and-set on its bytes (rekey_request).
+SELECT id, key, scope, request, request_sealed_with
+FROM oncegate_keys
+WHERE request IS NOT NULL AND request_sealed_with IS DISTINCT FROM :newest AND id > :after
+ORDER BY id
+LIMIT :batch_size;
+
+-- name: rekey_request
+-- One kept request re-sealed, only if it is still the one read (a key that completed or was
+-- claimed again meanwhile has another, or none). The key names the row's shard on Citus.
+UPDATE oncegate_keys
+SET request = :request, request_sealed_with = :sealed_with
+WHERE key = :key AND id = :id AND request = :was;

@@ -24,11 +24,17 @@ class NotSent(Exception):
 
 
 class AnswerLost(Exception):
-    """The request may have reached the upstream; its answer did not come back."""
+    """The request may have reached the upstream; its answer did not come back. What the
+    gateway saw of it is kept with the key for the operator: whether it timed out, whether the
+    answer's status line came back (`status`), and how many bytes of its body did."""
 
-    def __init__(self, message: str, *, timed_out: bool) -> None:
+    def __init__(
+        self, message: str, *, timed_out: bool, status: int | None = None, received: int = 0
+    ) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.status = status
+        self.received = received
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,16 @@ class _Response(aiohttp.ClientResponse):
         return self
 
 
+def _lost(
+    message: str, answer: aiohttp.ClientResponse | None, *, timed_out: bool = False
+) -> AnswerLost:
+    """The answer was lost: with what came back of it, when its status line did."""
+    if answer is None:
+        return AnswerLost(message, timed_out=timed_out)
+    received = answer.content.total_bytes
+    return AnswerLost(message, timed_out=timed_out, status=answer.status, received=received)
+
+
 def _as_sent(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Header values as aiohttp must be given them to send the client's bytes unchanged.
 
@@ -155,6 +165,7 @@ class HttpUpstream:
             keep = self._keeps[key_header] = frozenset({key_header})
         outgoing = headers.end_to_end(request_headers, drop=headers.REQUEST_ONLY, keep=keep)
         # The `forward` span, when tracing: the upstream's trace context names it.
+        answer: aiohttp.ClientResponse | None = None  # once its status line came back
         with tracing.forwarding(outgoing) as forwarded:
             try:
                 async with self._session.request(
@@ -165,6 +176,7 @@ class HttpUpstream:
                     allow_redirects=False,
                     timeout=client_timeout,
                 ) as response:
+                    answer = response
                     content = await response.read()
                     raw_headers = response.raw_headers
                     status = response.status
@@ -173,19 +185,19 @@ class HttpUpstream:
             except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
                 raise NotSent(f"{type(exc).__name__}: not a URL that can be requested") from exc
             except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-                raise AnswerLost(f"no answer within {timeout:g}s", timed_out=True) from exc
+                raise _lost(f"no answer within {timeout:g}s", answer, timed_out=True) from exc
             except aiohttp.ClientResponseError as exc:
                 # Its text would name the URL, query included: logs hold neither.
-                raise AnswerLost(f"{type(exc).__name__}: {exc.message}", timed_out=False) from exc
+                raise _lost(f"{type(exc).__name__}: {exc.message}", answer) from exc
             except aiohttp.ClientError as exc:
-                raise AnswerLost(f"{type(exc).__name__}: {exc}", timed_out=False) from exc
+                raise _lost(f"{type(exc).__name__}: {exc}", answer) from exc
             except Exception as exc:  # translated below, never swallowed
                 # Anything else (a bug here or in the client library) is classified by how far the
                 # request got, so that no key is left claimed by an error: released when the
                 # upstream cannot have seen the request, `unknown` when it may have.
                 reason = f"unexpected {type(exc).__name__}: {exc}"
                 if attempt.sent:
-                    raise AnswerLost(reason, timed_out=False) from exc
+                    raise _lost(reason, answer) from exc
                 raise NotSent(reason) from exc
             finally:
                 _ATTEMPT.reset(current)

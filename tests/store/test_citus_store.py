@@ -108,14 +108,16 @@ async def test_every_request_path_statement_goes_to_one_shard(
             "claim": await explain(
                 coordinator, "claim", anchor=keys[0], routes=["r"] * 3, scopes=[SCOPE] * 3,
                 keys=keys, fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
+                requests=[b"kept"] * 3, requests_sealed_with=[None] * 3, claimant="{}",
             ),
             "get": await explain(coordinator, "get", scope=SCOPE, key=keys[0]),
             "reclaim_expired": await explain(
                 coordinator, "reclaim_expired", **many, routes=["r"] * 3,
                 fingerprints=[FINGERPRINT] * 3, leases=[60.0] * 3, ttls=[600.0] * 3,
+                requests=[b"kept"] * 3, requests_sealed_with=[None] * 3, claimants=["{}"] * 3,
             ),
             "take_over": await explain(
-                coordinator, "take_over", **many, leases=[60.0] * 3
+                coordinator, "take_over", **many, leases=[60.0] * 3, claimants=["{}"] * 3
             ),
             "complete": await explain(
                 coordinator, "complete", **many, statuses=[201] * 3, headers=["[]"] * 3,
@@ -123,7 +125,9 @@ async def test_every_request_path_statement_goes_to_one_shard(
                 sealed_headers=[None] * 3,
             ),
             "release": await explain(coordinator, "release", **many),
-            "mark_unknown": await explain(coordinator, "mark_unknown", **many),
+            "mark_unknown": await explain(
+                coordinator, "mark_unknown", **many, failures=[None] * 3
+            ),
             "mark_waited": await explain(
                 coordinator, "mark_waited", key=keys[0], id=ids[0], token=1
             ),

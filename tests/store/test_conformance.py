@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from oncegate import errors, service
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.sealing import SealedRequest, StoredAnswer, plaintext
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
@@ -376,3 +377,32 @@ def test_the_postgres_store_hands_every_operation_to_a_room_that_translates() ->
 async def test_a_refused_connection_is_store_unavailable() -> None:
     with pytest.raises(errors.StoreUnavailable, match="cannot connect to PostgreSQL"):
         await PostgresStore.connect("postgresql://nobody@127.0.0.1:1/none")
+
+
+async def test_the_request_behind_a_key_is_kept_until_it_completes(
+    store: AdminAndKeyStore,
+) -> None:
+    kept = SealedRequest(None, b"the request\x00\xff")
+    lost, settled = new_key(), new_key()
+    owners = []
+    for key in (lost, settled):
+        owner = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LONG, LONG, kept)
+        assert isinstance(owner, Claim)
+        owners.append(owner)
+    seen = '{"kind": "read_timeout", "bytes_received": 0}'
+    assert await store.mark_unknown(owners[0], seen)
+    assert await store.complete(owners[1], StoredAnswer(201, plaintext([], b"done")))
+
+    (unknown,) = await store.find(lost, None)
+    assert (unknown.state, unknown.request) == ("unknown", kept)
+    assert unknown.failure is not None and json.loads(unknown.failure) == json.loads(seen)
+    assert unknown.claimed_by is not None and json.loads(unknown.claimed_by)["pid"] > 0
+    assert await store.by_id(unknown.id) == unknown
+    (completed,) = await store.find(settled, None)
+    assert (completed.request, completed.claimed_by) == (None, None)
+    assert await store.by_id(2**62) is None
+    # A take-over is a new claim: who holds it now, and nothing seen yet; the request stays.
+    taken = await store.take_over(await record(store, lost), LONG)
+    assert taken is not None
+    (again,) = await store.find(lost, None)
+    assert (again.state, again.request, again.failure) == ("in_progress", kept, None)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from ... import database_url
-from ...sealing import Keyring, StoredAnswer
+from ...sealing import Keyring, SealedRequest, StoredAnswer
 from ...settings import StoreOptions
 from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ..errors import Outage, translated
@@ -82,17 +82,30 @@ class PostgresStore:
     # The request path (`requests`).
 
     async def claim(
-        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        route: str,
+        scope: bytes,
+        key: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | Record | None:
-        return await self._requests.claim(route, scope, key, fingerprint, lease, ttl)
+        return await self._requests.claim(route, scope, key, fingerprint, lease, ttl, request)
 
     async def get(self, scope: bytes, key: str) -> Record | None:
         return await self._requests.get(scope, key)
 
     async def reclaim_expired(
-        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        record: Record,
+        route: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | None:
-        return await self._requests.reclaim_expired(record, route, fingerprint, lease, ttl)
+        return await self._requests.reclaim_expired(record, route, fingerprint, lease, ttl, request)
 
     async def take_over(self, record: Record, lease: float) -> Claim | None:
         return await self._requests.take_over(record, lease)
@@ -103,8 +116,8 @@ class PostgresStore:
     async def release(self, claim: Claim) -> bool:
         return await self._requests.release(claim)
 
-    async def mark_unknown(self, claim: Claim) -> bool:
-        return await self._requests.mark_unknown(claim)
+    async def mark_unknown(self, claim: Claim, failure: str | None = None) -> bool:
+        return await self._requests.mark_unknown(claim, failure)
 
     async def mark_waited(self, record: Record) -> bool:
         return await self._requests.mark_waited(record)
@@ -119,6 +132,9 @@ class PostgresStore:
 
     async def find(self, key: str, route: str | None) -> list[KeyRecord]:
         return await self._operator.find(key, route)
+
+    async def by_id(self, record_id: int) -> KeyRecord | None:
+        return await self._operator.by_id(record_id)
 
     async def delete(self, record_id: int) -> bool | None:
         return await self._operator.delete(record_id)
@@ -172,6 +188,9 @@ class PostgresStore:
 
     async def rekey(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
         return await self._rekeying.rekey(keyring, batch_size, after)
+
+    async def rekey_requests(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
+        return await self._rekeying.rekey_requests(keyring, batch_size, after)
 
     async def rekey_remaining(self, keyring: Keyring) -> int:
         return await self._rekeying.rekey_remaining(keyring)

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 import asyncpg
 
-from ...sealing import StoredAnswer
+from ...sealing import SealedRequest, StoredAnswer
 from .. import Claim, Record
 
 
@@ -26,6 +26,7 @@ class Claiming:
     fingerprint: bytes
     lease: float
     ttl: float
+    request: SealedRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class Reclaiming:
     fingerprint: bytes
     lease: float
     ttl: float
+    request: SealedRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class Settling:
     id: int
     token: int
     key: str
+    failure: str | None = None  # mark_unknown's: what the gateway saw (JSON)
 
 
 class OnKey(Protocol):

@@ -20,7 +20,7 @@ from ...settings import StoreOptions
 from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ..errors import Outage, translated
 from .dialect import Dialect
-from .rows import answer_columns, answer_of, fetchrow
+from .rows import answer_columns, fetchrow, key_record_of
 
 
 class OperatorQueries:
@@ -54,21 +54,12 @@ class OperatorQueries:
         query = self._statements["admin_find"]
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             rows = await connection.fetch(query.sql, *query.arguments({"key": key, "route": route}))
-        return [
-            KeyRecord(
-                id=row["id"],
-                route=row["route"],
-                scope=bytes(row["scope"]),
-                key=row["key"],
-                state=row["state"],
-                answer=answer_of(row),
-                created_at=row["created_at"],
-                completed_at=row["completed_at"],
-                expires_at=row["expires_at"],
-                token=row["fencing_token"],
-            )
-            for row in rows
-        ]
+        return [key_record_of(row) for row in rows]
+
+    @translated("admin_by_id")
+    async def by_id(self, record_id: int) -> KeyRecord | None:
+        row = await self._fetchrow("admin_by_id", id=record_id)
+        return None if row is None else key_record_of(row)
 
     @translated("admin_delete")
     async def delete(self, record_id: int) -> bool | None:

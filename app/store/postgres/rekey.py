@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncpg
 
-from ...sealing import Keyring
+from ... import sealing
+from ...sealing import Keyring, SealedRequest
 from ...settings import StoreOptions
 from ..errors import Outage, translated
 from .dialect import Dialect, RekeyBatch
@@ -30,6 +31,39 @@ class Rekeying:
         must never lose one."""
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             return await self._dialect.rekey(connection, keyring, batch_size, after)
+
+    @translated("rekey_requests")
+    async def rekey_requests(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
+        """Re-seal the next batch of kept requests (ids above `after`) under the newest key,
+        each written back only if unchanged since it was read; one that does not open is left
+        as it is and reported."""
+        statements = self._dialect.statements
+        batch, update = statements["rekey_request_batch"], statements["rekey_request"]
+        resealed, unopenable = 0, []
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            rows = await connection.fetch(
+                batch.sql,
+                *batch.arguments(
+                    {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                ),
+            )
+            for row in rows:
+                stored = SealedRequest(row["request_sealed_with"], row["request"])
+                try:
+                    sealed = keyring.reseal_request(bytes(row["scope"]), row["key"], stored)
+                except sealing.Unopenable as exc:
+                    unopenable.append((row["id"], f"its kept request {exc}"))
+                    continue
+                status: str = await connection.execute(
+                    update.sql,
+                    *update.arguments(
+                        {"request": sealed.data, "sealed_with": sealed.key_name,
+                         "key": row["key"], "id": row["id"], "was": row["request"]}
+                    ),
+                )  # fmt: skip
+                resealed += int(status.rsplit(" ", 1)[1])
+        last = rows[-1]["id"] if rows else after
+        return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
 
     @translated("rekey_remaining")
     async def rekey_remaining(self, keyring: Keyring) -> int:

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ... import tracing
-from ...sealing import StoredAnswer
+from ...sealing import SealedRequest, StoredAnswer
 from ...settings import StoreOptions
-from .. import Claim, Record
+from .. import Claim, Record, claimant
 from ..batching import Batcher, PerShard
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated
 from .connections import Pools
@@ -58,6 +58,7 @@ from .pool import Pool
 from .rows import answer_columns, fetchrow, record_of
 
 log = logging.getLogger("oncegate.store.postgres")
+
 
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
@@ -82,6 +83,8 @@ class RequestPath:
         self.outage = outage
         self._dialect = dialect
         self._statements = dialect.statements
+        # Who claims keys: this gateway process, as the operator sees it (`claimed_by`).
+        self.claimant = claimant()
         self._claims = self._batcher(
             "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
         )
@@ -161,9 +164,16 @@ class RequestPath:
 
     @translated("claim")
     async def claim(
-        self, route: str, scope: bytes, key: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        route: str,
+        scope: bytes,
+        key: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | Record | None:
-        wanted = Claiming(route, scope, key, fingerprint, lease, ttl)
+        wanted = Claiming(route, scope, key, fingerprint, lease, ttl, request)
         with tracing.store_operation("claim"):
             return await self._claims.run(wanted)
 
@@ -186,6 +196,8 @@ class RequestPath:
             fingerprints=[wanted.fingerprint for wanted in sent],
             leases=[wanted.lease for wanted in sent],
             ttls=[wanted.ttl for wanted in sent],
+            **self._kept(sent),
+            claimant=self.claimant,
         )
         found: dict[tuple[bytes, str], Claim | Record | None] = {}
         for row in rows:
@@ -234,9 +246,17 @@ class RequestPath:
 
     @translated("reclaim_expired")
     async def reclaim_expired(
-        self, record: Record, route: str, fingerprint: bytes, lease: float, ttl: float
+        self,
+        record: Record,
+        route: str,
+        fingerprint: bytes,
+        lease: float,
+        ttl: float,
+        request: SealedRequest | None = None,
     ) -> Claim | None:
-        taking = Reclaiming(record.id, record.token, record.key, route, fingerprint, lease, ttl)
+        taking = Reclaiming(
+            record.id, record.token, record.key, route, fingerprint, lease, ttl, request
+        )
         # No span: the trace's store children are the claim and the settles (`tracing`).
         return await self._reclaims.run(taking)
 
@@ -252,8 +272,19 @@ class RequestPath:
             fingerprints=[taking.fingerprint for taking in sent],
             leases=[taking.lease for taking in sent],
             ttls=[taking.ttl for taking in sent],
+            **self._kept(sent),
+            claimants=[self.claimant] * len(sent),
         )
         return taken_by_rows(batch, sent, rows)
+
+    def _kept(self, sent: Sequence[Claiming] | Sequence[Reclaiming]) -> dict[str, object]:
+        """The columns of the request behind each key a claim or reclaim writes."""
+        return {
+            "requests": [None if each.request is None else each.request.data for each in sent],
+            "requests_sealed_with": [
+                None if each.request is None else each.request.key_name for each in sent
+            ],
+        }
 
     @translated("take_over")
     async def take_over(self, record: Record, lease: float) -> Claim | None:
@@ -270,6 +301,7 @@ class RequestPath:
             ids=[taking.id for taking in sent],
             tokens=[taking.token for taking in sent],
             leases=[taking.lease for taking in sent],
+            claimants=[self.claimant] * len(sent),
         )
         return taken_by_rows(batch, sent, rows)
 
@@ -310,18 +342,22 @@ class RequestPath:
             return await self._releases.run(Settling(claim.id, claim.token, claim.key))
 
     @translated("mark_unknown")
-    async def mark_unknown(self, claim: Claim) -> bool:
-        settling = Settling(claim.id, claim.token, claim.key)
+    async def mark_unknown(self, claim: Claim, failure: str | None = None) -> bool:
+        settling = Settling(claim.id, claim.token, claim.key, failure)
         with tracing.store_operation("mark_unknown"):
             return await self._unknowns.run(settling)
 
     async def _settle_batch(self, operation: str, batch: Sequence[Settling]) -> list[bool]:
         sent = to_send(batch)
+        failures = {}
+        if operation == "mark_unknown":
+            failures["failures"] = [settling.failure for settling in sent]
         rows = await self._fetch_batch(
             operation,
             self._pool,
             sent,
             ids=[settling.id for settling in sent],
             tokens=[settling.token for settling in sent],
+            **failures,
         )
         return settled_by_rows(batch, sent, rows)

@@ -14,8 +14,8 @@ from typing import Any
 
 import asyncpg
 
-from ...sealing import SealedAnswer, StoredAnswer
-from .. import Record
+from ...sealing import SealedAnswer, SealedRequest, StoredAnswer
+from .. import KeyRecord, Record
 from ..queries import Statements
 from .pool import Pool
 
@@ -56,6 +56,26 @@ def content_of(row: asyncpg.Record) -> SealedAnswer:
     # jsonb comes as the text PostgreSQL printed: the bytes `sealing.header_pairs` parses.
     headers = row["response_headers"]
     return SealedAnswer(None, (headers or "[]").encode(), row["response_body"])
+
+
+def key_record_of(row: asyncpg.Record) -> KeyRecord:
+    """A row as the operator sees it (admin_find, admin_by_id)."""
+    request = row["request"]
+    return KeyRecord(
+        id=row["id"],
+        route=row["route"],
+        scope=bytes(row["scope"]),
+        key=row["key"],
+        state=row["state"],
+        answer=answer_of(row),
+        created_at=row["created_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+        token=row["fencing_token"],
+        request=None if request is None else SealedRequest(row["request_sealed_with"], request),
+        claimed_by=row["claimed_by"],
+        failure=row["failure"],
+    )
 
 
 def answer_columns(answer: StoredAnswer) -> dict[str, object]:

@@ -1,0 +1,124 @@
+"""The operator's evidence about a key (contract section 11, "the request behind an unknown
+key"): the request the key stands for, kept from its claim until it settles, and what the
+gateway saw when the key turned `unknown`.
+
+- `KeptRequest` is what was forwarded: method, path, query, the headers as the upstream got
+  them (hop-by-hop fields and Host left out, the key header in) and the body, which the edge
+  read whole and within the route's `max_body`. `encode` makes the bytes the claim stores
+  (sealed like answers where sealing is on): a 4-byte length, the head as JSON, the body.
+- A re-send forwards exactly that; what an operator is shown masks credentials (`shown`).
+- `failure` is what the gateway saw when the answer was lost, as the JSON kept with the key.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
+
+from .. import headers
+from ..settings import Route
+from ..upstream import AnswerLost
+from .messages import ProxyRequest
+
+# Shown masked to operators: whoever reads the admin API or the page sees that a credential was
+# sent, not the credential.
+MASKED = headers.NOT_STORED | {"proxy-authorization", "x-api-key", "api-key", "x-auth-token"}
+_LENGTH = 4  # bytes of the head's length before it
+
+
+@dataclass(frozen=True, slots=True)
+class KeptRequest:
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    @classmethod
+    def of(cls, route: Route, request: ProxyRequest) -> KeptRequest:
+        """The request as it is forwarded on `route`."""
+        forwarded = headers.end_to_end(
+            request.headers, drop=headers.REQUEST_ONLY, keep=frozenset({route.key_header_name})
+        )
+        return cls(request.method, request.path, request.query, forwarded, request.body)
+
+    def encode(self) -> bytes:
+        head = json.dumps([self.method, self.path, self.query, self.headers]).encode()
+        return len(head).to_bytes(_LENGTH, "big") + head + self.body
+
+    @classmethod
+    def decode(cls, data: bytes) -> KeptRequest:
+        size = int.from_bytes(data[:_LENGTH], "big")
+        method, path, query, pairs = json.loads(data[_LENGTH : _LENGTH + size])
+        kept = [(str(name), str(value)) for name, value in pairs]
+        return cls(method, path, query, kept, data[_LENGTH + size :])
+
+    def to_proxy(self) -> ProxyRequest:
+        return ProxyRequest(self.method, self.path, self.query, self.headers, self.body)
+
+    def shown(self) -> dict[str, object]:
+        """As the admin API shows it: credentials masked, the body in base64."""
+        return {
+            "method": self.method,
+            "path": self.path,
+            "query": self.query,
+            "headers": [[name, value] for name, value in masked(self.headers)],
+            "body_base64": base64.b64encode(self.body).decode(),
+        }
+
+    def readable_body(self) -> str:
+        """The body for a person: JSON indented, a form as its fields one a line, other UTF-8
+        text as it is; else its size and base64."""
+        content_type = next(
+            (value for name, value in self.headers if name.lower() == "content-type"), ""
+        )
+        media = content_type.split(";")[0].strip().lower()
+        try:
+            text = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            return (
+                f"({len(self.body)} bytes, not text; base64)\n"
+                + base64.b64encode(self.body).decode()
+            )
+        if media == "application/json" or media.endswith("+json"):
+            try:
+                return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+            except ValueError:
+                return text
+        if media == "application/x-www-form-urlencoded":
+            fields = parse_qsl(text, keep_blank_values=True)
+            return "\n".join(f"{name} = {value}" for name, value in fields)
+        return text
+
+
+def masked(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header pairs with credentials masked: a scheme (`Bearer`) kept, the secret not."""
+    shown = []
+    for name, value in pairs:
+        if name.lower() in MASKED:
+            scheme, space, _ = value.partition(" ")
+            value = f"{scheme} ***" if space and name.lower().endswith("authorization") else "***"
+        shown.append((name, value))
+    return shown
+
+
+def failure(exc: AnswerLost) -> str:
+    """What the gateway saw when the answer was lost, as the JSON kept with the key."""
+    if exc.timed_out:
+        kind = "read_timeout"
+    elif exc.status is None:
+        kind = "no_answer"  # reset, closed or malformed before a status line came back
+    else:
+        kind = "answer_broken"  # reset or closed while the answer's body came
+    seen: dict[str, Any] = {
+        "kind": kind,
+        "status_line_received": exc.status is not None,
+        "status": exc.status,
+        "bytes_received": exc.received,
+        "detail": str(exc),
+    }
+    return json.dumps(seen)

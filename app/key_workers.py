@@ -88,7 +88,7 @@ class KeyWorkers:
         try:
             answer = await worker.ask(body, pointer, shown)
         except BaseException:  # lost, or cancelled half-way: its pipe is in an unknown state
-            await worker.end()
+            await worker.kill()
             raise
         self._idle.append(worker)
         return answer
@@ -130,7 +130,14 @@ class _Worker:
         answer: dict[str, object] = json.loads(line)
         return answer
 
+    async def kill(self) -> None:
+        """End it now: it may be parsing a body nobody waits for any more."""
+        with contextlib.suppress(ProcessLookupError):
+            self._process.kill()
+        await self._process.wait()
+
     async def end(self) -> None:
+        """Let it finish and exit: its stdin closes, which ends its loop."""
         process = self._process
         if process.stdin is not None:
             process.stdin.close()

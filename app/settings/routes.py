@@ -107,6 +107,8 @@ class TokenScope(BaseModel):
     def _jwks_url(cls, value: str | None) -> str | None:
         if value is not None:
             parts = urlsplit(value)
+            if "@" in parts.netloc:  # it would be logged with every failed read
+                raise ValueError("a jwks_url must not carry credentials (user:password@)")
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
         return value

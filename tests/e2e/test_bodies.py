@@ -181,8 +181,8 @@ async def probe_latencies(
     return latencies, await uploading
 
 
-# Not marked slow (about 15 s): it is the contract's test of "key from a large body", and slow
-# tests run in no CI job.
+# Not marked slow (about 15 s): it is the contract's test of "key from a large body", which
+# `make test` covers whole.
 async def test_keys_read_from_large_bodies_stall_others_no_more_than_header_keys(
     gateway: GatewayProcess, db: asyncpg.Connection
 ) -> None:

@@ -65,6 +65,15 @@ def test_scope_headers_default_to_none_and_cannot_hold_the_token(issuer: Issuer)
         )  # fmt: skip
     with pytest.raises(ValueError, match="one of jwks_file or jwks_url"):
         route(issuer, jwks_url="https://issuer.test/jwks")
+    config = issuer.jwks_file.with_name("oncegate.yaml")
+    config.write_text(
+        "routes:\n  - {name: a, match: /, upstream: 'http://u.test', scope_jwt: {issuer: x, "
+        "jwks_url: 'https://user:Secret1@issuer.test/jwks'}}\n"
+    )
+    with pytest.raises(errors.ConfigError) as raised:  # as `serve` reports it
+        settings.load({}, {}, config)
+    assert "must not carry credentials" in str(raised.value)
+    assert "Secret1" not in str(raised.value)
     with pytest.raises(ValueError, match="scope_jwt takes one or more of"):
         route(issuer, algorithms=["none"])
     with pytest.raises(ValueError, match="scope_jwt takes one or more of"):

@@ -20,6 +20,7 @@ from typing import Annotated, Any, TypedDict
 import httpx
 import psycopg
 import pytest
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, StateGraph
@@ -572,3 +573,28 @@ def test_a_body_that_changed_on_resume_is_refused_and_the_node_can_be_marked_don
     assert final["keys"] == [key]
     assert graph.get_state(config).next == ()
     assert len(upstream.actions(key)) == 1
+
+
+class LatestOnly(InMemorySaver):
+    """Keeps only each thread's latest checkpoint, as a shallow saver (or a pruned one) does."""
+
+    def get_tuple(self, config: Any) -> Any:
+        wanted = config["configurable"].get("checkpoint_id")
+        latest = super().get_tuple({"configurable": {**config["configurable"],
+                                                     "checkpoint_id": None}})  # fmt: skip
+        if latest is None or (wanted and latest.config["configurable"]["checkpoint_id"] != wanted):
+            return None
+        return latest
+
+
+def test_a_checkpointer_without_the_threads_history_gets_no_key() -> None:
+    def act(state: Loop) -> dict[str, Any]:
+        return {"keys": [task_key("email")]}
+
+    with pytest.raises(TaskKeyUnavailable, match="is not in the checkpointer"):
+        one_node(act, LatestOnly()).invoke({"iteration": 0, "keys": []}, thread(),
+                                           durability="sync")  # fmt: skip
+    # The same graph on a saver that keeps the history makes its key.
+    final = one_node(act, InMemorySaver()).invoke({"iteration": 0, "keys": []}, thread(),
+                                                  durability="sync")  # fmt: skip
+    assert len(final["keys"]) == 1

@@ -119,7 +119,6 @@ class Task:
     durability: str
     checkpointer: BaseCheckpointSaver[Any]
     levels: tuple[Level, ...]  # the top level first
-    attempt: object  # LangGraph's runtime object of this attempt: a new one for each retry
 
     @property
     def top_level(self) -> bool:
@@ -169,7 +168,6 @@ def running_task() -> Task:
         durability=durability,
         checkpointer=checkpointer,
         levels=tuple(levels),
-        attempt=runtime,
     )
 
 

@@ -16,6 +16,10 @@ thread's latest checkpoint by its id, which LangGraph runs as a fork).
   and wait for the SIGKILL: the kill lands between the action and LangGraph's write of the step.
 - `--hold-checkpoint-of-step N`: the saver never finishes saving the checkpoint of step N, as if
   the kill came while that save was still on its way.
+- `--clock`: the email's body holds the time it was drafted (in `send`): a resume sends another
+  body with the same key, which the gateway refuses (`{"event": "reused", "key": ...}`, exit 1).
+- `--mark-sent RECEIPT_JSON`: before resuming, record that answer as what `send` returned
+  (`update_state(..., as_node="send")`), the way out of a body that changed.
 - A `send` whose client refuses to make a key prints `{"event": "refused", "error": ...}` and
   waits for the SIGKILL (`--save-wait S`: how long the key waits for its step's checkpoint).
 """
@@ -36,6 +40,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import get_runtime
 
+from oncegate.agent.client import ActionKeyReused
 from oncegate.agent.langgraph import AsyncGateway, Gateway, TaskKeyUnavailable
 
 LOOPS = 3
@@ -61,7 +66,10 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
         return {"iteration": state["iteration"] + 1}
 
     def body(state: State) -> dict[str, Any]:
-        return {"to": "ana@example.com", "thread": arguments.thread, "n": state["iteration"]}
+        drafted = {"to": "ana@example.com", "thread": arguments.thread, "n": state["iteration"]}
+        if arguments.clock:  # drafted in the node that sends: another body on every run
+            drafted["drafted_at"] = time.time_ns()
+        return drafted
 
     def sent(state: State, response: Any) -> dict[str, Any]:
         execution = get_runtime().execution_info
@@ -89,6 +97,9 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
             response = gateway.post("/emails", body(state), action="email")
         except TaskKeyUnavailable as error:
             return refused(state, error)
+        except ActionKeyReused as error:
+            report(event="reused", iteration=state["iteration"], key=error.key)
+            raise
         return sent(state, response)
 
     async def send_async(state: State) -> dict[str, Any]:
@@ -151,6 +162,12 @@ def run_sync(arguments: argparse.Namespace) -> None:
             saver = PostgresSaver(connection)
         saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
+        if arguments.mark_sent is not None:
+            # The way out of a body that changed: the answer the first attempt got, recorded
+            # as what `send` returned; the resume goes on after it.
+            graph.update_state(
+                config, {"receipts": [json.loads(arguments.mark_sent)]}, as_node="send"
+            )
         if saver.get_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -199,6 +216,8 @@ def main() -> None:
     parser.add_argument("--freeze-at", type=int)
     parser.add_argument("--hold-checkpoint-of-step", type=int)
     parser.add_argument("--save-wait", type=float, default=30.0)
+    parser.add_argument("--clock", action="store_true")
+    parser.add_argument("--mark-sent", metavar="RECEIPT_JSON")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

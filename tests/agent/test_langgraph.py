@@ -12,6 +12,7 @@ resumed task has another id, which is why `task_key` insists on `durability="syn
 
 from __future__ import annotations
 
+import json
 import operator
 import uuid
 from collections.abc import Iterator
@@ -140,6 +141,35 @@ def test_under_async_durability_nothing_is_sent_before_the_steps_checkpoint_is_s
     second = GraphProcess(database_url, gateway, thread, *options)
     processes.append(second)
     assert len(sent(second.finish(LOOPS))) == LOOPS
+    emails = thread_emails(upstream, thread)
+    assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
+
+
+def test_a_body_drafted_in_the_sending_node_is_refused_on_resume_and_marked_sent_goes_on(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+) -> None:
+    """Killed after its email, a node that drafts with the clock sends another body on resume:
+    the gateway refuses it (422), nothing sent twice, the thread stuck. The way out: the
+    upstream's answer recorded as the node's output (`update_state(..., as_node="send")`)."""
+    thread = f"case-{uuid.uuid4()}"
+    first = GraphProcess(database_url, gateway, thread, "--clock", "--freeze-at", "2")
+    processes.append(first)
+    killed = sent(first.until("frozen"))[-1]
+    first.kill()
+    stuck = GraphProcess(database_url, gateway, thread, "--clock")
+    processes.append(stuck)
+    [reused] = [item for item in stuck.events() if item["event"] == "reused"]
+    assert stuck.popen.wait(60) != 0 and "ActionKeyReused" in stuck.stderr()
+    assert reused["key"] == killed["key"]
+    [performed] = upstream.actions(killed["key"])  # the upstream's records: performed once
+    receipt = json.dumps({key: value for key, value in performed.items() if key != "request"})
+    way_out = GraphProcess(database_url, gateway, thread, "--clock", "--mark-sent", receipt)
+    processes.append(way_out)
+    after = sent(way_out.finish(LOOPS))
+    assert [item["iteration"] for item in after] == [3]
     emails = thread_emails(upstream, thread)
     assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
 

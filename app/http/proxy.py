@@ -19,6 +19,7 @@ from typing import Any, assert_never
 from .. import errors, headers, metrics, paths, tracing
 from ..routing import RouteTable
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
+from ..service.streaming import Broken, Relay
 from ..settings import Route, routes
 from . import problems
 
@@ -33,6 +34,8 @@ Send = Callable[[Message], Awaitable[None]]
 # so it never collides with one.
 UNMATCHED = "(unmatched)"
 _NO_BODY_STATUSES = frozenset({204, 304})
+# A body larger than this is sent in slices of it (a memoryview each: no copy).
+SLICE = 64 * 1024
 
 
 class ClientDisconnected(Exception):
@@ -70,7 +73,17 @@ class ProxyApp:
         response_headers.append((b"x-request-id", request_id.encode()))
         await send({"type": "http.response.start", "status": status,
                     "headers": response_headers})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        if isinstance(said, Answer) and said.stream is not None:
+            await _stream(said.stream, send, route_name, request_id)
+        elif len(body) > SLICE:
+            # A large stored answer goes out in slices of the one copy read from PostgreSQL, so
+            # the server's write buffer never holds a second copy of it.
+            view = memoryview(body)
+            for start in range(0, len(body), SLICE):
+                await send({"type": "http.response.body", "body": view[start : start + SLICE],
+                            "more_body": start + SLICE < len(body)})  # fmt: skip
+        else:
+            await send({"type": "http.response.body", "body": body})
         elapsed = time.perf_counter() - started
         _account(route_name, scope["method"], said, status, dropped, elapsed, request_id)
 
@@ -143,6 +156,23 @@ def _key_header(route: Route | None) -> str | None:
     return None if route.key_pointer is not None else route.key_header_shown
 
 
+async def _stream(relay: Relay, send: Send, route_name: str, request_id: str) -> None:
+    """Relay a body as the upstream sends it; chunked, so an answer that breaks off ends
+    without the last chunk and the client sees it cut short (the connection is closed)."""
+    try:
+        async for chunk in relay:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except Broken:
+        if not relay.abandoned:
+            log.warning("%s: the upstream's answer broke off while it was relayed; the "
+                        "connection is closed (request %s)", route_name, request_id)  # fmt: skip
+        return  # without the body's end: the server closes the connection
+    except BaseException:
+        relay.abandon()  # the client's side is gone: the pump reads on and settles the key
+        raise
+    await send({"type": "http.response.body", "body": b""})
+
+
 def _relayed(
     answer: Answer, method: str
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes, list[str]]:
@@ -150,6 +180,8 @@ def _relayed(
     answer may carry them). The request id is added once, by the caller."""
     response_headers, dropped = headers.relayable(answer.headers, skip=headers.REQUEST_ID)
     body = answer.body
+    if answer.stream is not None:
+        return answer.status, response_headers, body, dropped  # chunked: no length
     if answer.status in _NO_BODY_STATUSES or method == "HEAD":
         body = b""  # whatever was stored or received, these answers carry none
     else:

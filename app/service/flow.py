@@ -53,6 +53,7 @@ from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 from . import evidence
 from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
 from .messages import Answer, ProxyRequest
+from .streaming import Broken, Relay
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
 log = logging.getLogger("oncegate.service")
@@ -92,6 +93,8 @@ class Gateway:
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
         self._inflight: set[asyncio.Task[Answer]] = set()
+        # The pumps of answers relayed as they come (`_relay`): each settles its key at the end.
+        self._pumps: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unopenable_logged: set[str] = set()
         # Who waits for a key in flight, at most `waiters` (in all, on one key).
@@ -214,8 +217,8 @@ class Gateway:
 
     async def drain(self) -> None:
         """Wait for every forward in flight to finish and be settled."""
-        while self._inflight:
-            await asyncio.gather(*self._inflight, return_exceptions=True)
+        while self._inflight or self._pumps:
+            await asyncio.gather(*self._inflight, *self._pumps, return_exceptions=True)
 
     async def _forward_and_settle(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
@@ -242,6 +245,10 @@ class Gateway:
                 status=504 if exc.timed_out else 502,
                 retry=route.on_unknown == "forward",
             ) from exc
+        if response.stream is not None:
+            released = response.status in route.release_statuses
+            outcome = Outcome.RELEASED if released else Outcome.FORWARDED
+            return self._relay(route, response, outcome, claim, scope)
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, Outcome.RELEASED)
@@ -267,7 +274,20 @@ class Gateway:
             raise errors.KeyNotUnknown(
                 f"key {record.id} is no longer in state unknown: nothing was sent"
             )
-        return await self._forward_protected(route, request, claim, scope)
+        answer = await self._forward_protected(route, request, claim, scope)
+        if answer.stream is not None:  # the operator gets it whole, up to what is stored
+            body = bytearray()
+            try:
+                async for chunk in answer.stream:
+                    if len(body) < route.max_stored_response:
+                        body += chunk[: route.max_stored_response - len(body)]
+            except Broken:
+                raise errors.OutcomeUnknown(
+                    "the re-sent request's answer broke off: the key is unknown again",
+                    status=502,
+                ) from None
+            answer.body, answer.stream = bytes(body), None
+        return answer
 
     async def _forward_unprotected(
         self, route: Route, request: ProxyRequest, outcome: Outcome
@@ -284,7 +304,85 @@ class Gateway:
                 f"{' in time' if exc.timed_out else ''}",
                 status=504 if exc.timed_out else 502,
             ) from exc
+        if response.stream is not None:
+            return self._relay(route, response, outcome, None, b"")
         return _answer(response, outcome)
+
+    def _relay(
+        self,
+        route: Route,
+        response: UpstreamResponse,
+        outcome: Outcome,
+        claim: Claim | None,
+        scope: bytes,
+    ) -> Answer:
+        """The answer, its body relayed as it comes by a pump of its own (`streaming`), which
+        settles `claim` when the body ends or breaks (an unprotected forward has none)."""
+        relay = Relay(route.timeout)
+        pump = asyncio.get_running_loop().create_task(
+            self._pump(route, response, claim, scope, relay)
+        )
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        answer = _answer(response, outcome)
+        answer.stream = relay
+        return answer
+
+    async def _pump(
+        self,
+        route: Route,
+        response: UpstreamResponse,
+        claim: Claim | None,
+        scope: bytes,
+        relay: Relay,
+    ) -> None:
+        stream = response.stream
+        assert stream is not None
+        kept: list[bytes] | None = [] if claim is not None else None
+        size = 0
+        try:
+            async for chunk in stream:
+                if kept is not None:
+                    size += len(chunk)
+                    if size <= route.max_stored_response:
+                        kept.append(chunk)
+                    else:
+                        kept = None  # too large to store: the status and headers only
+                await relay.put(chunk)
+        except AnswerLost as exc:
+            log.warning("route %s: %s %s: the answer broke off after %d bytes: %s",
+                        route.name, response.status, route.upstream, exc.received, exc)  # fmt: skip
+            if claim is not None:
+                seen = evidence.failure(exc)
+                await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
+            await relay.end(broken=True)
+            return
+        except BaseException:
+            await stream.aclose()
+            raise
+        if claim is not None:
+            await self._settle_streamed(route, response, claim, scope, kept)
+        await relay.end()
+
+    async def _settle_streamed(
+        self,
+        route: Route,
+        response: UpstreamResponse,
+        claim: Claim,
+        scope: bytes,
+        kept: list[bytes] | None,
+    ) -> None:
+        if response.status in route.release_statuses:
+            await self._settle("release", self._store.release(claim))
+            return
+        content = None  # past max_stored_response: the status and headers only
+        if kept is not None:
+            body = b"".join(kept) if route.store == "full" else b""
+            content = self._sealer.seal(
+                (claim.id, claim.token), scope, headers.storable(response.headers), body
+            )
+        stored = StoredAnswer(response.status, content)
+        await self._settle("complete", self._store.complete(claim, stored))
 
     async def _send(self, route: Route, request: ProxyRequest) -> UpstreamResponse:
         inflight = metrics.labelled(metrics.INFLIGHT, route.name)

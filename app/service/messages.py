@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ..outcomes import BlockReason, Outcome
+from .streaming import Relay
 
 # Resolves when the client has hung up (the proxy port watches its connection).
 ClientGoneProbe = Callable[[], Awaitable[None]]
@@ -37,3 +38,5 @@ class Answer:
     # Set when the answer came from the store: the reason counted as a blocked duplicate.
     blocked: BlockReason | None = None
     upstream_seconds: float | None = None  # the upstream call's time, when one was made
+    # Set when the body is relayed as the upstream sends it (`streaming.Relay`); `body` is b"".
+    stream: Relay | None = None

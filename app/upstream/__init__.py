@@ -12,7 +12,7 @@ aiohttp); tests drive the service in one process with a fake that keeps the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,12 +37,27 @@ class AnswerLost(Exception):
         self.received = received
 
 
+class BodyStream(Protocol):
+    """The rest of an answer's body, as the upstream sends it: chunks, in order, then the end.
+    A break (a timeout between two chunks, a reset) raises `AnswerLost`, with what came."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    @property
+    def received(self) -> int:
+        """Bytes of the body received so far."""
+
+    async def aclose(self) -> None:
+        """Stop reading and give the connection up (not reused: its answer was not read)."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamResponse:
     status: int
     headers: list[tuple[str, str]]  # end-to-end headers only
-    body: bytes
-    duration: float
+    body: bytes  # the whole body, or b"" when `stream` brings it
+    duration: float  # to the whole body, or to the head when streamed
+    stream: BodyStream | None = None
 
 
 class Upstream(Protocol):

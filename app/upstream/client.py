@@ -18,9 +18,10 @@ Bodies travel as raw bytes in both directions: no decompression, so a stored
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import yarl
@@ -81,6 +82,53 @@ class _Response(aiohttp.ClientResponse):
             # answer was lost, and its key turn `unknown` for nothing.
             protocol.close()
         return self
+
+
+# An answer announced with at most this many bytes is read whole before it is relayed: one or
+# a few reads, which streaming would only make dearer. Any other answer (larger, chunked without
+# a length, `text/event-stream`) is relayed as it comes (`_Stream`).
+READ_WHOLE_UP_TO = 64 * 1024
+STREAM_CHUNK = 64 * 1024  # the most one read of a streamed body hands on
+
+
+def _read_whole(method: str, response: aiohttp.ClientResponse) -> bool:
+    if method == "HEAD" or response.status in (204, 304):
+        return True
+    length = response.content_length
+    return length is not None and length <= READ_WHOLE_UP_TO
+
+
+class _Stream:
+    """The body of a streamed answer (`BodyStream`): aiohttp's reads, with their failures as
+    `AnswerLost`; a read waits at most the route's timeout (the connection's `sock_read`)."""
+
+    def __init__(self, response: aiohttp.ClientResponse, timeout: float) -> None:
+        self._response = response
+        self._timeout = timeout
+        self.received = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        response = self._response
+        try:
+            while True:
+                try:
+                    chunk = await response.content.readany()
+                except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+                    raise _lost(
+                        f"no more of the answer within {self._timeout:g}s", response,
+                        timed_out=True,
+                    ) from exc  # fmt: skip
+                except aiohttp.ClientError as exc:
+                    raise _lost(f"{type(exc).__name__}: {exc}", response) from exc
+                if not chunk:
+                    return
+                self.received += len(chunk)
+                yield chunk
+        finally:
+            response.release()
+
+    async def aclose(self) -> None:
+        self._response.close()
 
 
 def _lost(
@@ -151,10 +199,11 @@ class HttpUpstream:
         if client_timeout is None:
             # `connect` covers waiting for a pooled connection and the handshake: nothing has been
             # sent when it runs out, so that failure is NotSent. It must run out before the
-            # total does, or an upstream that never answers the handshake would read as a
-            # request whose answer was lost.
+            # route's timeout does, or an upstream that never answers the handshake would read
+            # as a request whose answer was lost. The head and a body read whole must come
+            # within `timeout` (below); a streamed body, within `timeout` of each chunk.
             client_timeout = aiohttp.ClientTimeout(
-                total=timeout, connect=min(CONNECT_TIMEOUT, timeout / 2)
+                total=None, connect=min(CONNECT_TIMEOUT, timeout / 2), sock_read=timeout
             )
             self._timeouts[timeout] = client_timeout
         started = time.perf_counter()
@@ -166,20 +215,29 @@ class HttpUpstream:
         outgoing = headers.end_to_end(request_headers, drop=headers.REQUEST_ONLY, keep=keep)
         # The `forward` span, when tracing: the upstream's trace context names it.
         answer: aiohttp.ClientResponse | None = None  # once its status line came back
+        stream: _Stream | None = None
         with tracing.forwarding(outgoing) as forwarded:
             try:
-                async with self._session.request(
-                    method,
-                    yarl.URL(url, encoded=True),  # the path as received, escapes untouched
-                    headers=_as_sent(forwarded),
-                    data=body or None,
-                    allow_redirects=False,
-                    timeout=client_timeout,
-                ) as response:
+                async with asyncio.timeout(timeout):
+                    response = await self._session.request(
+                        method,
+                        yarl.URL(url, encoded=True),  # the path as received, escapes untouched
+                        headers=_as_sent(forwarded),
+                        data=body or None,
+                        allow_redirects=False,
+                        timeout=client_timeout,
+                    )
                     answer = response
-                    content = await response.read()
                     raw_headers = response.raw_headers
                     status = response.status
+                    if _read_whole(method, response):
+                        try:
+                            content = await response.read()
+                        finally:
+                            response.release()
+                    else:
+                        content = b""
+                        stream = _Stream(response, timeout)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise NotSent(f"{type(exc).__name__}: {exc}") from exc
             except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
@@ -213,4 +271,5 @@ class HttpUpstream:
             ),
             body=content,
             duration=time.perf_counter() - started,
+            stream=stream,
         )

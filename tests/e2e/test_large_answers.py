@@ -1,0 +1,285 @@
+"""Answers of any size (contract section 11, "large answers"), through a real gateway on real
+sockets: relayed as the upstream sends them, stored up to the route's `max_stored_response`,
+the gateway's memory flat, a client's hang-up changing nothing of what is stored.
+
+The upstream here writes raw HTTP from a thread, and notes when it wrote the last byte of each
+answer, so a test compares the order of events (the client's first byte before the upstream's
+last), never a wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.e2e.conftest import GatewayProcess, prefix_route, problem_name
+
+MIB = 1024 * 1024
+
+
+def pattern(size: int) -> bytes:
+    """`size` bytes that are not all alike, so a body cut or reordered is caught."""
+    block = hashlib.sha256(b"oncegate").digest() * (MIB // 32)
+    return (block * (size // len(block) + 1))[:size]
+
+
+class PacedUpstream:
+    """`/paced?size=N&chunk=C&pause=S`: 200 with N bytes, C at a time with a pause between;
+    `&length=0` sends it chunked without a Content-Length, `&cut=K` closes after K bytes;
+    `/events?count=N`: N server-sent events, a pause between."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.finished: dict[str, float] = {}  # key -> when its last byte was written
+        self.performed: dict[str, int] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = connection.recv(65536)
+                if not data:
+                    return
+                head += data
+            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+            target = lines[0].split(" ")[1]
+            fields = dict(line.lower().split(": ", 1) for line in lines[1:])
+            key = fields.get("idempotency-key", "")
+            with self._lock:
+                self.performed[key] = self.performed.get(key, 0) + 1
+            url = urlsplit(target)
+            query = {name: values[0] for name, values in parse_qs(url.query).items()}
+            try:
+                if url.path == "/events":
+                    self._events(connection, int(query["count"]))
+                else:
+                    self._paced(connection, query)
+            except OSError:
+                pass  # the gateway went away
+            with self._lock:
+                self.finished[key] = time.monotonic()
+
+    def _paced(self, connection: socket.socket, query: dict[str, str]) -> None:
+        size, chunk = int(query["size"]), int(query.get("chunk", MIB))
+        pause, cut = float(query.get("pause", "0")), int(query.get("cut", size))
+        body = pattern(size)
+        framing = f"Content-Length: {size}\r\n" if query.get("length", "1") == "1" else ""
+        chunked = not framing
+        if chunked:
+            framing = "Transfer-Encoding: chunked\r\n"
+        connection.sendall(
+            f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n{framing}"
+            "Connection: close\r\n\r\n".encode()
+        )
+        for start in range(0, min(size, cut), chunk):
+            piece = body[start : min(start + chunk, cut)]
+            if chunked:
+                piece = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+            connection.sendall(piece)
+            time.sleep(pause)
+        if cut < size:
+            return  # closed short of its Content-Length
+        if chunked:
+            connection.sendall(b"0\r\n\r\n")
+
+    def _events(self, connection: socket.socket, count: int) -> None:
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        for number in range(count):
+            event = f"id: {number}\ndata: event {number}\n\n".encode()
+            connection.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            time.sleep(0.2)
+        connection.sendall(b"0\r\n\r\n")
+
+    async def finished_at(self, key: str) -> float:
+        """When the upstream wrote the last byte of `key`'s answer."""
+        for _ in range(200):
+            with self._lock:
+                if key in self.finished:
+                    return self.finished[key]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the upstream never finished {key}")
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture(scope="module")
+def paced() -> Iterator[PacedUpstream]:
+    upstream = PacedUpstream()
+    try:
+        yield upstream
+    finally:
+        upstream.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(module_dir: Path, database_url: str, paced: PacedUpstream) -> Iterator[GatewayProcess]:
+    routes = [
+        prefix_route("small", paced.url, timeout="30s", max_stored_response="1MiB"),
+        prefix_route("large", paced.url, timeout="30s", max_stored_response="8MiB"),
+    ]
+    with GatewayProcess(module_dir, database_url, routes) as process:
+        yield process
+
+
+@pytest.fixture
+async def client(gateway: GatewayProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as session:
+        yield session
+
+
+def rss(pid: int) -> int:
+    """Resident memory of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def row(database_url: str, key: str) -> asyncpg.Record:
+    connection = await asyncpg.connect(database_url)
+    try:
+        found: asyncpg.Record = await connection.fetchrow(
+            "SELECT state, response_status, response_stored, response_body, request"
+            " FROM oncegate_keys WHERE key = $1",
+            key,
+        )
+        return found
+    finally:
+        await connection.close()
+
+
+async def settled(database_url: str, key: str) -> asyncpg.Record:
+    for _ in range(400):
+        found = await row(database_url, key)
+        if found is not None and found["state"] != "in_progress":
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"key {key} did not settle")
+
+
+async def test_a_50_mib_answer_streams_with_memory_flat_and_only_its_status_is_stored(
+    client: httpx.AsyncClient,
+    gateway: GatewayProcess,
+    paced: PacedUpstream,
+    database_url: str,
+) -> None:
+    key = str(uuid.uuid4())
+    size = 50 * MIB
+    pid = gateway.process.popen.pid
+    before = rss(pid)
+    peak, received, first_byte = before, 0, None
+    digest = hashlib.sha256()
+    target = f"/small/paced?size={size}&chunk={MIB}&pause=0.05&length=0"
+    async with client.stream("POST", target, headers={"Idempotency-Key": key}) as answer:
+        assert answer.status_code == 200
+        async for chunk in answer.aiter_raw():
+            if first_byte is None:
+                first_byte = time.monotonic()
+            received += len(chunk)
+            digest.update(chunk)
+            peak = max(peak, rss(pid))
+    assert received == size and digest.digest() == hashlib.sha256(pattern(size)).digest()
+    assert first_byte is not None and first_byte < await paced.finished_at(
+        key
+    )  # not after the last
+    # The gateway's memory did not grow with the answer: far less than its size.
+    assert peak - before < 24 * MIB, (before, peak)
+
+    stored = await settled(database_url, key)
+    assert (stored["state"], stored["response_status"], stored["response_stored"]) == (
+        "completed",
+        200,
+        False,
+    )
+    assert stored["response_body"] is None and stored["request"] is None
+    retry = await client.post(target, headers={"Idempotency-Key": key})
+    assert (retry.status_code, problem_name(retry)) == (409, "response-not-stored")
+    assert paced.performed[key] == 1
+
+
+async def test_a_client_that_hangs_up_mid_stream_changes_nothing_stored(
+    client: httpx.AsyncClient, paced: PacedUpstream, database_url: str
+) -> None:
+    key = str(uuid.uuid4())
+    size = 4 * MIB
+    target = f"/large/paced?size={size}&chunk={256 * 1024}&pause=0.05"
+    async with client.stream("POST", target, headers={"Idempotency-Key": key}) as answer:
+        assert answer.status_code == 200
+        async for _ in answer.aiter_raw():
+            break  # and hang up
+    stored = await settled(database_url, key)
+    assert (stored["state"], stored["response_stored"]) == ("completed", True)
+    assert bytes(stored["response_body"]) == pattern(size)
+    replay = await client.post(target, headers={"Idempotency-Key": key})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == pattern(size)  # a multi-MiB replay, whole
+    assert paced.performed[key] == 1
+
+
+async def test_an_answer_that_breaks_off_is_cut_short_for_the_client_and_the_key_unknown(
+    client: httpx.AsyncClient, paced: PacedUpstream, database_url: str
+) -> None:
+    key = str(uuid.uuid4())
+    target = f"/large/paced?size={5 * MIB}&cut={MIB}&chunk={256 * 1024}"
+    with pytest.raises(httpx.HTTPError):
+        async with client.stream("POST", target, headers={"Idempotency-Key": key}) as answer:
+            async for _ in answer.aiter_raw():
+                pass
+    stored = await settled(database_url, key)
+    assert stored["state"] == "unknown"
+    connection = await asyncpg.connect(database_url)
+    try:
+        failure = await connection.fetchval(
+            "SELECT failure::text FROM oncegate_keys WHERE key = $1", key
+        )
+    finally:
+        await connection.close()
+    assert '"kind": "answer_broken"' in failure and '"status": 200' in failure
+    retry = await client.post(target, headers={"Idempotency-Key": key})
+    assert (retry.status_code, problem_name(retry)) == (409, "outcome-unknown")
+
+
+async def test_server_sent_events_are_relayed_as_they_come_and_replayed_whole(
+    client: httpx.AsyncClient, paced: PacedUpstream
+) -> None:
+    key = str(uuid.uuid4())
+    first_event = None
+    async with client.stream(
+        "POST", "/large/events?count=5", headers={"Idempotency-Key": key}
+    ) as answer:
+        assert answer.headers["content-type"] == "text/event-stream"
+        text = b""
+        async for chunk in answer.aiter_raw():
+            if first_event is None:
+                first_event = time.monotonic()
+            text += chunk
+    assert first_event is not None and first_event < await paced.finished_at(key)
+    replay = await client.post("/large/events?count=5", headers={"Idempotency-Key": key})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == text and text.count(b"data: event") == 5

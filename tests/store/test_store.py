@@ -9,7 +9,7 @@ import asyncpg
 import pytest
 
 from oncegate import errors, service
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.sealing import Keyring, SealedRequest, StoredAnswer, Unopenable, plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
@@ -277,3 +277,44 @@ async def test_take_over_keeps_the_key_alive_for_its_lease(
     assert await db.fetchval(
         "SELECT expires_at > lease_expires_at FROM oncegate_keys WHERE key = $1", key
     )
+
+
+async def test_kept_requests_are_sealed_rekeyed_and_purged_with_their_keys(
+    store: PostgresStore, database_url: str
+) -> None:
+    old = Keyring([("k1", bytes(range(32)))])
+    newer = Keyring([("k2", bytes(range(1, 33))), ("k1", bytes(range(32)))])
+    key, plain_key = new_key(), new_key()
+    data = b"POST /charges {card: tok_visa}"
+    sealed = old.seal_request(SCOPE, key, data)
+    assert data not in sealed.data and old.open_request(SCOPE, key, sealed) == data
+    with pytest.raises(Unopenable):
+        old.open_request(SCOPE, plain_key, sealed)  # moved to another key: it does not open
+    owner = await store.claim(ROUTE, SCOPE, key, digest("r"), LEASE, TTL, sealed)
+    plain = await store.claim(
+        ROUTE, SCOPE, plain_key, digest("r"), 0.1, 0.3, SealedRequest(None, data)
+    )
+    assert isinstance(owner, Claim) and isinstance(plain, Claim)
+
+    resealed = await store.rekey_requests(newer, 100, 0)
+    assert (resealed.resealed, resealed.unopenable) == (2, [])
+    (record,) = await store.find(key, None)
+    assert record.request is not None and record.request.key_name == "k2"
+    assert newer.open_request(SCOPE, key, record.request) == data
+    assert (await store.rekey_requests(newer, 100, 0)).resealed == 0  # nothing left under k1
+
+    # The TTL and the purger take a kept request with its key.
+    await asyncio.sleep(0.5)
+    while await store.purge(100):
+        pass
+    assert await store.find(plain_key, None) == []
+    connection = await asyncpg.connect(database_url)
+    try:
+        assert (
+            await connection.fetchval(
+                "SELECT count(*) FROM oncegate_keys WHERE key = $1", plain_key
+            )
+            == 0
+        )
+    finally:
+        await connection.close()

@@ -931,6 +931,7 @@ def test_every_dashboard_query_returns_data_after_traffic(
     assert reasons >= {"replayed", "in_progress"}
 
 
+@pytest.mark.slow  # the suite's own skip policy, run as a suite twice: `make test-all`
 @pytest.mark.parametrize(("ci", "outcome"), [("", "1 skipped"), ("true", "1 failed")])
 def test_without_prometheus_the_dashboard_tests_say_they_are_skipped_except_in_ci(
     tmp_path: Path, ci: str, outcome: str

@@ -366,6 +366,7 @@ def test_a_gateway_whose_handle_was_lost_puts_it_back_and_keeps_its_server(
     assert postmaster(data_dir) is None
 
 
+@pytest.mark.slow  # the supervisor again, after a kill: `make test-all` (the restart above stays)
 def test_a_dead_postgres_is_restarted_while_the_gateway_runs(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:
@@ -404,6 +405,7 @@ def test_a_dead_postgres_is_restarted_while_the_gateway_runs(
     assert postmaster(data_dir) is None
 
 
+@pytest.mark.slow  # a signal at a bad moment: `make test-all`
 def test_a_sigterm_while_the_gateway_starts_stops_it_cleanly(
     data_dir: Path, upstream: DemoUpstream, tmp_path: Path
 ) -> None:

@@ -98,6 +98,7 @@ def test_a_busy_demo_port_stops_make_run_before_the_gateway_starts(
     assert not (data_dir / "pgdata").exists()  # the gateway never started
 
 
+@pytest.mark.slow  # the busy demo port above is the same stop, sooner: `make test-all`
 def test_a_gateway_that_cannot_start_stops_the_demo_too(data_dir: Path, tmp_path: Path) -> None:
     chosen = ports()
     with busy(chosen["gateway"]):
@@ -112,7 +113,11 @@ def test_a_gateway_that_cannot_start_stops_the_demo_too(data_dir: Path, tmp_path
     assert not accepting(chosen["demo"])  # the demo upstream was stopped with it
 
 
-@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["from-a-terminal", "sigint-ignored"])
+@pytest.mark.parametrize(
+    "sigint_ignored",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # started as `nohup` does: test-all
+    ids=["from-a-terminal", "sigint-ignored"],
+)
 def test_make_run_gives_an_admin_token_and_honours_the_log_format(
     data_dir: Path, tmp_path: Path, sigint_ignored: bool
 ) -> None:

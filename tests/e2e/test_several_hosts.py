@@ -89,6 +89,7 @@ def test_a_host_list_without_read_write_is_refused_with_a_sentence() -> None:
         assert "Traceback" not in result.stderr and "hunter2" not in result.stderr
 
 
+@pytest.mark.slow  # the URL read as serve and migrate read it: `make test-all`
 async def test_purge_follows_the_host_list(database_url: str) -> None:
     connection = await asyncpg.connect(database_url)
     try:
@@ -101,6 +102,7 @@ async def test_purge_follows_the_host_list(database_url: str) -> None:
         await connection.close()
 
 
+@pytest.mark.slow  # the URL read as serve and migrate read it: `make test-all`
 def test_rekey_follows_the_host_list(database_url: str) -> None:
     keys = "k2:" + base64.b64encode(b"2" * 32).decode()
     result = oncegate("rekey", url=behind_a_dead_host(database_url), ONCEGATE_ENCRYPTION_KEYS=keys)
@@ -130,6 +132,7 @@ def test_the_lab_runs_on_a_host_list(database_url: str) -> None:
     assert json.loads(result.stdout)["strategies"]["C"]["duplicate_runs_pct"] == 0
 
 
+@pytest.mark.slow  # the URL read as serve and migrate read it: `make test-all`
 def test_the_lab_refuses_a_host_list_it_could_not_write_through() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "oncegate.cli", "lab", "--database-url", "postgresql://a,b/x"],

@@ -236,10 +236,11 @@ async def readiness(gateway: GatewayProcess) -> tuple[dict[str, str], float]:
     return ready.json(), total(exposition, "oncegate_store_failover_unsafe")
 
 
+# A primary and a standby built for the test, then failed over: `make test-all`, as the
+# asynchronous case (make test has the host list's failover, tests/e2e/test_several_hosts.py).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "synchronous", ["on", pytest.param("off", marks=pytest.mark.slow)], indirect=True
-)
+@pytest.mark.parametrize("synchronous", ["on", "off"], indirect=True)
 async def test_a_failover_to_a_synchronous_standby_loses_no_claim(
     synchronous: Deployment, upstream: DemoUpstream
 ) -> None:

@@ -2,21 +2,33 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# One stamp per extra installed into $(VENV), newer than pyproject.toml when what it names is
+# there: `make run` needs the package with `[embedded]` (RUN_STAMP), everything else the test
+# toolchain too, `[dev]` (STAMP: the name every .venv made before the split has, so it keeps
+# working). `[dev]` holds all that `[embedded]` does, so its stamp stands for both.
+RUN_STAMP := $(VENV)/.installed-embedded
 STAMP := $(VENV)/.installed
 
 .PHONY: run test test-all test-langgraph-oldest test-tools faults soak lint lock bench bench-all \
 	bench-quick clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	@if [ $(STAMP) -nt pyproject.toml ]; then echo "$(VENV) has the test toolchain: nothing to install"; \
+	else $(PIP) -e '.[embedded]'; fi
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) -e '.[dev]'
+	touch $@ $(RUN_STAMP)
 
 # The gateway on the embedded PostgreSQL in front of the demo upstream, both started here, with
 # an admin token for this run; either one that cannot start stops both. Ctrl-C stops both.
 # Ports: make run DEMO_PORT=9000 ONCEGATE_PORT=8080 ONCEGATE_ADMIN_PORT=8081.
-run: $(STAMP)
+run: $(RUN_STAMP)
 	@VENV=$(VENV) bash scripts/run.sh
 
 # tests/deploy evaluates the Grafana dashboard's queries on a real Prometheus,

@@ -83,6 +83,8 @@ def check_again(directory: Path) -> int:
     )
     for violation in result.violations:
         print(violation.report())  # noqa: T201
+    causes = ", ".join(f"{cause} {count:,}" for cause, count in result.unknown_causes.most_common())
+    print(f"unknown keys, in flight at: {causes or '-'}")  # noqa: T201
     print(f"{len(result.violations)} violations")  # noqa: T201
     return 0 if result.ok else 1
 

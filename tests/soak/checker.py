@@ -23,10 +23,11 @@ The rules, each with the name a report counts it under:
 6. `held`: no key is still `in_progress` once the chaos has stopped and every lease has run out,
    and no probe sent after that is answered 409 `request-in-progress`.
 7. `unexplained-unknown`: every key that ends `unknown` was in flight at a failure: the
-   upstream timed out or reset one of its requests, a request of it was in flight in a gateway
-   when that gateway was signalled, or in flight (or answered just before) when its own store
-   failed (a crash, a stop, a failover, a Citus worker stopped, a shard moved). Each is counted
-   under its cause (`Result.unknown_causes`).
+   upstream answered one of its requests late or reset it, the route's timeout fired on one
+   (the gateway's 504 `outcome-unknown`: the upstream ran late without being told to), a
+   request of it was in flight in a gateway when that gateway was signalled, or in flight (or
+   answered just before) when its own store failed (a crash, a stop, a failover, a Citus worker
+   stopped, a shard moved). Each is counted under its cause (`Result.unknown_causes`).
 
 A run may have several stores (scenarios): a store's events name it as their `target`, and a key
 is judged against the events of the store its requests went to (`Attempt.scenario`); events with
@@ -482,6 +483,11 @@ class _Checker:
         for record in self.by_key.get(key, []):
             if record.fault in UPSTREAM_UNKNOWN:
                 return f"upstream-{record.fault}"
+        for attempt in self.attempts_by_key.get(key, []):
+            # The route's timeout fired before the upstream's answer came back, though the
+            # upstream drew no fault: on a loaded machine it (or the gateway reading it) ran late.
+            if attempt.status == 504 and problem_name(attempt) == "outcome-unknown":
+                return "route-timeout"
         attempts = [
             attempt for attempt in self.attempts_by_key.get(key, [])
             if attempt.sent < self.rows_read_at

@@ -307,6 +307,18 @@ def test_an_upstream_timeout_or_reset_explains_unknown(fault: str) -> None:
     assert result.ok and result.unknown_causes == {f"upstream-{fault}": 1}
 
 
+def test_a_route_timeout_explains_unknown_though_the_upstream_drew_no_fault() -> None:
+    """On a loaded machine the upstream can answer after the route's timeout unasked: the
+    gateway's first answer, 504 `outcome-unknown`, says its timeout fired."""
+    attempts = [problem("a1", 100.0, "outcome-unknown", 504)]
+    result = checker.check(attempts, [performed(1, "a1")], [UNKNOWN], [READ])
+    assert result.ok and result.unknown_causes == {"route-timeout": 1}
+    attempts = [problem("a1", 100.0, "outcome-unknown", 502)]  # a 502 is no timeout
+    assert rules(checker.check(attempts, [performed(1, "a1")], [UNKNOWN], [READ])) == [
+        "unexplained-unknown"
+    ]
+
+
 @pytest.mark.parametrize(
     ("target", "at", "explained"),
     [("gateway-1", 100.005, True), ("gateway-2", 100.005, False), ("gateway-1", 120.0, False)],

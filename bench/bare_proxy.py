@@ -164,7 +164,8 @@ def from_environment() -> Any:
 
 def serve(factory: str, host: str, port: int, workers: int) -> None:
     """Serve the app `factory` ("module:function") builds, with the gateway's uvicorn options
-    (app/cli.py `_serve`). With several workers each worker process calls the factory itself."""
+    (app/commands/cli.py `_serve`). With several workers each worker process calls the factory
+    itself."""
     options = {
         "host": host,
         "port": port,

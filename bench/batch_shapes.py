@@ -1,10 +1,10 @@
 """What PostgreSQL and the client pay per claim+complete pair, one statement per operation
 against multi-row `unnest` statements (issue 9's table, measured again here).
 
-It starts an embedded PostgreSQL (`oncegate.embedded`) in a fresh temporary directory, applies
-oncegate's own migrations (`oncegate.schema`), so the table is the real `oncegate_keys` with its
-constraints and indexes, and then, for each shape, runs 64 asyncio tasks on asyncpg, each one
-claiming a new key and then completing it, over and over:
+It starts an embedded PostgreSQL (`oncegate.store.embedded`) in a fresh temporary directory,
+applies oncegate's own migrations (`oncegate.store.migrate`), so the table is the real
+`oncegate_keys` with its constraints and indexes, and then, for each shape, runs 64 asyncio
+tasks on asyncpg, each one claiming a new key and then completing it, over and over:
 
 - `1`: one statement per operation, today's shape: the claim
   (`INSERT ... ON CONFLICT DO NOTHING RETURNING`) on a pool of 20 connections with synchronous
@@ -60,7 +60,7 @@ sys.path.insert(0, str(BENCH))  # `python -m bench.batch_shapes` too: run.py imp
 import quick  # noqa: E402 - bench/ is on the path from here on
 import run  # noqa: E402
 
-from oncegate import keys  # noqa: E402
+from oncegate.kernel import keys  # noqa: E402
 from oncegate.store.postgres.connections import request_settings  # noqa: E402
 
 ROUTE = "default"

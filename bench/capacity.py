@@ -1,7 +1,8 @@
 """The capacity model's figures (docs/scaling.md): what one gateway process and PostgreSQL each
 spend per forwarded request at 64 connections, and what that makes of a deployment.
 
-It starts an embedded PostgreSQL (`oncegate.embedded`, migrated), `oncegate demo-upstream` and one
+It starts an embedded PostgreSQL (`oncegate.store.embedded`, migrated), `oncegate demo-upstream`
+and one
 `oncegate serve` process on free loopback ports, warms up, then sends `POST /emails` with a new
 Idempotency-Key per request over `--connections` keep-alive connections for `--duration` seconds
 (bench/quick.py's load generator), `--repeats` times. For each run it reads from /proc the CPU

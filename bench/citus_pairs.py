@@ -4,8 +4,8 @@ claim+complete pair costs PostgreSQL on a shard beside what it costs on a single
 Both are Debian's PostgreSQL 15 started here with the same settings (tests/citus.py: a
 temporary directory, free ports on 127.0.0.1, fsync off on both): a single server, and a Citus
 coordinator with two workers, its key table in `--shards` shards (a database per shard count,
-32 by default: Citus's). Each gets oncegate's migrations (`oncegate.schema`: on the cluster the
-key table is distributed by key), then the real store (`PostgresStore`, its
+32 by default: Citus's). Each gets oncegate's migrations (`oncegate.store.migrate`: on the cluster
+the key table is distributed by key), then the real store (`PostgresStore`, its
 batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
 completing it, over and over, for `--duration` seconds after `--warmup`.
 
@@ -48,10 +48,10 @@ sys.path.insert(0, str(BENCH.parent))  # tests.citus: the cluster the tests star
 import quick  # noqa: E402
 import run  # noqa: E402
 
-from oncegate import metrics, schema  # noqa: E402
-from oncegate.sealing import StoredAnswer, plaintext  # noqa: E402
-from oncegate.store import Claim  # noqa: E402
+from oncegate.kernel.sealing import StoredAnswer, plaintext  # noqa: E402
+from oncegate.store import Claim, migrate  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
+from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402
 
 SCOPE = bytes(32)
@@ -264,7 +264,7 @@ def main() -> int:
     try:
         with servers(work, arguments.shards) as targets:
             for url, _ in targets.values():
-                schema.upgrade(url)
+                migrate.upgrade(url)
             for _ in range(arguments.repeats):
                 for target, (url, postmasters) in targets.items():
                     sample = asyncio.run(measure(target, url, postmasters, arguments))

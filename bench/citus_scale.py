@@ -43,10 +43,10 @@ import citus_pairs  # noqa: E402
 import quick  # noqa: E402
 import run  # noqa: E402
 
-from oncegate import metrics, schema  # noqa: E402
-from oncegate.sealing import StoredAnswer  # noqa: E402
-from oncegate.store import Claim  # noqa: E402
+from oncegate.kernel.sealing import StoredAnswer  # noqa: E402
+from oncegate.store import Claim, migrate  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
+from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -215,7 +215,7 @@ def measure_target(
         if with_citus:
             shards = max(1, arguments.shards_per_worker * workers)
             asyncio.run(citus_pairs.set_shard_count(url, shards))
-        schema.upgrade(url)
+        migrate.upgrade(url)
         nodes = nodes_of(cluster, arguments.quota, f"oncegate-scale-{os.getpid()}-{workers}")
         if not with_citus:
             results.append(asyncio.run(drive(url, nodes, arguments, "PostgreSQL 15, one server")))

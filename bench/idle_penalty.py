@@ -17,7 +17,7 @@ median pair. The pause is one of:
 - `sleep`: this process sleeps too (`asyncio.sleep`; the default loop's epoll wait is rounded up
   to whole milliseconds, so pauses under 1 ms are run busy only).
 
-It starts an embedded PostgreSQL (`oncegate.embedded`) in a fresh temporary directory with the
+It starts an embedded PostgreSQL (`oncegate.store.embedded`) in a fresh temporary directory with the
 gateway's migrations, and removes both at the end, failure or not. Runs are interleaved, each on
 two new connections warmed with `WARMUP_PAIRS` pairs first; the figures are medians of the runs'
 medians. It exits 1 if a claim did not claim or a complete did not complete.
@@ -47,7 +47,7 @@ import quick  # noqa: E402 - bench/ is on the path from here on
 import run  # noqa: E402
 from batch_shapes import load_line, machine_line  # noqa: E402
 
-from oncegate import keys  # noqa: E402
+from oncegate.kernel import keys  # noqa: E402
 from oncegate.store.queries import DIALECTS  # noqa: E402
 
 WARMUP_PAIRS = 200

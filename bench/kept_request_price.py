@@ -30,7 +30,7 @@ sys.path.insert(0, str(BENCH))
 import quick  # noqa: E402
 import run  # noqa: E402
 
-from oncegate.sealing import SealedRequest, StoredAnswer, plaintext  # noqa: E402
+from oncegate.kernel.sealing import SealedRequest, StoredAnswer, plaintext  # noqa: E402
 from oncegate.store import Claim  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import asyncpg
 
-from oncegate import schema, service
+from oncegate import service
+from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore
 
 FILL = """
@@ -94,7 +95,7 @@ def main() -> None:
     server = get_server(directory / "data", cleanup_mode="delete")
     try:
         url = server.get_uri()
-        schema.upgrade(url)
+        migrate.upgrade(url)
         asyncio.run(measure(url, arguments.rows, arguments.unknown_every))
     finally:
         server.cleanup()

@@ -3,7 +3,8 @@
 Starts, on 127.0.0.1 and free ports: the demo upstream (its `/sink` reads each large request
 whole and answers 201 `{}`; its `/echo` answers the probes), and two gateways on one embedded
 PostgreSQL: the gateway as it is, and the same gateway with the key of a large body
-read in a worker thread, as it was before `oncegate.key_workers` (patched in by this script: an
+read in a worker thread, as it was before `oncegate.kernel.key_workers` (patched in by this
+script: an
 instrument, never a way to run the gateway). Each gateway has three routes: `/bulk` (the key in
 `Idempotency-Key`), `/bulkbody` (`key_from_body: /idempotency_key`) and `/probe` (a passed
 through GET to the demo upstream).
@@ -40,7 +41,7 @@ from bench import quick
 # The gateway of before: `_key` parses a large body in a worker thread.
 THREAD_GATEWAY = """
 import asyncio, sys
-from oncegate import keys
+from oncegate.kernel import keys
 from oncegate.service import flow
 
 async def _thread(body, pointer, shown):
@@ -53,11 +54,11 @@ class ThreadWorkers:
         pass
 
 flow.KeyWorkers = ThreadWorkers
-from oncegate import key_workers
+from oncegate.kernel import key_workers
 key_workers.KeyWorkers = ThreadWorkers
 import oncegate.http.runtime as runtime
 runtime.KeyWorkers = ThreadWorkers
-from oncegate.cli import main
+from oncegate.commands.cli import main
 sys.exit(main())
 """
 ROWS = (
@@ -152,7 +153,10 @@ def start_servers(
                  demo_port),
     }  # fmt: skip
     gateways: dict[str, str] = {}
-    for name, program in (("now", ["-m", "oncegate.cli"]), ("before", ["-c", THREAD_GATEWAY])):
+    for name, program in (
+        ("now", ["-m", "oncegate.cli"]),
+        ("before", ["-c", THREAD_GATEWAY]),
+    ):
         port, admin = quick.free_port(), quick.free_port()
         serve = ["serve", "--config", str(config(work, name, demo_url)),
                  "--host", quick.HOST, "--port", str(port), "--admin-port", str(admin)]  # fmt: skip

@@ -23,10 +23,11 @@ import sys
 
 import uvicorn
 
-from oncegate import logs, metrics, settings
+from oncegate import settings
 from oncegate.http import proxy, runtime, server
-from oncegate.routing import RouteTable
+from oncegate.service.routing import RouteTable
 from oncegate.store.memory import MemoryStore
+from oncegate.telemetry import logs, metrics
 from oncegate.upstream.client import HttpUpstream
 
 # The keys the store holds at most: the gateway keeps none of its keys in its own process, so

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import httpx
 
-from oncegate import schema
+from oncegate.store import migrate
 
 FILL = """
 INSERT INTO oncegate_keys
@@ -111,7 +111,7 @@ def database() -> Iterator[str]:
     asyncio.run(execute(admin_url, f"CREATE DATABASE {name}"))
     url = urlunsplit(urlsplit(admin_url)._replace(path="/" + name))
     try:
-        schema.upgrade(url)
+        migrate.upgrade(url)
         yield url
     finally:
         asyncio.run(execute(admin_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

@@ -326,17 +326,20 @@ def work_directory(prefix: str) -> Path:
 
 @contextlib.contextmanager
 def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
-    """An embedded PostgreSQL (`oncegate.embedded`) with oncegate's migrations, in a fresh
+    """An embedded PostgreSQL (`oncegate.store.embedded`) with oncegate's migrations, in a fresh
     temporary directory named with `prefix`: stopped on the way out, whatever happened, and the
     directory removed unless `keep`. A SIGALRM budget of the caller's is cancelled before the
     clean-up, so running out of it cannot cut the server's stop short."""
-    from oncegate import embedded, schema  # the scripts that start one put the root on the path
+    from oncegate.store import (  # the scripts that start one put the root on the path
+        embedded,
+        migrate,
+    )
 
     work = work_directory(prefix)
     server = None
     try:
         server = embedded.start(work / "data")
-        schema.upgrade(server.url)
+        migrate.upgrade(server.url)
         yield server
     finally:
         signal.alarm(0)

@@ -66,7 +66,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(1, str(ROOT))
 
-from oncegate import keys  # noqa: E402 - the repository root is on the path from here on
+from oncegate.kernel import keys  # noqa: E402 - the repository root is on the path from here on
 from oncegate.service.evidence import KeptRequest  # noqa: E402
 from oncegate.store import claimant  # noqa: E402
 
@@ -409,7 +409,7 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
         else:
             # Join the gateway's embedded server (pgserver counts the processes holding it) for
             # its URL; the last holder to let go stops it.
-            from oncegate import embedded
+            from oncegate.store import embedded
 
             embedded_handle = embedded.start(work / "data")
             database_url = embedded_handle.url

@@ -33,8 +33,9 @@ import psycopg
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import END, START, StateGraph
 
-from oncegate import embedded, settings
+from oncegate import settings
 from oncegate.agent.langgraph import Gateway
+from oncegate.store import embedded
 
 GATEWAY = os.environ.get("GATEWAY_URL", "http://127.0.0.1:8080")
 PAUSE = float(os.environ.get("PAUSE", "5"))

@@ -1,5 +1,6 @@
 """Alembic's migrations of the oncegate schema: `env.py` and one file per change in `versions/`.
 
 Installed, this folder is `oncegate.migrations`, so `oncegate migrate` finds it from anywhere
-(`oncegate.schema` runs it); in a checkout, `alembic upgrade head` beside `alembic.ini` does too.
+(`oncegate.store.migrate` runs it); in a checkout, `alembic upgrade head` beside `alembic.ini`
+does too.
 """

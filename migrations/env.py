@@ -45,7 +45,7 @@ def _run(connection: Connection) -> None:
 
 async def _run_async(url: str) -> None:
     # Opened before SQLAlchemy sees it, by the store's `connect` under `oncegate migrate`
-    # (`oncegate.schema`): a PostgreSQL that cannot be reached is one sentence
+    # (`oncegate.store.migrate`): a PostgreSQL that cannot be reached is one sentence
     # (`StoreUnavailable`, exit 3), not a traceback from inside SQLAlchemy's pool. The engine
     # connects once and is handed this connection.
     connect = context.config.attributes.get("connect", asyncpg.connect)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import asyncpg
 
-from oncegate import embedded
+from oncegate.store import embedded
 from tests.helpers import free_port
 
 BIN = Path("/usr/lib/postgresql/15/bin")

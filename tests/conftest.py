@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from oncegate import schema
+from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore
 from tests import citus
 
@@ -87,7 +87,7 @@ def template_url(postgres_url: str) -> str:
         )
     )
     url = with_database(postgres_url, TEMPLATE)
-    schema.upgrade(url)
+    migrate.upgrade(url)
     return url
 
 
@@ -147,7 +147,7 @@ def database_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
     if backend == "citus":
         cluster: citus.Cluster = request.getfixturevalue("citus_cluster")
         url = cluster.create_database(name)
-        schema.upgrade(url)
+        migrate.upgrade(url)
         yield url
         cluster.drop_database(name)
         return

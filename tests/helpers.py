@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
-from oncegate import sealing
+from oncegate.kernel import sealing
 from oncegate.store import KeyRecord, Record
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

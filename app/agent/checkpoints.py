@@ -1,6 +1,6 @@
 """What a run remembers between two processes, and where it keeps it: the checkpoint record
-(`Checkpoint`, `Pending`, `CheckpointError`, defined in `oncegate.checkpoint` and named here for
-the agent's users; its invariants are listed there) and the `CheckpointStore` Protocol that
+(`Checkpoint`, `Pending`, `CheckpointError`, defined in `oncegate.model.checkpoint` and named
+here for the agent's users; its invariants are listed there) and the `CheckpointStore` Protocol that
 `oncegate.store.checkpoints.PostgresCheckpoints` implements.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..checkpoint import JSON, Checkpoint, CheckpointError, Pending, utc_now
+from ..model.checkpoint import JSON, Checkpoint, CheckpointError, Pending, utc_now
 
 __all__ = [
     "JSON",

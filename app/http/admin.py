@@ -25,13 +25,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from .. import errors, headers, service
-from .. import metrics as app_metrics
+from .. import service
+from ..kernel import headers
+from ..model import errors
 from ..service import Operator
 from ..service.evidence import masked
 from ..service.messages import Answer
 from ..settings import DEFAULT_BODY_LIMIT, Settings
 from ..store import Cause, KeyRecord, QueuedKey, State
+from ..telemetry import metrics as app_metrics
 from .deps import RuntimeDep
 from .proxy import ClientDisconnected, read_body
 

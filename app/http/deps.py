@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from .. import service
-from ..routing import RouteTable
+from ..service.routing import RouteTable
 from ..settings import Settings
 
 

@@ -7,7 +7,7 @@ from email.utils import formatdate
 
 from starlette.responses import Response
 
-from .. import errors
+from ..model import errors
 
 MEDIA_TYPE = "application/problem+json"
 # Whether a retry with the same key can help (`GatewayError.retry_advised`), in the two headers

@@ -28,7 +28,7 @@ import httptools
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .. import errors
+from ..model import errors
 from . import problems
 
 # Generous for any client that means to send a request (a head is a few hundred bytes), short

@@ -16,11 +16,13 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, assert_never
 
-from .. import errors, headers, metrics, paths, tracing
-from ..routing import RouteTable
+from ..kernel import headers, paths
+from ..model import errors
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
+from ..service.routing import RouteTable
 from ..service.streaming import Broken, Relay
 from ..settings import Route, routes
+from ..telemetry import metrics, tracing
 from . import problems
 
 log = logging.getLogger("oncegate.request")

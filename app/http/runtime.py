@@ -21,14 +21,16 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import errors, metrics, service
-from ..key_workers import KeyWorkers
-from ..routing import RouteTable
-from ..sealing import Keyring
+from .. import service
+from ..kernel.key_workers import KeyWorkers
+from ..kernel.sealing import Keyring
+from ..model import errors
+from ..service.routing import RouteTable
+from ..service.tokens import Identities
 from ..settings import Settings
 from ..store import Store
 from ..store.postgres import PostgresStore
-from ..tokens import Identities
+from ..telemetry import metrics
 from ..upstream import Upstream
 from ..upstream.client import HttpUpstream
 from . import admin, problems, proxy, sessions, ui

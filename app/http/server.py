@@ -29,8 +29,9 @@ from typing import Any
 
 import uvicorn
 
-from .. import errors, metrics, tracing
+from ..model import errors
 from ..settings import Settings
+from ..telemetry import metrics, tracing
 from . import protocol
 from .runtime import create_admin_app, create_proxy_app, running
 

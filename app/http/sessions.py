@@ -28,7 +28,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from .. import errors
+from ..model import errors
 from .deps import RuntimeDep
 
 COOKIE = "oncegate_session"

@@ -24,7 +24,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
-from .. import errors, service
+from .. import service
+from ..model import errors
 from ..service.evidence import masked
 from ..store import QueuedKey
 from .admin import Resolution, read_bounded

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import argument_types, errors, logs
+from ..commands import argument_types
+from ..model import errors
+from ..telemetry import logs
 
 if TYPE_CHECKING:
     from .worker import Runtime

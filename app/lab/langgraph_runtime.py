@@ -53,11 +53,11 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode
 from langgraph.types import Command
 
-from .. import database_url
 from ..agent.checkpoints import JSON
 from ..agent.client import RetryPolicy, SyncActionClient
 from ..agent.langgraph import Gateway
 from ..agent.runner import Step
+from ..settings import database_url
 from .model import Reconciliation, Run
 from .task import support_task
 from .worker import Environment, Runtime, reporter

@@ -127,7 +127,7 @@ def running(
     database_url: str | None, upstream_url: str | None, gateway_url: str | None
 ) -> Iterator[Stack]:
     """The services of one lab session, started as needed and stopped at the end."""
-    from .. import embedded, schema
+    from ..store import embedded, migrate
 
     directory = Path(tempfile.mkdtemp(prefix="oncegate-lab-"))
     # The lab's own directory (mkdtemp makes it private): as root the embedded PostgreSQL runs as
@@ -140,7 +140,7 @@ def running(
         if database_url is None:
             server = embedded.start(directory)
             database_url = server.url
-            schema.upgrade(database_url)
+            migrate.upgrade(database_url)
         if upstream_url is None:
             port = free_port()
             arguments = ["demo-upstream", "--port", str(port)]

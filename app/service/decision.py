@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from .. import errors, headers, sealing
-from ..fingerprint import Fingerprint
-from ..outcomes import Outcome
-from ..sealing import Sealer
+from ..kernel import headers, sealing
+from ..kernel.fingerprint import Fingerprint
+from ..kernel.sealing import Sealer
+from ..model import errors
+from ..model.outcomes import Outcome
 from ..settings import Route
 from ..store import Record
 from .messages import Answer

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
-from .. import headers
+from ..kernel import headers
 from ..settings import Route
 from ..upstream import AnswerLost
 from .messages import ProxyRequest

@@ -41,19 +41,21 @@ import logging
 from collections.abc import Awaitable
 from typing import assert_never
 
-from .. import errors, fingerprint, headers, keys, metrics
-from ..key_workers import KeyWorkers
-from ..outcomes import Outcome
-from ..routing import upstream_url
-from ..sealing import Keyring, SealedRequest, Sealer, StoredAnswer
+from ..kernel import fingerprint, headers, keys
+from ..kernel.key_workers import KeyWorkers
+from ..kernel.sealing import Keyring, SealedRequest, Sealer, StoredAnswer
+from ..model import errors
+from ..model.outcomes import Outcome
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
 from ..store import Claim, Record, Store
-from ..tokens import Identities
+from ..telemetry import metrics
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 from . import evidence
 from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
 from .messages import Answer, ProxyRequest
+from .routing import upstream_url
 from .streaming import Broken, Relay
+from .tokens import Identities
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
 log = logging.getLogger("oncegate.service")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import errors, schema
-from ..store import Store
+from ..model import errors
+from ..store import Store, migrate
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class Health:
         self._store = store
 
     async def readiness(self) -> Readiness:
-        head = schema.head()
+        head = migrate.head()
         try:
             revision = await self._store.schema_revision()
             risk = (await self._store.replication()).risk()

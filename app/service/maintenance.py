@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .. import metrics
 from ..store import LISTED_STATES, AdminStore, Listed, Store
+from ..telemetry import metrics
 
 # The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
 # on the same table never wait behind it; the pause between batches leaves room for traffic.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from ..outcomes import BlockReason, Outcome
+from ..model.outcomes import BlockReason, Outcome
 from .streaming import Relay
 
 # Resolves when the client has hung up (the proxy port watches its connection).

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from .. import errors, headers, keys, metrics, sealing
-from ..sealing import Keyring, Sealer, StoredAnswer
+from ..kernel import headers, keys, sealing
+from ..kernel.sealing import Keyring, Sealer, StoredAnswer
+from ..model import errors
 from ..settings import ROUTE_NAME, Route
 from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey, Record
+from ..telemetry import metrics
 from .evidence import KeptRequest
 from .flow import Gateway
 from .messages import Answer

@@ -19,10 +19,11 @@ import asyncio
 import math
 from typing import Any
 
-from .. import headers, metrics
+from ..kernel import headers
 from ..settings import Route
 from ..store import Record, Store
 from ..store.notify import Watch
+from ..telemetry import metrics
 from .messages import ClientGoneProbe, ProxyRequest
 
 # A waiting request looks at its row this often, in case a settle notification was lost: often

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .. import errors, tracing
+from ..model import errors
+from ..telemetry import tracing
 from .gateway import Settings
 from .parts import default_data_dir
 from .routes import DEFAULT_TIMEOUT, DEFAULT_TTL

@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .. import database_url, errors
-from ..sealing import Keyring
+from ..kernel.sealing import Keyring
+from ..model import errors
+from . import database_url
 from .units import Duration
 
 
@@ -70,11 +71,12 @@ class DatabaseSettings(BaseModel):
 
 
 class SealingSettings(BaseModel):
-    """The keys stored answers are sealed with (`oncegate.sealing`): `serve` and `rekey`."""
+    """The keys stored answers are sealed with (`oncegate.kernel.sealing`): `serve` and `rekey`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # `name:base64,...`: seal stored answers (oncegate.sealing). Checked at load, never echoed.
+    # `name:base64,...`: seal stored answers (oncegate.kernel.sealing). Checked at load, never
+    # echoed.
     encryption_keys: str | None = None
 
     @field_validator("encryption_keys")

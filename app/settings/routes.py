@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .. import headers, keys
+from ..kernel import headers, keys
 from .units import Duration, Size, Wait
 
 DEFAULT_TTL = 24 * 3600.0
@@ -67,7 +67,7 @@ DEFAULT_TOKEN_KEYS_REFRESH = 300.0
 
 class TokenScope(BaseModel):
     """A route's `scope_jwt`: keys are scoped by who a verified JWT says the client is (its
-    issuer and subject), so a refreshed token keeps its keys (oncegate.tokens)."""
+    issuer and subject), so a refreshed token keeps its keys (oncegate.service.tokens)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

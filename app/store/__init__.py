@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, Protocol
 
-from ..sealing import SealedRequest, StoredAnswer
+from ..kernel.sealing import SealedRequest, StoredAnswer
 from .notify import Watch
 
 # What a key is now (`oncegate_key_state` in SQL, migrations/schema.sql): `in_progress` while

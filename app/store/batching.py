@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
-from .. import metrics
+from ..telemetry import metrics
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The agent library's checkpoint store on PostgreSQL
 (it implements `oncegate.agent.checkpoints.CheckpointStore`, without importing the agent: the
-record it stores is `oncegate.checkpoint`'s).
+record it stores is `oncegate.model.checkpoint`'s).
 
 Design rules:
 - One statement per operation, autocommitted (queries in `checkpoints.sql`).
@@ -20,8 +20,8 @@ from typing import Any
 import asyncpg
 
 from .. import settings
-from ..checkpoint import Checkpoint, CheckpointError, Pending
-from ..embedded import EmbeddedPostgres
+from ..model.checkpoint import Checkpoint, CheckpointError, Pending
+from .embedded import EmbeddedPostgres
 from .errors import translated
 from .queries import load
 
@@ -32,11 +32,11 @@ COMMAND_TIMEOUT = 10.0
 
 def _join_embedded(data_dir: Path) -> EmbeddedPostgres:
     """The embedded server the gateway uses by default, migrated (idempotent)."""
-    from .. import embedded, schema
+    from . import embedded, migrate
 
     server = embedded.start(data_dir)
     try:
-        schema.upgrade(server.url)
+        migrate.upgrade(server.url)
     except BaseException:
         server.stop()
         raise

@@ -17,7 +17,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import asyncpg
 
-from .. import errors, metrics
+from ..model import errors
+from ..telemetry import metrics
 
 log = logging.getLogger("oncegate.store")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
-from ..sealing import SealedRequest, StoredAnswer
+from ..kernel.sealing import SealedRequest, StoredAnswer
 from . import (
     Cause,
     Claim,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .. import keys
+from ..kernel import keys
 
 
 class NotSent(Exception):

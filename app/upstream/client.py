@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 import yarl
 
-from .. import headers, keys, tracing
+from ..kernel import headers, keys
+from ..telemetry import tracing
 from . import AnswerLost, NotSent, UpstreamResponse
 
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this

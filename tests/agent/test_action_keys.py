@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from oncegate import keys as gateway_keys
 from oncegate.agent.keys import action_key, task_key, tool_call_key
+from oncegate.kernel import keys as gateway_keys
 
 
 def test_the_key_names_the_run_the_step_and_the_action() -> None:

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from oncegate import schema
 from oncegate.agent.checkpoints import Checkpoint, CheckpointError, Pending, check_belongs
+from oncegate.store import migrate
 from oncegate.store.checkpoints import PostgresCheckpoints
 
 # The agent's table on the embedded PostgreSQL and on a Citus cluster (distributed by run_id).
@@ -128,8 +128,8 @@ async def test_migration_0002_goes_up_and_down(empty_database_url: str) -> None:
             await connection.close()
         return {row["tablename"] for row in rows}
 
-    await asyncio.to_thread(schema.upgrade, empty_database_url, "0002")
+    await asyncio.to_thread(migrate.upgrade, empty_database_url, "0002")
     assert {"oncegate_keys", "oncegate_checkpoints"} <= await tables()
-    await asyncio.to_thread(schema.downgrade, empty_database_url, "0001")
+    await asyncio.to_thread(migrate.downgrade, empty_database_url, "0001")
     assert "oncegate_checkpoints" not in await tables()
     assert "oncegate_keys" in await tables()

@@ -47,7 +47,8 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from oncegate import metrics, settings
+from oncegate import settings
+from oncegate.telemetry import metrics
 from tests.e2e.conftest import STARTUP_TIMEOUT, DemoUpstream, Process
 from tests.helpers import free_port, total
 
@@ -515,8 +516,8 @@ def test_dockerfile_install_steps_give_a_working_oncegate(tmp_path: Path) -> Non
     assert not (tmp_path / "data").exists()  # nothing created for a server that cannot run
     # The installed package, not the copied source tree, with its migrations and SQL.
     probe = (
-        "import oncegate.cli, oncegate.schema, oncegate.store.queries; "
-        "print(oncegate.cli.__file__); print(oncegate.schema.head())"
+        "import oncegate.commands.cli, oncegate.store.migrate, oncegate.store.queries; "
+        "print(oncegate.commands.cli.__file__); print(oncegate.store.migrate.head())"
     )
     location, head = run("python", "-c", probe).split()
     assert "site-packages" in location

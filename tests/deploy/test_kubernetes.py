@@ -16,7 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from oncegate import cli, database_url, settings
+from oncegate import settings
+from oncegate.commands import cli
+from oncegate.settings import database_url
 
 DIRECTORY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 # The oldest Kubernetes release still commonly run, and the newest the package knows.

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key, scrape, value
 
@@ -56,7 +56,7 @@ async def test_health_and_readiness(gateway: GatewayProcess) -> None:
         assert (await plain.get("/healthz")).status_code == 200
         ready = await plain.get("/readyz")
         assert ready.status_code == 200
-        assert ready.json() == {"status": "ok", "revision": schema.head()}
+        assert ready.json() == {"status": "ok", "revision": migrate.head()}
         metrics = await plain.get("/metrics")
         assert metrics.status_code == 200
         assert metrics.headers["content-type"].startswith("text/plain")

@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests.helpers import free_port, insert_completed_keys
 
 
@@ -169,7 +169,7 @@ def test_migrate_is_idempotent_and_serve_refuses_an_unmigrated_database(
     for _ in range(2):
         result = oncegate("migrate", env=env)
         assert result.returncode == 0, result.stderr
-        assert f"schema revision {schema.head()}" in result.stdout
+        assert f"schema revision {migrate.head()}" in result.stdout
 
 
 async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -> None:

@@ -26,7 +26,7 @@ import requests
 import stripe
 from gocardless_pro import errors as gocardless_errors
 
-from oncegate import fingerprint, keys
+from oncegate.kernel import fingerprint, keys
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key, total
 

@@ -19,8 +19,8 @@ import asyncpg
 import httpx
 import pytest
 
-from oncegate import sealing
-from oncegate.sealing import Keyring
+from oncegate.kernel import sealing
+from oncegate.kernel.sealing import Keyring
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import new_key
 

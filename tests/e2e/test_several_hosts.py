@@ -22,9 +22,9 @@ import asyncpg
 import httpx
 import pytest
 
-from oncegate import database_url as urls
-from oncegate import schema
 from oncegate.agent.checkpoints import Checkpoint
+from oncegate.settings import database_url as urls
+from oncegate.store import migrate
 from oncegate.store.checkpoints import PostgresCheckpoints
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 from tests.helpers import behind_a_dead_host, insert_completed_keys, new_key
@@ -77,7 +77,7 @@ async def test_serve_follows_the_host_list_and_names_it_without_the_password(
 def test_migrate_follows_the_host_list(empty_database_url: str) -> None:
     result = oncegate("migrate", url=behind_a_dead_host(empty_database_url))
     assert result.returncode == 0, result.stderr
-    assert f"schema revision {schema.head()}" in result.stdout
+    assert f"schema revision {migrate.head()}" in result.stdout
 
 
 def test_a_host_list_without_read_write_is_refused_with_a_sentence() -> None:

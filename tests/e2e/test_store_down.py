@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests.conftest import start_embedded
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
@@ -30,7 +30,7 @@ def server() -> Iterator[Any]:
     directory = Path(tempfile.mkdtemp(prefix="oncegate-test-down-"))
     server = start_embedded(directory / "data")
     try:
-        schema.upgrade(server.get_uri())  # type: ignore[attr-defined]
+        migrate.upgrade(server.get_uri())  # type: ignore[attr-defined]
         yield server
     finally:
         server.cleanup()  # type: ignore[attr-defined]

@@ -100,7 +100,8 @@ async def test_keys_are_read_from_a_jwks_url_and_again_when_the_issuer_rotates(
     import http.server
     import threading
 
-    from oncegate import settings, tokens
+    from oncegate import settings
+    from oncegate.service import tokens
 
     served = Issuer(tmp_path / "jwks.json")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))

@@ -136,7 +136,7 @@ async def test_the_forward_hook_sends_the_upstream_a_traceparent_naming_the_forw
 ) -> None:
     """`tracing.forwarding`, the hook around the upstream call: the upstream's spans then hang
     under the gateway's `forward` span, in the client's trace."""
-    from oncegate import tracing
+    from oncegate.telemetry import tracing
 
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     received: list[list[tuple[str, str]]] = []
@@ -173,7 +173,7 @@ async def test_the_forward_hook_sends_the_upstream_a_traceparent_naming_the_forw
 
 
 def test_the_forward_hook_keeps_bytes_headers_as_bytes_and_changes_nothing_when_off() -> None:
-    from oncegate import tracing
+    from oncegate.telemetry import tracing
 
     assert not tracing.active()
     headers = [(b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"), (b"x", b"\xe9")]

@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl
 
 import uvicorn
 
-from oncegate.lab.demo_upstream import Receive, Scope, Send, read_body, respond
+from oncegate.commands.demo_upstream import Receive, Scope, Send, read_body, respond
 
 DELAY = re.compile(rb"vendor-delay-([0-9.]+)")
 # Vendors whose SDK reads the resource from an envelope named after it.

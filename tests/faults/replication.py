@@ -42,7 +42,7 @@ from pathlib import Path
 import asyncpg
 import psutil
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests.helpers import free_port
 
 STANDBY_NAME = "standby"  # its application_name, which synchronous_standby_names names
@@ -176,7 +176,7 @@ class Pair:
 
         asyncio.run(create())
         url = self.url(name)
-        schema.upgrade(url)  # migrate takes the host list too
+        migrate.upgrade(url)  # migrate takes the host list too
         return url
 
     def start(self) -> None:

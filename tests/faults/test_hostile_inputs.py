@@ -18,7 +18,8 @@ import asyncpg
 import httpx
 import pytest
 
-from oncegate import errors, settings
+from oncegate import settings
+from oncegate.model import errors
 from oncegate.service import Gateway as InProcessGateway
 from oncegate.service import ProxyRequest
 from oncegate.store.postgres import PostgresStore

@@ -1,4 +1,4 @@
-"""The worker processes that read keys from large JSON bodies (`oncegate.key_workers`): they
+"""The worker processes that read keys from large JSON bodies (`oncegate.kernel.key_workers`): they
 answer as `keys.from_body` does, run at a lower priority, and a worker that dies costs the
 request nothing but a fresh worker; twice, and the request is refused before anything is
 claimed or sent."""
@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from oncegate import errors, key_workers, keys, service, settings
+from oncegate import service, settings
+from oncegate.kernel import key_workers, keys
+from oncegate.model import errors
 from oncegate.store.memory import MemoryStore
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import new_key

@@ -30,8 +30,8 @@ import httpx
 import pytest
 from fastapi.security import HTTPAuthorizationCredentials
 
-from oncegate import errors
 from oncegate.http import admin as admin_api
+from oncegate.model import errors
 from tests.e2e.conftest import prefix_route
 from tests.faults.conftest import ADMIN_TOKEN, DemoUpstream, GatewayProcess, admin_get
 from tests.helpers import free_port, new_key

@@ -29,8 +29,8 @@ import asyncpg.connection
 import httpx
 import pytest
 
-from oncegate import errors
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.model import errors
 from oncegate.store import Claim
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop

@@ -41,7 +41,7 @@ import aiohttp
 import asyncpg
 import yaml
 
-from oncegate import keys
+from oncegate.kernel import keys
 from tests.helpers import free_port
 from tests.soak import checker, history, scenarios, usage
 from tests.soak.history import ATTEMPT_HEADER, Attempt, Event, Performed, Row

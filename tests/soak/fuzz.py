@@ -26,7 +26,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from oncegate import errors, keys
+from oncegate.kernel import keys
+from oncegate.model import errors
 from tests.e2e.conftest import parse_head
 from tests.faults.test_fuzz import requests
 from tests.soak.checker import CONTRACT_PROBLEMS, PROBLEM, PROBLEM_PREFIX

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import asyncpg
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests import citus
 from tests.faults import replication
 from tests.soak.history import Event
@@ -142,7 +142,7 @@ class Single(Scenario):
         assert self.postgres is not None
         asyncio.run(_execute(self.postgres.url(), f"CREATE DATABASE {name}"))
         url = self.postgres.url(name)
-        schema.upgrade(url)
+        migrate.upgrade(url)
         return url
 
     def plan(self, dice: random.Random, seconds: float, sizes: Sizes) -> list[Fault]:
@@ -240,7 +240,7 @@ class Citus(Scenario):
     def create_database(self, name: str) -> str:
         assert self.cluster is not None
         url = self.cluster.create_database(name)
-        schema.upgrade(url)
+        migrate.upgrade(url)
         self.database = self.database or url
         return url
 

@@ -20,8 +20,8 @@ import pytest
 from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
-from oncegate import errors
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.model import errors
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore

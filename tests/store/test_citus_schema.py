@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import asyncpg
 import pytest
 
-from oncegate import schema
+from oncegate.store import migrate
 from tests import citus
 from tests.store.test_migrations import ROWS_OF_EVERY_STATE, _states, _write_rows_of_every_state
 
@@ -90,10 +90,10 @@ async def test_a_database_that_gained_citus_is_distributed_with_its_keys(
     citus_database: str,
 ) -> None:
     # Migrated before Citus mattered (its tables are plain ones on the coordinator), with keys.
-    await asyncio.to_thread(schema.upgrade, citus_database, "0007")
+    await asyncio.to_thread(migrate.upgrade, citus_database, "0007")
     await _write_rows_of_every_state(citus_database)
     before = await _states(citus_database)
-    await asyncio.to_thread(schema.upgrade, citus_database)
+    await asyncio.to_thread(migrate.upgrade, citus_database)
     assert await _states(citus_database) == before
     assert {key: state for key, (state, _, _) in before.items()} == {
         key: expected for key, *_, expected in ROWS_OF_EVERY_STATE
@@ -108,7 +108,7 @@ async def test_a_database_that_gained_citus_is_distributed_with_its_keys(
     assert sum(shard["rows"] for shard in shards) == len(ROWS_OF_EVERY_STATE)
     assert len({shard["nodeport"] for shard in shards}) == citus.WORKERS
     with pytest.raises(RuntimeError, match="cannot downgrade below revision 0008 on Citus"):
-        await asyncio.to_thread(schema.downgrade, citus_database, "0007")
+        await asyncio.to_thread(migrate.downgrade, citus_database, "0007")
 
 
 async def test_migrate_on_citus_without_workers_says_to_add_them(
@@ -129,7 +129,7 @@ async def test_migrate_on_citus_without_workers_says_to_add_them(
         await connection.close()
     try:
         with pytest.raises(RuntimeError, match=r"no worker to put shards on.*citus_add_node"):
-            await asyncio.to_thread(schema.upgrade, url)
+            await asyncio.to_thread(migrate.upgrade, url)
     finally:
         connection = await asyncpg.connect(citus_cluster.url())
         try:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from oncegate import errors
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.model import errors
 from oncegate.store import Claim
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import pytest
 from prometheus_client import REGISTRY
 
-from oncegate import errors, service
-from oncegate.sealing import SealedRequest, StoredAnswer, plaintext
+from oncegate import service
+from oncegate.kernel.sealing import SealedRequest, StoredAnswer, plaintext
+from oncegate.model import errors
 from oncegate.store import AdminStore, Claim, Record, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore

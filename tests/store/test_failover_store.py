@@ -10,8 +10,8 @@ import logging
 import asyncpg
 import pytest
 
-from oncegate.database_url import Host
 from oncegate.settings import StoreOptions
+from oncegate.settings.database_url import Host
 from oncegate.store import Claim, Replication
 from oncegate.store.postgres import PostgresStore
 from oncegate.store.postgres.connections import Primary, reached

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import asyncpg
 
-from oncegate import schema
-from oncegate.store import Claim
+from oncegate.store import Claim, migrate
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import stored
 
@@ -28,14 +27,14 @@ async def _tables(url: str) -> set[str]:
 
 async def _upgrade(url: str, revision: str = "head") -> None:
     # Alembic's async environment runs its own event loop: keep it off this one.
-    await asyncio.to_thread(schema.upgrade, url, revision)
+    await asyncio.to_thread(migrate.upgrade, url, revision)
 
 
 async def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     await _upgrade(empty_database_url)
     assert {"oncegate_keys", "alembic_version"} <= await _tables(empty_database_url)
     await _upgrade(empty_database_url)  # idempotent
-    await asyncio.to_thread(schema.downgrade, empty_database_url, "base")
+    await asyncio.to_thread(migrate.downgrade, empty_database_url, "base")
     assert "oncegate_keys" not in await _tables(empty_database_url)
     await _upgrade(empty_database_url)
     assert "oncegate_keys" in await _tables(empty_database_url)
@@ -78,13 +77,14 @@ def test_the_package_imports_beside_a_project_whose_own_package_is_app(tmp_path:
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__init__.py").write_text("WHO = 'the user'\n")
     probe = (
-        "import app, oncegate.agent, oncegate.schema; print(app.WHO); print(oncegate.schema.head())"
+        "import app, oncegate.agent, oncegate.store.migrate; print(app.WHO); "
+        "print(oncegate.store.migrate.head())"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["the user", schema.head()]
+    assert result.stdout.split("\n")[:2] == ["the user", migrate.head()]
 
 
 # Keys in every state, written straight into a 0007 table: (key, state column, lease end,
@@ -172,7 +172,7 @@ async def test_an_upgrade_keeps_keys_of_every_state_and_adds_key_to_the_primary_
         assert await store.release(claimed)
     finally:
         await store.close()
-    await asyncio.to_thread(schema.downgrade, empty_database_url, "0007")
+    await asyncio.to_thread(migrate.downgrade, empty_database_url, "0007")
     assert await _primary_key(empty_database_url) == "PRIMARY KEY (id)"
     assert await _states(empty_database_url) == before
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import asyncpg
 
-from oncegate.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import StoredAnswer, plaintext
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore

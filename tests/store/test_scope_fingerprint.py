@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from oncegate import keys
+from oncegate.kernel import keys
 from oncegate.store import Claim
 from oncegate.store.postgres import PostgresStore
 

@@ -8,8 +8,9 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from oncegate import errors, service
-from oncegate.sealing import Keyring, SealedRequest, StoredAnswer, Unopenable, plaintext
+from oncegate import service
+from oncegate.kernel.sealing import Keyring, SealedRequest, StoredAnswer, Unopenable, plaintext
+from oncegate.model import errors
 from oncegate.settings import StoreOptions
 from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from oncegate import database_url
-from oncegate.database_url import Host
+from oncegate.settings import database_url
+from oncegate.settings.database_url import Host
 
 
 @pytest.mark.parametrize(

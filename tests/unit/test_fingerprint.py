@@ -1,4 +1,4 @@
-"""oncegate.fingerprint: what makes a retry "the same request" (contract section 4)."""
+"""oncegate.kernel.fingerprint: what makes a retry "the same request" (contract section 4)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oncegate import fingerprint
+from oncegate.kernel import fingerprint
 
 JSON = "application/json"
 

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from oncegate import errors, fingerprint, headers, keys, service, settings
-from oncegate.sealing import Sealer, StoredAnswer, plaintext
+from oncegate import service, settings
+from oncegate.kernel import fingerprint, headers, keys
+from oncegate.kernel.sealing import Sealer, StoredAnswer, plaintext
+from oncegate.model import errors
 from oncegate.service import (
     Gateway,
     InFlight,

@@ -4,7 +4,9 @@ tested in tests/e2e/test_admin.py and tests/e2e/test_store_down.py."""
 
 from __future__ import annotations
 
-from oncegate import errors, schema, service
+from oncegate import service
+from oncegate.model import errors
+from oncegate.store import migrate
 from oncegate.store.memory import MemoryStore
 
 
@@ -23,12 +25,12 @@ class Down(MemoryStore):
 
 
 async def test_a_database_at_head_is_ready() -> None:
-    readiness = await service.Health(AtRevision(schema.head())).readiness()
-    assert readiness == service.Readiness(True, schema.head())
+    readiness = await service.Health(AtRevision(migrate.head())).readiness()
+    assert readiness == service.Readiness(True, migrate.head())
 
 
 async def test_a_database_behind_or_never_migrated_is_not_ready_and_says_which() -> None:
-    head = schema.head()
+    head = migrate.head()
     behind = await service.Health(AtRevision("0001")).readiness()
     assert not behind.ready
     assert behind.detail == f"schema at revision 0001, this gateway needs {head}"
@@ -39,4 +41,4 @@ async def test_a_database_behind_or_never_migrated_is_not_ready_and_says_which()
 
 async def test_a_database_that_does_not_answer_is_not_ready() -> None:
     readiness = await service.Health(Down()).readiness()
-    assert readiness == service.Readiness(False, schema.head(), "PostgreSQL does not answer")
+    assert readiness == service.Readiness(False, migrate.head(), "PostgreSQL does not answer")

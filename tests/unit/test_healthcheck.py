@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oncegate.healthcheck import health_url
+from oncegate.commands.healthcheck import health_url
 
 
 def test_the_flag_wins_over_the_variable_and_the_default() -> None:

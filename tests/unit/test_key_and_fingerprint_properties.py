@@ -12,7 +12,8 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from oncegate import errors, fingerprint, keys
+from oncegate.kernel import fingerprint, keys
+from oncegate.model import errors
 
 PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
 keys_text = st.text(alphabet=PRINTABLE, min_size=1, max_size=255)

@@ -1,10 +1,12 @@
-"""oncegate.keys: parsing the Idempotency-Key header and deriving its scope (contract section 4)."""
+"""oncegate.kernel.keys: parsing the Idempotency-Key header and deriving its scope (contract
+section 4)."""
 
 from __future__ import annotations
 
 import pytest
 
-from oncegate import errors, keys
+from oncegate.kernel import keys
+from oncegate.model import errors
 
 
 def test_no_header_is_not_a_key() -> None:

@@ -4,7 +4,7 @@ flight."""
 
 from __future__ import annotations
 
-from oncegate.sealing import StoredAnswer
+from oncegate.kernel.sealing import StoredAnswer
 from oncegate.store import Claim
 from oncegate.store.memory import MemoryStore
 

@@ -29,7 +29,9 @@ def test_workers_metrics_add_up_when_everything_was_imported_before_setup(
     result = run(f"""
         import os
         import prometheus_client
-        from oncegate import cli, metrics, service
+        from oncegate import service
+        from oncegate.commands import cli
+        from oncegate.telemetry import metrics
         from oncegate.http import runtime, server
         from oncegate.store import checkpoints, postgres
 
@@ -73,7 +75,7 @@ def test_the_gateway_runtime_refuses_to_start_without_setup() -> None:
 
 def test_setup_after_a_metric_was_used_is_refused() -> None:
     result = run("""
-        from oncegate import metrics
+        from oncegate.telemetry import metrics
 
         metrics.KEYS_PURGED.inc(1)
         metrics.setup()
@@ -85,7 +87,7 @@ def test_without_setup_a_library_process_counts_in_memory_as_before() -> None:
     """The agent's checkpoint store times its operations with the store's timers: a script that
     uses it never calls `setup`, and must not need to."""
     result = run("""
-        from oncegate import metrics
+        from oncegate.telemetry import metrics
 
         metrics.KEYS_PURGED.inc(3)
         print(metrics.exposition().decode())

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import REGISTRY
 
-from oncegate import errors, service, settings
+from oncegate import service, settings
 from oncegate.http.proxy import ProxyApp
-from oncegate.outcomes import Outcome
-from oncegate.routing import RouteTable
-from oncegate.sealing import Keyring
+from oncegate.kernel.sealing import Keyring
+from oncegate.model import errors
+from oncegate.model.outcomes import Outcome
+from oncegate.service.routing import RouteTable
 from oncegate.store import KeyRecord
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream import AnswerLost, NotSent

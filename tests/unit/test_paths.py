@@ -1,4 +1,5 @@
-"""oncegate.paths: the normal form of a request path (contract section 3, RFC 3986 §6.2.2)."""
+"""oncegate.kernel.paths: the normal form of a request path (contract section 3, RFC 3986
+§6.2.2)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oncegate import errors, paths
+from oncegate.kernel import paths
+from oncegate.model import errors
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from oncegate import errors
 from oncegate.http import problems
+from oncegate.model import errors
 
 RETRY = {
     errors.RequestInProgress: True,

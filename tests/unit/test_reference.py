@@ -13,9 +13,12 @@ from pathlib import Path
 from fastapi.routing import APIRoute
 from prometheus_client.metrics import MetricWrapperBase
 
-from oncegate import cli, errors, metrics, settings
+from oncegate import settings
+from oncegate.commands import cli
 from oncegate.http import admin, ui
-from oncegate.outcomes import Outcome
+from oncegate.model import errors
+from oncegate.model.outcomes import Outcome
+from oncegate.telemetry import metrics
 
 ROOT = Path(__file__).parents[2]
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()

@@ -1,4 +1,5 @@
-"""oncegate.sealing: AES-256-GCM under named keys, bound to the claim (contract section 9)."""
+"""oncegate.kernel.sealing: AES-256-GCM under named keys, bound to the claim (contract
+section 9)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 
 import pytest
 
-from oncegate import errors, sealing
-from oncegate.sealing import Keyring, SealedAnswer, Unopenable
+from oncegate.kernel import sealing
+from oncegate.kernel.sealing import Keyring, SealedAnswer, Unopenable
+from oncegate.model import errors
 
 SCOPE = b"s" * 32
 HEADERS = [("content-type", "application/json"), ("location", "/charges/ch_1")]

@@ -1,4 +1,4 @@
-"""oncegate.settings (contract sections 2 and 3) and the route table of oncegate.routing."""
+"""oncegate.settings (contract sections 2 and 3) and the route table of oncegate.service.routing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from oncegate import errors, routing, settings
+from oncegate import settings
+from oncegate.model import errors
+from oncegate.service import routing
 
 UPSTREAM = "http://127.0.0.1:9001"
 

@@ -1,5 +1,5 @@
-"""oncegate.tokens: keys scoped by a verified JWT's issuer and subject (a route's `scope_jwt`),
-with real keys and tokens signed here; the key set is a JWKS file."""
+"""oncegate.service.tokens: keys scoped by a verified JWT's issuer and subject (a route's
+`scope_jwt`), with real keys and tokens signed here; the key set is a JWKS file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from typing import Any
 import jwt
 import pytest
 
-from oncegate import errors, keys, settings, tokens
+from oncegate import settings
+from oncegate.kernel import keys
+from oncegate.model import errors
+from oncegate.service import tokens
 from tests.issuer import ISSUER, Issuer
 
 

@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from ... import database_url
-from ...sealing import Keyring, SealedRequest, StoredAnswer
-from ...settings import StoreOptions
+from ...kernel.sealing import Keyring, SealedRequest, StoredAnswer
+from ...settings import StoreOptions, database_url
 from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ..errors import Outage, translated
 from ..notify import Watch

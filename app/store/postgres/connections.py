@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from ... import database_url
-from ...database_url import Host
-from ...settings import StoreOptions
+from ...settings import StoreOptions, database_url
+from ...settings.database_url import Host
 from .. import citus
 from ..errors import DRIVER_ERRORS, translated
 from ..notify import Watch, Watchers

@@ -24,8 +24,8 @@ from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
-from ... import sealing
-from ...sealing import Keyring
+from ...kernel import sealing
+from ...kernel.sealing import Keyring
 from ..batching import Batcher, PerShard
 from ..citus import ShardMap
 from ..queries import DIALECTS, Server, Statements

@@ -28,8 +28,8 @@ import time
 
 import asyncpg
 
-from ...database_url import Host
 from ...settings import StoreOptions
+from ...settings.database_url import Host
 from .. import Claim
 from ..errors import DRIVER_ERRORS, reason
 from ..queries import Statements

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 import asyncpg
 
-from ...sealing import SealedRequest, StoredAnswer
+from ...kernel.sealing import SealedRequest, StoredAnswer
 from .. import Claim, Record
 
 

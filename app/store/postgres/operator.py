@@ -14,9 +14,9 @@ from typing import Any
 
 import asyncpg
 
-from ... import metrics
-from ...sealing import StoredAnswer
+from ...kernel.sealing import StoredAnswer
 from ...settings import StoreOptions
+from ...telemetry import metrics
 from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ..errors import Outage, translated
 from .dialect import Dialect

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncpg
 
-from ... import sealing
-from ...sealing import Keyring, SealedRequest
+from ...kernel import sealing
+from ...kernel.sealing import Keyring, SealedRequest
 from ...settings import StoreOptions
 from ..errors import Outage, translated
 from .dialect import Dialect, RekeyBatch

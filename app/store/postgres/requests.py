@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from ... import tracing
-from ...sealing import SealedRequest, StoredAnswer
+from ...kernel.sealing import SealedRequest, StoredAnswer
 from ...settings import StoreOptions
+from ...telemetry import tracing
 from .. import Claim, Record, claimant
 from ..batching import Batcher, PerShard
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated

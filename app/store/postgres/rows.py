@@ -14,7 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from ...sealing import SealedAnswer, SealedRequest, StoredAnswer
+from ...kernel.sealing import SealedAnswer, SealedRequest, StoredAnswer
 from .. import KeyRecord, Record
 from ..queries import Statements
 from .pool import Pool

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from . import errors
+from ..model import errors
 
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _ESCAPE = re.compile(r"%(.{0,2})", re.DOTALL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import database_url as urls
+from ..settings import database_url as urls
 
 
 def positive(text: str) -> int:

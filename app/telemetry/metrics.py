@@ -32,7 +32,7 @@ from prometheus_client import (
     values,
 )
 
-from . import outcomes
+from ..model import outcomes
 
 # prometheus_client's own choice, kept for processes that never call `setup`.
 _UNCHOSEN: Any = values.ValueClass
@@ -123,8 +123,8 @@ def require_setup() -> None:
     """For the gateway's runtime: refuse to serve with metrics nobody set up."""
     if _chosen is None:
         raise MetricsNotSetUp(
-            "oncegate.metrics.setup() was not called: the process that runs the gateway calls "
-            "it first (with --workers, with the directory the workers share)"
+            "oncegate.telemetry.metrics.setup() was not called: the process that runs the gateway "
+            "calls it first (with --workers, with the directory the workers share)"
         )
 
 

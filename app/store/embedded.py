@@ -37,9 +37,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from . import errors
+from ..model import errors
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("oncegate.embedded")  # the name docs/reference.md gives
 
 _HANDLES = ".handle_pids.json"
 _PID_FILE = "postmaster.pid"

@@ -21,8 +21,8 @@ from typing import Any
 # and shutdown line say it once (oncegate.http.server).
 _QUIET = ("alembic.runtime.plugins", "httpx", "httpcore", "uvicorn.error")
 # Libraries whose warnings and errors the gateway says better itself, once: pgserver prints whole
-# command lines and server logs when PostgreSQL fails to start (oncegate.embedded names the log
-# and quotes its end); asyncpg's pool logs a traceback every second while PostgreSQL is down
+# command lines and server logs when PostgreSQL fails to start (oncegate.store.embedded names the
+# log and quotes its end); asyncpg's pool logs a traceback every second while PostgreSQL is down
 # (oncegate.store says once that it is down, and once that it is back).
 _SAID_BETTER = ("pgserver", "asyncpg.pool")
 

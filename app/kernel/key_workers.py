@@ -18,8 +18,8 @@ Design rules:
 - A worker that dies, or whose request was cancelled half-way through the exchange, is ended
   and never reused: the next request gets a fresh one. A body whose worker died twice is
   refused with a 500 (`errors.GatewayError`), before anything is claimed.
-- Start: `python -m oncegate.key_workers`, which imports `oncegate.keys` and nothing of the
-  gateway (0.02 s, 15 MiB, against 1.7 s and 67 MiB for the service).
+- Start: `python -m oncegate.kernel.key_workers`, which imports `oncegate.kernel.keys` and
+  nothing of the gateway (0.02 s, 15 MiB, against 1.7 s and 67 MiB for the service).
 
 The exchange, over the worker's stdin and stdout: 16 bytes (two big-endian 8-byte lengths), the
 pointer and its spelling as JSON, the body; then one JSON line back: `{"key": "..."}`,
@@ -37,7 +37,8 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
-from . import errors, keys
+from ..model import errors
+from . import keys
 
 # Parsing is CPU-bound: more workers than cores would only share them. Four at most, so a
 # gateway on a large machine keeps most of it for requests.

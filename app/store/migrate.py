@@ -11,7 +11,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 # Found through the import system: the installed package's folder, or the checkout's migrations/.
-LOCATION = resources.files(f"{__package__}.migrations")
+LOCATION = resources.files(f"{__package__.split('.')[0]}.migrations")
 
 
 def _config(url: str) -> Config:
@@ -25,7 +25,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to `revision`. Idempotent. Runs its own event loop: call it before
     the server's loop starts, or from a thread. A PostgreSQL that cannot be reached raises
     `errors.StoreUnavailable`, as the store does."""
-    from .store.postgres import connections
+    from .postgres import connections
 
     config = _config(url)
     config.attributes["connect"] = connections.connect  # unreachable: StoreUnavailable

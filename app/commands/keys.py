@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from . import errors, settings
+from .. import settings
+from ..model import errors
 
 EXIT_REFUSED = 1
 # Answers on the admin port are one statement of PostgreSQL away: a generous bound still ends a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .settings import Route
+from ..settings import Route
 
 
 class RouteTable:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from . import errors
+from ..model import errors
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # The associated data's version, after the key's name in `sealed_with`: 2 binds the claim (row id

@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import errors
+from ..model import errors
 
 # RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
 # Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import TextIO
 
-from .sealing import Keyring
-from .settings import StoreOptions
-from .store.postgres import PostgresStore
+from ..kernel.sealing import Keyring
+from ..settings import StoreOptions
+from ..store.postgres import PostgresStore
 
 BATCH_SIZE = 500
 _BAR = 30

@@ -41,10 +41,10 @@ from collections.abc import Sequence
 
 import jwt
 
-from . import errors
-from .settings import Route, TokenScope
+from ..model import errors
+from ..settings import Route, TokenScope
 
-log = logging.getLogger("oncegate.tokens")
+log = logging.getLogger("oncegate.service.tokens")
 
 # A token naming a key id the set lacks reads the set again, but not more often than this: a
 # client sending made-up key ids must not turn into a stream of reads of the issuer's URL.

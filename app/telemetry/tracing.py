@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, TypeVar, cast
 
-from . import errors
+from ..model import errors
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 VARIABLES = (

@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from . import errors
+from ..model import errors
 
 HEADER = "idempotency-key"
 MAX_KEY_LENGTH = 255

@@ -77,6 +77,7 @@ faults: $(STAMP)
 # The chaos soak and its history checker (docs/faults.md): 10 minutes of gateway kills,
 # PostgreSQL crashes, failovers and Citus worker losses under load, then every history checked.
 # Options: make soak SOAK="--minutes 3 --seed 7 --scenarios single,failover,citus"
+# A volume run: make soak SOAK="--minutes 60 --requests 1000000" (ends at whichever comes first)
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak $(SOAK)
 

@@ -1,5 +1,6 @@
-"""`python -m tests.soak [--minutes M] [--seed S] [--out DIR] [--scenarios single,failover,citus]`:
-one chaos soak, its table, and every violation with its timeline. Exit status 1 if the checker or
+"""`python -m tests.soak [--minutes M] [--requests N] [--clients C] [--seed S] [--out DIR]
+[--scenarios single,failover,citus]`: one chaos soak, its table, and every violation with its
+timeline. Exit status 1 if the checker or
 the fuzzer found any, 2 if a scenario asked for cannot run here.
 
 `python -m tests.soak --check DIR` runs the checker again on the histories a run left in DIR."""
@@ -22,7 +23,13 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="chaos time (default 10)")
     parser.add_argument("--seed", type=int, default=None, help="default: drawn and printed")
     parser.add_argument("--out", type=Path, default=None, help="where the histories go")
-    parser.add_argument("--clients", type=int, default=24)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="end the chaos once the clients sent this many requests, if before --minutes",
+    )
+    parser.add_argument("--clients", type=int, default=24, help="concurrent clients (24)")
     parser.add_argument("--fuzz", type=int, default=10_000, help="fuzzed requests (10,000)")
     parser.add_argument(
         "--scenarios",
@@ -43,7 +50,8 @@ def main() -> int:
     seed = options.seed if options.seed is not None else random.SystemRandom().randrange(10**6)
     out = options.out or Path(tempfile.mkdtemp(prefix=f"oncegate-soak-{seed}-"))
     seconds = options.minutes * 60
-    print(f"soak: seed {seed}, {options.minutes:g} min, histories in {out}", flush=True)  # noqa: T201
+    cap = f", at most {options.requests:,} requests" if options.requests else ""
+    print(f"soak: seed {seed}, {options.minutes:g} min{cap}, histories in {out}", flush=True)  # noqa: T201
     print(f"soak: scenarios {', '.join(chosen)}", flush=True)  # noqa: T201
     for name, why in skipped.items():
         print(f"soak: scenario {name} left out: {why}", flush=True)  # noqa: T201
@@ -61,6 +69,7 @@ def main() -> int:
                 kill_interval=3.0,
                 sizes=scenarios.Sizes.for_seconds(seconds),
                 scenarios=options.scenarios,
+                requests=options.requests,
             )
         )
     )

@@ -84,6 +84,31 @@ class Options:
     fault_rate: float = 0.1
     # The scenarios to run (scenarios.SCENARIOS); None: every one that can run here.
     scenarios: list[str] | None = None
+    # A volume run ends its chaos once the clients sent this many requests, if that comes
+    # before `seconds` are over (None: `seconds` alone).
+    requests: int | None = None
+
+
+@dataclass
+class Deadline:
+    """When the chaos ends: `until` (monotonic), or as soon as the clients sent `requests`
+    requests. The request cap ends the fault injectors too: whatever of their plans has not
+    come due by then is left out (the faults per minute stay what the plans made them)."""
+
+    until: float
+    requests: int | None = None
+    capped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def over(self, sent: int) -> bool:
+        if self.requests is not None and sent >= self.requests:
+            self.capped.set()
+        return self.capped.is_set() or time.monotonic() >= self.until
+
+    async def pause(self, seconds: float) -> bool:
+        """Sleep `seconds`, less if the request cap is reached meanwhile; False once it is."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.capped.wait(), timeout=seconds)
+        return not self.capped.is_set()
 
 
 @dataclass
@@ -107,10 +132,21 @@ def route_config(upstream: str) -> list[dict[str, Any]]:
 
 
 class Child:
-    """A process of ours, logging to a file, ended by its PID."""
+    """A process of ours, logging to a file, ended by its PID; reaped by `wait4`, so the CPU it
+    used goes into `ledger` under `kind`."""
 
-    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        *,
+        kind: str,
+        ledger: usage.Ledger,
+    ) -> None:
         self._log = log.open("ab")
+        self.kind = kind
+        self.ledger = ledger
         self.popen = subprocess.Popen(
             list(args),
             stdout=self._log,
@@ -119,7 +155,19 @@ class Child:
         )
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        """False once it exited (reaped here, its CPU counted)."""
+        if self.popen.returncode is not None:
+            return False
+        try:
+            pid, status, rusage = os.wait4(self.popen.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: its CPU is in RUSAGE_CHILDREN all the same
+            self.popen.returncode = -1
+            return False
+        if pid == 0:
+            return True
+        self.popen.returncode = os.waitstatus_to_exitcode(status)
+        self.ledger.add(self.kind, rusage)
+        return False
 
     def signal(self, number: int) -> None:
         if self.alive():
@@ -127,21 +175,28 @@ class Child:
 
     async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - a polling deadline
         """True once it exited, False if it still runs after `timeout` seconds."""
-        try:
-            await asyncio.to_thread(self.popen.wait, timeout)
-        except subprocess.TimeoutExpired:
-            return False
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def _reaped_within(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
         return True
 
     def end(self) -> None:
         if self.alive():
             self.signal(signal.SIGTERM)
             self.signal(signal.SIGCONT)  # a frozen process acts on its SIGTERM only once woken
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
+            if not self._reaped_within(20):
                 self.signal(signal.SIGKILL)
-                self.popen.wait(10)
+                self._reaped_within(10)
         self._log.close()
 
 
@@ -160,9 +215,16 @@ class GatewayProcess:
     """One gateway slot at fixed ports, its process killed and started again many times."""
 
     def __init__(
-        self, name: str, directory: Path, database_url: str, upstream: str, scenario: str = ""
+        self,
+        name: str,
+        directory: Path,
+        database_url: str,
+        upstream: str,
+        ledger: usage.Ledger,
+        scenario: str = "",
     ) -> None:
         self.name = name
+        self.ledger = ledger
         self.scenario = scenario
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -180,7 +242,8 @@ class GatewayProcess:
             [sys.executable, "-m", "oncegate.cli", "serve", "--config", str(self.config),
              "--port", str(self.port), "--admin-port", str(self.admin_port),
              "--log-level", "warning"],
-            self.log, env={"ONCEGATE_DATABASE_URL": self.database_url},
+            self.log, env={"ONCEGATE_DATABASE_URL": self.database_url}, kind="gateways",
+            ledger=self.ledger,
         )  # fmt: skip
 
     async def keep_up(self, events: list[Event]) -> None:
@@ -193,6 +256,7 @@ class GatewayProcess:
                 if await listening(self.port) and await listening(self.admin_port):
                     self.up = True
                     self.processes += 1
+                    self.ledger.started(self.child.popen.pid)
                     events.append(Event(time.time(), "gateway-start", self.name))
                     return
                 await asyncio.sleep(0.1)
@@ -339,7 +403,7 @@ async def client(
     number: int,
     traffic: Traffic,
     deployments: list[Deployment],
-    until: float,
+    deadline: Deadline,
 ) -> None:
     dice = random.Random(traffic.seed * 1000 + number)
     keep_alive = number % 2 == 0
@@ -352,7 +416,7 @@ async def client(
     )
     serial = 0
     async with aiohttp.ClientSession(connector=connector) as session:
-        while time.monotonic() < until:
+        while not deadline.over(len(traffic.attempts)):
             deployment = dice.choice(deployments)
             gateways = deployment.gateways
             up = [gateway for gateway in gateways if gateway.up] or gateways
@@ -385,16 +449,17 @@ async def client(
 async def gateway_chaos(
     gateways: list[GatewayProcess],
     dice: random.Random,
-    until: float,
+    deadline: Deadline,
     interval: float,
     events: list[Event],
     restarts: set[asyncio.Task[None]],
 ) -> None:
     """Signal one of `gateways` (those that may be hit: not the first of each deployment) every
-    `interval` seconds on average until `until`."""
+    `interval` seconds on average until the deadline."""
     while True:
-        await asyncio.sleep(dice.uniform(0.5, 1.5) * interval)
-        if time.monotonic() >= until:
+        if not await deadline.pause(dice.uniform(0.5, 1.5) * interval):
+            return
+        if time.monotonic() >= deadline.until:
             return
         up = [gateway for gateway in gateways if gateway.up]
         if not up:
@@ -406,21 +471,29 @@ async def gateway_chaos(
 
 
 async def store_chaos(
-    scenario: Scenario, plan: list[scenarios.Fault], start: float, events: list[Event]
+    scenario: Scenario,
+    plan: list[scenarios.Fault],
+    start: float,
+    events: list[Event],
+    deadline: Deadline,
 ) -> None:
-    """One scenario's faults, each at its time (or at once, when the one before it ran late)."""
+    """One scenario's faults, each at its time (or at once, when the one before it ran late),
+    until the request cap ends the chaos."""
     for fault in plan:
-        await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
+        if not await deadline.pause(max(0.0, start + fault.at - time.monotonic())):
+            return
         await scenario.inflict(fault, events)
 
 
 async def watch_usage(
-    gateways: list[GatewayProcess], stores: list[Scenario], meter: usage.Meter, until: float
+    gateways: list[GatewayProcess], stores: list[Scenario], meter: usage.Meter, deadline: Deadline
 ) -> None:
     """Every gateway's memory and descriptors, the PostgreSQL servers' CPU and the machine's
     load, every `USAGE_EVERY` seconds of the chaos."""
-    while time.monotonic() < until:
-        await asyncio.sleep(min(USAGE_EVERY, max(0.0, until - time.monotonic())))
+    while time.monotonic() < deadline.until:
+        wait = min(USAGE_EVERY, max(0.0, deadline.until - time.monotonic()))
+        if not await deadline.pause(wait):
+            return
         for gateway in gateways:
             gateway.measure()
         meter.read(postmasters(stores))
@@ -520,7 +593,7 @@ async def run(options: Options) -> Summary:
              "--log", str(upstream_log), "--seed", str(options.seed),
              "--routes", ",".join(ROUTES), "--fault-rate", str(options.fault_rate),
              "--slow", str(SLOW_ANSWER)],
-            out / "upstream.log",
+            out / "upstream.log", kind="upstream", ledger=meter.ledger,
         )  # fmt: skip
         children.append(upstream)
         upstream_url = f"http://127.0.0.1:{upstream_port}"
@@ -528,13 +601,15 @@ async def run(options: Options) -> Summary:
             database = await asyncio.to_thread(store.create_database, "soak")
             gateways = [
                 GatewayProcess(f"{store.name}-{index + 1}", out, database, upstream_url,
-                               store.name)
+                               meter.ledger, store.name)
                 for index in range(GATEWAYS)
             ]  # fmt: skip
             deployments.append(Deployment(store, database, gateways))
         # The fuzzer's gateway on a database of its own, beside the first scenario's.
         fuzz_database = await asyncio.to_thread(stores[0].create_database, "fuzz")
-        fuzz_gateway = GatewayProcess("gateway-fuzz", out, fuzz_database, upstream_url)
+        fuzz_gateway = GatewayProcess(
+            "gateway-fuzz", out, fuzz_database, upstream_url, meter.ledger
+        )
         fuzz_gateway.config.write_text(yaml.safe_dump({"routes": fuzz_routes(upstream_url)}))
         every_gateway = [
             *(gateway for deployment in deployments for gateway in deployment.gateways),
@@ -546,7 +621,7 @@ async def run(options: Options) -> Summary:
             [sys.executable, "-m", "tests.soak.fuzz", "--port", str(fuzz_gateway.port),
              "--requests", str(options.fuzz_requests), "--seed", str(options.seed),
              "--out", str(fuzz_results)],
-            out / "fuzz.log",
+            out / "fuzz.log", kind="fuzzer", ledger=meter.ledger,
         )  # fmt: skip
         children.append(fuzzer)
 
@@ -555,25 +630,26 @@ async def run(options: Options) -> Summary:
             gateway.measure()
         meter.begin(postmasters(stores))
         began, start = time.time(), time.monotonic()
-        until = start + options.seconds
+        deadline = Deadline(start + options.seconds, options.requests)
         hit = [gateway for deployment in deployments for gateway in deployment.gateways[1:]]
         chaos = [
             asyncio.create_task(
-                gateway_chaos(hit, random.Random(dice.random()), until, options.kill_interval,
+                gateway_chaos(hit, random.Random(dice.random()), deadline, options.kill_interval,
                               events, restarts)
             ),
-            asyncio.create_task(watch_usage(every_gateway, stores, meter, until)),
+            asyncio.create_task(watch_usage(every_gateway, stores, meter, deadline)),
             *(
                 asyncio.create_task(
                     store_chaos(store, store.plan(random.Random(dice.random()), options.seconds,
-                                                  options.sizes), start, events)
+                                                  options.sizes), start, events, deadline)
                 )
                 for store in stores
             ),
         ]  # fmt: skip
         await asyncio.gather(
-            *(client(number, traffic, deployments, until) for number in range(options.clients))
+            *(client(number, traffic, deployments, deadline) for number in range(options.clients))
         )
+        chaos_seconds = time.monotonic() - start
         await asyncio.gather(*chaos)
         # Heal: every store back (each plan ends with a recovery), every gateway started again.
         while restarts:
@@ -617,6 +693,8 @@ async def run(options: Options) -> Summary:
     figures["scenarios"] = chosen
     figures["skipped"] = skipped
     figures["cpu"] = cpu
+    figures["chaos_seconds"] = chaos_seconds
+    figures["requests_per_second"] = figures["requests"] / chaos_seconds if chaos_seconds else 0.0
     figures["usage"] = usage.report(
         [(gateway.name, gateway.processes, gateway.usage) for gateway in every_gateway],
         start=began,
@@ -723,9 +801,11 @@ def tally(
 def render(figures: dict[str, Any]) -> str:
     faults = figures["upstream_faults"]
     rows = [
-        ("chaos", f"{figures['seconds']:g} s, {figures['clients']} clients, "
-         f"seed {figures['seed']}"),
-        ("requests (clients)", f"{figures['requests']:,} ({figures['answered']:,} answered, "
+        ("chaos", f"{figures.get('chaos_seconds', figures['seconds']):,.0f} s (of "
+         f"{figures['seconds']:g} s allowed), {figures['clients']} clients, seed "
+         f"{figures['seed']}"),
+        ("requests (clients)", f"{figures['requests']:,}, "
+         f"{figures.get('requests_per_second', 0.0):,.0f}/s ({figures['answered']:,} answered, "
          f"{figures['no_answer']:,} no answer, {figures['hung_up']:,} hung up on purpose)"),
         ("replays served", f"{figures['replayed']:,}"),
         ("keys", f"{figures['keys']:,}"),
@@ -762,9 +842,22 @@ def cpu_rows(cpu: dict[str, float] | None) -> list[tuple[str, str]]:
     if not cpu:
         return []
     quiet_hours = 10**6 * cpu["ms_per_request"] / 1000 / 2 / 3600
+    parts = cpu.get("parts", {})
+    counts = cpu.get("part_processes", {})
+    split = ", ".join(
+        f"{kind} {seconds:,.0f}" + (f" ({counts[kind]:,} processes)" if kind == "gateways" else "")
+        for kind, seconds in parts.items()
+    )
+    starts = cpu.get("gateway_starts", 0)
+    if starts:
+        split += (
+            f"; a gateway's start to listening {cpu['gateway_start_seconds'] / starts:.2f} s"
+            f" ({starts:,} starts)"
+        )
     return [
         ("CPU used", f"{cpu['total_seconds']:,.0f} s: soak process {cpu['driver_seconds']:,.0f}, "
-         f"gateways, upstream, fuzzer and tools {cpu['processes_seconds']:,.0f}, PostgreSQL "
+         f"{split + ', ' if split else ''}PostgreSQL tools and the rest "
+         f"{cpu.get('tools_seconds', cpu['processes_seconds']):,.0f}, PostgreSQL servers "
          f"{cpu['postgres_seconds']:,.0f}; {cpu['ms_per_request']:.1f} ms a request (10^6 "
          f"requests: {quiet_hours:.1f} h on 2 idle cores)"),
         ("load average (1 min)", f"{cpu['load_mean']:.1f} mean, {cpu['load_max']:.1f} peak, "

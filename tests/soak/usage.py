@@ -121,6 +121,32 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 @dataclass
+class Ledger:
+    """The CPU of the processes the soak started and reaped itself, by kind (`gateway`,
+    `upstream`, `fuzzer`): each one's own and its children's, read from `wait4` when it is
+    reaped, and how many of each kind there were."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    processes: dict[str, int] = field(default_factory=dict)
+    # CPU a gateway used from its start until it listened (imports, pools, routes), summed over
+    # the starts read.
+    start_seconds: float = 0.0
+    starts: int = 0
+
+    def started(self, pid: int) -> None:
+        """Gateway `pid` just began to listen: what its start cost."""
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            self.start_seconds += times.user + times.system
+            self.starts += 1
+
+    def add(self, kind: str, rusage: resource.struct_rusage) -> None:
+        used = rusage.ru_utime + rusage.ru_stime
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + used
+        self.processes[kind] = self.processes.get(kind, 0) + 1
+
+
+@dataclass
 class Meter:
     """The CPU the soak's processes use during a run, and the machine's load beside it.
 
@@ -129,6 +155,7 @@ class Meter:
     servers, which `pg_ctl` detaches, by their postmasters' readings (`postgres_cpu_seconds`),
     the last one of each: a postmaster SIGKILLed loses what it used after its last reading."""
 
+    ledger: Ledger = field(default_factory=Ledger)
     postgres: dict[int, float] = field(default_factory=dict)
     baseline: dict[int, float] = field(default_factory=dict)
     loads: list[float] = field(default_factory=list)
@@ -146,15 +173,24 @@ class Meter:
             if seconds is not None:
                 self.postgres[pid] = max(self.postgres.get(pid, 0.0), seconds)
 
-    def figures(self, requests: int) -> dict[str, float]:
-        """After every process the soak started ended (reaped) and the last `read`."""
+    def figures(self, requests: int) -> dict[str, Any]:
+        """After every process the soak started ended (reaped) and the last `read`. `parts`
+        splits the reaped processes' CPU by kind; `tools` is the rest of it (`pg_ctl`,
+        `pg_rewind`, `pg_basebackup`, `psql`, ...), and of the processes started before the
+        chaos began, their CPU before it too (a gateway's start, the upstream's)."""
         driver = _used(resource.RUSAGE_SELF) - self.began[0]
         children = _used(resource.RUSAGE_CHILDREN) - self.began[1]
         postgres = sum(
             seconds - self.baseline.get(pid, 0.0) for pid, seconds in self.postgres.items()
         )
         total = driver + children + postgres
+        parts = {kind: seconds for kind, seconds in sorted(self.ledger.seconds.items())}
         return {
+            "parts": parts,
+            "part_processes": dict(sorted(self.ledger.processes.items())),
+            "tools_seconds": max(0.0, children - sum(parts.values())),
+            "gateway_start_seconds": self.ledger.start_seconds,
+            "gateway_starts": self.ledger.starts,
             "driver_seconds": driver,
             "processes_seconds": children,
             "postgres_seconds": postgres,

@@ -43,8 +43,9 @@ import citus_pairs  # noqa: E402
 import quick  # noqa: E402
 import run  # noqa: E402
 
-from oncegate.kernel.sealing import StoredAnswer  # noqa: E402
-from oncegate.store import Claim, migrate  # noqa: E402
+from oncegate.model.answers import StoredAnswer  # noqa: E402
+from oncegate.model.records import Claim  # noqa: E402
+from oncegate.store import migrate  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402

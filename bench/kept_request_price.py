@@ -30,8 +30,9 @@ sys.path.insert(0, str(BENCH))
 import quick  # noqa: E402
 import run  # noqa: E402
 
-from oncegate.kernel.sealing import SealedRequest, StoredAnswer, plaintext  # noqa: E402
-from oncegate.store import Claim  # noqa: E402
+from oncegate.kernel.sealing import plaintext  # noqa: E402
+from oncegate.model.answers import SealedRequest, StoredAnswer  # noqa: E402
+from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 
 SCOPE = bytes(32)

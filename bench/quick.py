@@ -332,14 +332,12 @@ def embedded_postgres(prefix: str, keep: bool = False) -> Iterator[Any]:
     clean-up, so running out of it cannot cut the server's stop short."""
     from oncegate.store import (  # the scripts that start one put the root on the path
         embedded,
-        migrate,
     )
 
     work = work_directory(prefix)
     server = None
     try:
-        server = embedded.start(work / "data")
-        migrate.upgrade(server.url)
+        server = embedded.start_migrated(work / "data")
         yield server
     finally:
         signal.alarm(0)

@@ -17,7 +17,7 @@ import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from oncegate.kernel import sealing
-from oncegate.store import KeyRecord, Record
+from oncegate.model.records import KeyRecord, Record
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

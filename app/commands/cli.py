@@ -142,9 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=9000, metavar="N", help="port (9000)")
     demo.set_defaults(run=_demo_upstream)
 
-    from ..lab import command  # `oncegate lab`: the crash-recovery lab
+    from . import lab  # `oncegate lab`: the crash-recovery lab
 
-    command.add_parser(commands)
+    lab.add_parser(commands)
 
     from . import keys  # `oncegate keys`: the admin API from a terminal
 
@@ -344,12 +344,10 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
     if where.database_url is not None:
         yield _Database(where.database_url, database_url.without_password(where.database_url))
         return
-    from ..store import embedded, migrate
+    from ..store import embedded
 
-    server = embedded.start(where.data_dir)
+    server = embedded.start_migrated(where.data_dir)
     try:
-        migrate.upgrade(server.url)
-        log.info("embedded PostgreSQL migrated to revision %s", migrate.head())
         if supervise:
             server.supervise()
         yield _Database(server.url, f"embedded PostgreSQL, data in {server.data_dir}")

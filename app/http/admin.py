@@ -28,11 +28,11 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from .. import service
 from ..kernel import headers
 from ..model import errors
+from ..model.records import Cause, KeyRecord, QueuedKey, State
 from ..service import Operator
 from ..service.evidence import masked
 from ..service.messages import Answer
 from ..settings import DEFAULT_BODY_LIMIT, Settings
-from ..store import Cause, KeyRecord, QueuedKey, State
 from ..telemetry import metrics as app_metrics
 from .deps import RuntimeDep
 from .proxy import ClientDisconnected, read_body

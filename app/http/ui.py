@@ -26,8 +26,8 @@ from pydantic import ValidationError
 
 from .. import service
 from ..model import errors
+from ..model.records import QueuedKey
 from ..service.evidence import masked
-from ..store import QueuedKey
 from .admin import Resolution, read_bounded
 from .deps import RuntimeDep
 from .sessions import COOKIE, SESSION_SECONDS, Session, SessionDep, admin_token, new_session

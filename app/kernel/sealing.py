@@ -34,12 +34,12 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..model import errors
+from ..model.answers import SealedAnswer, SealedRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # The associated data's version, after the key's name in `sealed_with`: 2 binds the claim (row id
@@ -59,45 +59,6 @@ class Unopenable(Exception):
     def __init__(self, message: str, key_name: str) -> None:
         super().__init__(message)
         self.key_name = key_name
-
-
-@dataclass(frozen=True, slots=True)
-class SealedAnswer:
-    """An answer's headers and body as they are stored: sealed under `key_name`, or in plaintext
-    when `key_name` is None."""
-
-    key_name: str | None
-    headers: bytes  # JSON of the header pairs, sealed or not
-    body: bytes | None  # None: no body was stored with the headers
-
-
-@dataclass(frozen=True, slots=True)
-class StoredAnswer:
-    """What a completed key answers with, as the store holds it: one value from the upstream's
-    answer (or an operator's resolution) down to the key table's columns and back
-    (`store.postgres.rows` maps it to and from them; `Sealer.open` opens it).
-
-    `content` is the headers and body, sealed or in plaintext; None when the answer was larger
-    than the route's `max_stored_response`: the key completed with its status alone, and a retry
-    gets 409 `response-not-stored`."""
-
-    status: int
-    content: SealedAnswer | None
-
-    @property
-    def stored(self) -> bool:
-        return self.content is not None
-
-
-@dataclass(frozen=True, slots=True)
-class SealedRequest:
-    """A kept request (the request behind a key, `service.evidence` encodes it) as stored:
-    sealed under `key_name`, or in plaintext when `key_name` is None. It is bound to its key
-    (scope and key) rather than to a claim: the claim's insert writes it before the row has an
-    id. Copied into another key's row, it does not open."""
-
-    key_name: str | None
-    data: bytes
 
 
 class Keyring:

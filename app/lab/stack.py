@@ -127,7 +127,7 @@ def running(
     database_url: str | None, upstream_url: str | None, gateway_url: str | None
 ) -> Iterator[Stack]:
     """The services of one lab session, started as needed and stopped at the end."""
-    from ..store import embedded, migrate
+    from ..store import embedded
 
     directory = Path(tempfile.mkdtemp(prefix="oncegate-lab-"))
     # The lab's own directory (mkdtemp makes it private): as root the embedded PostgreSQL runs as
@@ -138,9 +138,8 @@ def running(
     own_database = database_url is None
     try:
         if database_url is None:
-            server = embedded.start(directory)
+            server = embedded.start_migrated(directory)
             database_url = server.url
-            migrate.upgrade(database_url)
         if upstream_url is None:
             port = free_port()
             arguments = ["demo-upstream", "--port", str(port)]

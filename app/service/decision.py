@@ -12,8 +12,8 @@ from ..kernel.fingerprint import Fingerprint
 from ..kernel.sealing import Sealer
 from ..model import errors
 from ..model.outcomes import Outcome
+from ..model.records import Record
 from ..settings import Route
-from ..store import Record
 from .messages import Answer
 
 # What a client waiting on an in-flight key should wait before asking again. Short, because most

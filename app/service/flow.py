@@ -43,11 +43,13 @@ from typing import assert_never
 
 from ..kernel import fingerprint, headers, keys
 from ..kernel.key_workers import KeyWorkers
-from ..kernel.sealing import Keyring, SealedRequest, Sealer, StoredAnswer
+from ..kernel.sealing import Keyring, Sealer
 from ..model import errors
+from ..model.answers import SealedRequest, StoredAnswer
 from ..model.outcomes import Outcome
+from ..model.records import Claim, Record
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
-from ..store import Claim, Record, Store
+from ..store import Store
 from ..telemetry import metrics
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 from . import evidence

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ..store import LISTED_STATES, AdminStore, Listed, Store
+from ..model.records import LISTED_STATES, Listed
+from ..store import AdminStore, Store
 from ..telemetry import metrics
 
 # The purger deletes in bounded batches so each statement's locks and WAL stay small and claims

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..kernel import headers, keys, sealing
-from ..kernel.sealing import Keyring, Sealer, StoredAnswer
+from ..kernel.sealing import Keyring, Sealer
 from ..model import errors
+from ..model.answers import StoredAnswer
+from ..model.records import LISTED_STATES, KeyRecord, Listed, QueuedKey, Record
 from ..settings import ROUTE_NAME, Route
-from ..store import LISTED_STATES, AdminStore, KeyRecord, Listed, QueuedKey, Record
+from ..store import AdminStore
 from ..telemetry import metrics
 from .evidence import KeptRequest
 from .flow import Gateway

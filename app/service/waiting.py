@@ -20,8 +20,9 @@ import math
 from typing import Any
 
 from ..kernel import headers
+from ..model.records import Record
 from ..settings import Route
-from ..store import Record, Store
+from ..store import Store
 from ..store.notify import Watch
 from ..telemetry import metrics
 from .messages import ClientGoneProbe, ProxyRequest

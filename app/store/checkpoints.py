@@ -21,6 +21,7 @@ import asyncpg
 
 from .. import settings
 from ..model.checkpoint import Checkpoint, CheckpointError, Pending
+from . import embedded
 from .embedded import EmbeddedPostgres
 from .errors import translated
 from .queries import load
@@ -28,19 +29,6 @@ from .queries import load
 QUERIES = load((Path(__file__).parent / "checkpoints.sql").read_text())
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 10.0
-
-
-def _join_embedded(data_dir: Path) -> EmbeddedPostgres:
-    """The embedded server the gateway uses by default, migrated (idempotent)."""
-    from . import embedded, migrate
-
-    server = embedded.start(data_dir)
-    try:
-        migrate.upgrade(server.url)
-    except BaseException:
-        server.stop()
-        raise
-    return server
 
 
 class PostgresCheckpoints:
@@ -68,7 +56,7 @@ class PostgresCheckpoints:
             where = settings.load_part(settings.DatabaseSettings)
             url = where.database_url
             if url is None:
-                server = await asyncio.to_thread(_join_embedded, where.data_dir)
+                server = await asyncio.to_thread(embedded.start_migrated, where.data_dir)
                 url = server.url
         session = {} if flush_each_save else {"synchronous_commit": "off"}
         try:

@@ -202,6 +202,22 @@ def start(data_dir: Path) -> EmbeddedPostgres:
     return embedded
 
 
+def start_migrated(data_dir: Path) -> EmbeddedPostgres:
+    """The embedded server under `data_dir`, started (or joined) and migrated to the newest
+    revision (idempotent): what `oncegate serve`, `migrate` and `purge`, the lab and the agent's
+    checkpoints open when no database URL is given. Stopped again if the migration fails."""
+    from . import migrate  # Alembic's import is not paid by `start` alone
+
+    server = start(data_dir)
+    try:
+        migrate.upgrade(server.url)
+    except BaseException:
+        server.stop()
+        raise
+    log.info("embedded PostgreSQL migrated to revision %s", migrate.head())
+    return server
+
+
 def _make_directories(data_dir: Path) -> None:
     """Create the data directory and any missing parent. As root they must be traversable by
     pgserver's user; otherwise they are private to the user (as XDG asks of its directories)."""

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
-from ..kernel.sealing import SealedRequest, StoredAnswer
-from . import (
+from ..model.answers import SealedRequest, StoredAnswer
+from ..model.records import (
     Cause,
     Claim,
     KeyCount,
@@ -31,8 +31,8 @@ from . import (
     Record,
     Replication,
     State,
-    claimant,
 )
+from . import claimant
 from .notify import Watch, Watchers
 
 

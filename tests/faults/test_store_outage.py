@@ -29,9 +29,10 @@ import asyncpg.connection
 import httpx
 import pytest
 
-from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
-from oncegate.store import Claim
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name

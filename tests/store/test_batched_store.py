@@ -20,10 +20,11 @@ import pytest
 from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
-from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim, Record
 from oncegate.settings import StoreOptions
-from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
 from tests.helpers import digest, new_key, stored

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
-from oncegate.store import Claim
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
 from oncegate.store.postgres import PostgresStore

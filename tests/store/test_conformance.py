@@ -20,9 +20,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from oncegate import service
-from oncegate.kernel.sealing import SealedRequest, StoredAnswer, plaintext
+from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
-from oncegate.store import AdminStore, Claim, Record, Store
+from oncegate.model.answers import SealedRequest, StoredAnswer
+from oncegate.model.records import Claim, Record
+from oncegate.store import AdminStore, Store
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
 from oncegate.store.postgres import ROOMS, PostgresStore

@@ -10,9 +10,9 @@ import logging
 import asyncpg
 import pytest
 
+from oncegate.model.records import Claim, Replication
 from oncegate.settings import StoreOptions
 from oncegate.settings.database_url import Host
-from oncegate.store import Claim, Replication
 from oncegate.store.postgres import PostgresStore
 from oncegate.store.postgres.connections import Primary, reached
 from oncegate.store.postgres.failover import RecentAnswers

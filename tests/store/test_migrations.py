@@ -11,7 +11,8 @@ from pathlib import Path
 
 import asyncpg
 
-from oncegate.store import Claim, migrate
+from oncegate.model.records import Claim
+from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import stored
 

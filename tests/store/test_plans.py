@@ -22,9 +22,10 @@ from typing import Any
 
 import asyncpg
 
-from oncegate.kernel.sealing import StoredAnswer, plaintext
+from oncegate.kernel.sealing import plaintext
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim, Record
 from oncegate.settings import StoreOptions
-from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import digest, insert_completed_keys, new_key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from oncegate.kernel import keys
-from oncegate.store import Claim
+from oncegate.model.records import Claim
 from oncegate.store.postgres import PostgresStore
 
 

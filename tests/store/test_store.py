@@ -9,10 +9,11 @@ import asyncpg
 import pytest
 
 from oncegate import service
-from oncegate.kernel.sealing import Keyring, SealedRequest, StoredAnswer, Unopenable, plaintext
+from oncegate.kernel.sealing import Keyring, Unopenable, plaintext
 from oncegate.model import errors
+from oncegate.model.answers import SealedRequest, StoredAnswer
+from oncegate.model.records import Claim, Record
 from oncegate.settings import StoreOptions
-from oncegate.store import Claim, Record
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import digest, insert_completed_keys, new_key, stored
 

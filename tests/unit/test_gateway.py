@@ -17,8 +17,10 @@ import pytest
 
 from oncegate import service, settings
 from oncegate.kernel import fingerprint, headers, keys
-from oncegate.kernel.sealing import Sealer, StoredAnswer, plaintext
+from oncegate.kernel.sealing import Sealer, plaintext
 from oncegate.model import errors
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim, Record, State
 from oncegate.service import (
     Gateway,
     InFlight,
@@ -30,7 +32,6 @@ from oncegate.service import (
     decide,
 )
 from oncegate.service.waiting import Wait, WaitingRoom
-from oncegate.store import Claim, Record, State
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream.client import HttpUpstream
 from tests.fake_upstream import FakeUpstream

@@ -4,8 +4,8 @@ flight."""
 
 from __future__ import annotations
 
-from oncegate.kernel.sealing import StoredAnswer
-from oncegate.store import Claim
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim
 from oncegate.store.memory import MemoryStore
 
 SCOPE = b"scope"

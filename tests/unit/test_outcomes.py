@@ -24,8 +24,8 @@ from oncegate.http.proxy import ProxyApp
 from oncegate.kernel.sealing import Keyring
 from oncegate.model import errors
 from oncegate.model.outcomes import Outcome
+from oncegate.model.records import KeyRecord
 from oncegate.service.routing import RouteTable
-from oncegate.store import KeyRecord
 from oncegate.store.memory import MemoryStore
 from oncegate.upstream import AnswerLost, NotSent
 from tests.fake_upstream import FakeUpstream, Respond

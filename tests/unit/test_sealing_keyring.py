@@ -9,8 +9,9 @@ import os
 import pytest
 
 from oncegate.kernel import sealing
-from oncegate.kernel.sealing import Keyring, SealedAnswer, Unopenable
+from oncegate.kernel.sealing import Keyring, Unopenable
 from oncegate.model import errors
+from oncegate.model.answers import SealedAnswer
 
 SCOPE = b"s" * 32
 HEADERS = [("content-type", "application/json"), ("location", "/charges/ch_1")]

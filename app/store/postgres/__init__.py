@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from ...kernel.sealing import Keyring, SealedRequest, StoredAnswer
+from ...kernel.sealing import Keyring
+from ...model.answers import SealedRequest, StoredAnswer
+from ...model.records import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ...settings import StoreOptions, database_url
-from .. import Claim, KeyCount, KeyRecord, Listed, QueuedKey, Record, Replication
 from ..errors import Outage, translated
 from ..notify import Watch
 from .connections import Listener, Pools

@@ -26,6 +26,7 @@ import asyncpg
 
 from ...kernel import sealing
 from ...kernel.sealing import Keyring
+from ...model.answers import SealedAnswer
 from ..batching import Batcher, PerShard
 from ..citus import ShardMap
 from ..queries import DIALECTS, Server, Statements
@@ -239,7 +240,7 @@ def _count(status: str) -> int:
 
 def _resealed(
     rows: list[asyncpg.Record], keyring: Keyring, unopenable: list[tuple[int, str]]
-) -> Iterator[tuple[asyncpg.Record, sealing.SealedAnswer]]:
+) -> Iterator[tuple[asyncpg.Record, SealedAnswer]]:
     """Each row whose answer opens, with it sealed again under the newest key for the row's
     claim (its id and fencing token); a row that does not open goes to `unopenable`, untouched."""
     for row in rows:

@@ -28,9 +28,9 @@ import time
 
 import asyncpg
 
+from ...model.records import Claim
 from ...settings import StoreOptions
 from ...settings.database_url import Host
-from .. import Claim
 from ..errors import DRIVER_ERRORS, reason
 from ..queries import Statements
 from .rows import fetchrow

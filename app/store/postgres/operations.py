@@ -14,8 +14,8 @@ from typing import Protocol, TypeVar
 
 import asyncpg
 
-from ...kernel.sealing import SealedRequest, StoredAnswer
-from .. import Claim, Record
+from ...model.answers import SealedRequest, StoredAnswer
+from ...model.records import Claim, Record
 
 
 @dataclass(frozen=True, slots=True)

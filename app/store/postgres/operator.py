@@ -14,10 +14,10 @@ from typing import Any
 
 import asyncpg
 
-from ...kernel.sealing import StoredAnswer
+from ...model.answers import StoredAnswer
+from ...model.records import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ...settings import StoreOptions
 from ...telemetry import metrics
-from .. import KeyCount, KeyRecord, Listed, QueuedKey, Replication
 from ..errors import Outage, translated
 from .dialect import Dialect
 from .rows import answer_columns, fetchrow, key_record_of

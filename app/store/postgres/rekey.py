@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncpg
 
 from ...kernel import sealing
-from ...kernel.sealing import Keyring, SealedRequest
+from ...kernel.sealing import Keyring
+from ...model.answers import SealedRequest
 from ...settings import StoreOptions
 from ..errors import Outage, translated
 from .dialect import Dialect, RekeyBatch

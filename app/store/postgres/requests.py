@@ -32,10 +32,11 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from ...kernel.sealing import SealedRequest, StoredAnswer
+from ...model.answers import SealedRequest, StoredAnswer
+from ...model.records import Claim, Record
 from ...settings import StoreOptions
 from ...telemetry import tracing
-from .. import Claim, Record, claimant
+from .. import claimant
 from ..batching import Batcher, PerShard
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated
 from .connections import Pools

@@ -1,7 +1,7 @@
 """Running one named query (queries.sql), and the one mapping between the key table's columns
 and the store's values: a row to a `Record`, a stored answer to its columns and back.
 
-A stored answer (`sealing.StoredAnswer`) lives in six columns: `response_status`;
+A stored answer (`model.answers.StoredAnswer`) lives in six columns: `response_status`;
 `response_stored` (false when it was too large to store: the status alone); its headers as JSON,
 in `response_headers` (jsonb) when plaintext or sealed in `sealed_headers`; its body, sealed or
 not, in `response_body`; and the name and binding of the key that sealed it in `sealed_with`.
@@ -14,8 +14,8 @@ from typing import Any
 
 import asyncpg
 
-from ...kernel.sealing import SealedAnswer, SealedRequest, StoredAnswer
-from .. import KeyRecord, Record
+from ...model.answers import SealedAnswer, SealedRequest, StoredAnswer
+from ...model.records import KeyRecord, Record
 from ..queries import Statements
 from .pool import Pool
 

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..commands import argument_types
 from ..model import errors
 from ..telemetry import logs
+from . import argument_types
 
 if TYPE_CHECKING:
-    from .worker import Runtime
+    from ..lab.worker import Runtime
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -98,7 +98,7 @@ class _LabHelp(argparse.Action):
 
 def _lab_costs() -> str:
     """`--help`'s account of the invented costs the wasted columns are priced at."""
-    from . import model, task
+    from ..lab import model, task
 
     steps = task.support_task("run")
     lines = [
@@ -134,7 +134,7 @@ def run(arguments: argparse.Namespace) -> int:
     run failed."""
     import json
 
-    from . import crashlab, model, plot, report, stack, worker
+    from ..lab import crashlab, model, plot, report, stack, worker
 
     if arguments.plot is not None and arguments.plot.suffix.lower() != ".svg":
         raise errors.ConfigError(f"--plot writes SVG: name the file *.svg, not {arguments.plot}")
@@ -198,7 +198,7 @@ def _langgraph_runtime(arguments: argparse.Namespace) -> Runtime:
             f"--kill-gateway and --late-resume are the runner's: drop them or --runtime {name}"
         )
     try:
-        from . import langgraph_runtime
+        from ..lab import langgraph_runtime
     except ImportError as exc:
         raise errors.ConfigError(
             f"--runtime {name} needs LangGraph: pip install 'oncegate[langgraph]' ({exc})"

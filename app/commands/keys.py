@@ -261,9 +261,15 @@ def _resolve(client: AdminClient, arguments: argparse.Namespace) -> int:
             "POST", f"/admin/keys/{arguments.id}/resolve", json={"action": "resend"}
         )
         answer = document["answer"]
+        settled = (
+            "the key was released: the next retry is forwarded"
+            if answer["outcome"] == "released"
+            else "retries get that answer (or 409 response-not-stored, past the route's "
+            "max_stored_response)"
+        )
         sys.stdout.write(
             f"key {arguments.id} re-sent: the upstream answered {answer['status']} "
-            f"({answer['outcome']}); retries get that answer\n"
+            f"({answer['outcome']}); {settled}\n"
         )
         sys.stdout.write(json.dumps(answer, indent=2) + "\n")
         return 0

@@ -302,7 +302,9 @@ class Resolution(BaseModel):
     action: Literal["complete", "release", "resend"] = Field(
         description="complete: store this answer and replay it to every retry; "
         "release: forget the key, so the next retry is forwarded; resend: forward the kept "
-        "request once more under the same key and store what comes back"
+        "request once more under the same key and settle it with what comes back (stored; "
+        "released on one of the route's release_statuses, or on a 401 or 403: the kept "
+        "credentials were refused, nothing was performed)"
     )
     status: int | None = Field(None, ge=200, le=599, description="with complete")
     headers: list[tuple[str, str]] = Field(default_factory=list, description="with complete")
@@ -313,6 +315,13 @@ class Resolution(BaseModel):
     def _complete_needs_status(self) -> Resolution:
         if self.action == "complete" and self.status is None:
             raise ValueError("action 'complete' needs a status")
+        if self.action != "complete" and (
+            self.status is not None or self.headers or self.body or self.body_base64
+        ):
+            raise ValueError(
+                f"action {self.action!r} takes no answer (status, headers, body): only "
+                "'complete' stores one; nothing was changed"
+            )
         if self.body is not None and self.body_base64 is not None:
             raise ValueError("give body or body_base64, not both")
         if self.status in (204, 304) and (self.body or self.body_base64):

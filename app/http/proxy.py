@@ -18,6 +18,7 @@ from typing import Any, assert_never
 
 from ..kernel import headers, paths
 from ..model import errors
+from ..model.outcomes import Outcome
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
 from ..service.routing import RouteTable
 from ..service.streaming import Broken, Relay
@@ -76,7 +77,8 @@ class ProxyApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": response_headers})  # fmt: skip
         if isinstance(said, Answer) and said.stream is not None:
-            await _stream(said.stream, send, route_name, request_id)
+            if await _stream(said.stream, send, route_name, request_id):
+                said.outcome = Outcome.UNKNOWN  # counted as what the key now is
         elif len(body) > SLICE:
             # A large stored answer goes out in slices of the one copy read from PostgreSQL, so
             # the server's write buffer never holds a second copy of it.
@@ -158,9 +160,10 @@ def _key_header(route: Route | None) -> str | None:
     return None if route.key_pointer is not None else route.key_header_shown
 
 
-async def _stream(relay: Relay, send: Send, route_name: str, request_id: str) -> None:
+async def _stream(relay: Relay, send: Send, route_name: str, request_id: str) -> bool:
     """Relay a body as the upstream sends it; chunked, so an answer that breaks off ends
-    without the last chunk and the client sees it cut short (the connection is closed)."""
+    without the last chunk and the client sees it cut short (the connection is closed).
+    True when the upstream's answer broke off (its key is then `unknown`)."""
     try:
         async for chunk in relay:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -168,11 +171,12 @@ async def _stream(relay: Relay, send: Send, route_name: str, request_id: str) ->
         if not relay.abandoned:
             log.warning("%s: the upstream's answer broke off while it was relayed; the "
                         "connection is closed (request %s)", route_name, request_id)  # fmt: skip
-        return  # without the body's end: the server closes the connection
+        return not relay.abandoned  # without the body's end: the server closes the connection
     except BaseException:
         relay.abandon()  # the client's side is gone: the pump reads on and settles the key
         raise
     await send({"type": "http.response.body", "body": b""})
+    return False
 
 
 def _relayed(

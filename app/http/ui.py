@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from .. import service
 from ..model import errors
 from ..model.records import QueuedKey
-from ..service.evidence import masked
+from ..service.evidence import masked, masked_query
 from .admin import Resolution, read_bounded
 from .deps import RuntimeDep
 from .sessions import COOKIE, SESSION_SECONDS, Session, SessionDep, admin_token, new_session
@@ -175,7 +175,8 @@ CAUSES = {
 SETTLED = {
     "complete": "settled as completed: retries get that answer",
     "release": "released: the next retry is forwarded",
-    "resend": "re-sent: its request was forwarded once more and its answer stored",
+    "resend": "re-sent: its request was forwarded once more and the key settled with the "
+    "upstream's answer (the key's page shows how)",
 }
 FAILURES = {
     "read_timeout": "the upstream's answer did not come back in time",
@@ -278,7 +279,8 @@ async def _evidence(operator: service.Operator, record_id: int) -> str:
     rows: list[tuple[str, str]] = []
     kept = await operator.kept_request(record)
     if kept is not None:
-        target = kept.path + (f"?{kept.query}" if kept.query else "")
+        query = masked_query(kept.query)
+        target = kept.path + (f"?{query}" if query else "")
         rows.append(("request", f"<code>{escape(kept.method)} {escape(target)}</code>"))
         shown = "\n".join(f"{name}: {value}" for name, value in masked(kept.headers))
         rows.append(("request headers (credentials masked)", f"<pre>{escape(shown)}</pre>"))

@@ -5,8 +5,10 @@
 - The upstream always gets the key header (`Idempotency-Key`, or the route's `key_header`), even
   when the client names it in `Connection`: the contract promises it, and an upstream that
   deduplicates by key relies on it.
-- Credentials are never stored: one client's `Authorization`, `Cookie` or `Set-Cookie` must not
-  be replayed to anyone (the first caller still gets its `Set-Cookie`).
+- Credentials are never stored with an answer: one client's `Authorization`, `Cookie` or
+  `Set-Cookie` must not be replayed to anyone (the first caller still gets its `Set-Cookie`).
+  The request kept behind a key (`service.evidence`) does hold them, for a re-send: sealed
+  where sealing is on, and shown to operators masked.
 - A request whose head cannot be passed on as the client meant it is refused (`check_request`).
 - An answer that announces a body it may not have (a 204 with a length) breaks its framing: its
   connection is not reused (`announces_forbidden_body`, used by the upstream client).

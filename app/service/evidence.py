@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote_plus
 
 from ..kernel import headers
 from ..settings import Route
@@ -25,8 +26,11 @@ from ..upstream import AnswerLost
 from .messages import ProxyRequest
 
 # Shown masked to operators: whoever reads the admin API or the page sees that a credential was
-# sent, not the credential.
-MASKED = headers.NOT_STORED | {"proxy-authorization", "x-api-key", "api-key", "x-auth-token"}
+# sent, not the credential. A header or query parameter is taken for one by its name, as vendors
+# spell them (`Authorization`, `X-Api-Key`, `X-Shopify-Access-Token`, `Ocp-Apim-Subscription-Key`,
+# `PRIVATE-TOKEN`, `?access_token=`); the key that names the request is not one.
+_CREDENTIAL = re.compile(r"auth|token|secret|passw|key|cookie|session|signature|credential", re.I)
+_NOT_A_CREDENTIAL = re.compile(r"idempotency|request-id", re.I)
 _LENGTH = 4  # bytes of the head's length before it
 
 
@@ -65,7 +69,7 @@ class KeptRequest:
         return {
             "method": self.method,
             "path": self.path,
-            "query": self.query,
+            "query": masked_query(self.query),
             "headers": [[name, value] for name, value in masked(self.headers)],
             "body_base64": base64.b64encode(self.body).decode(),
         }
@@ -95,15 +99,31 @@ class KeptRequest:
         return text
 
 
+def is_credential(name: str) -> bool:
+    """Whether a header or query parameter of this name is shown masked."""
+    return _CREDENTIAL.search(name) is not None and _NOT_A_CREDENTIAL.search(name) is None
+
+
 def masked(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """Header pairs with credentials masked: a scheme (`Bearer`) kept, the secret not."""
     shown = []
     for name, value in pairs:
-        if name.lower() in MASKED:
+        if is_credential(name):
             scheme, space, _ = value.partition(" ")
             value = f"{scheme} ***" if space and name.lower().endswith("authorization") else "***"
         shown.append((name, value))
     return shown
+
+
+def masked_query(query: str) -> str:
+    """A query string with the values of credential parameters masked, the rest as sent."""
+    if not query:
+        return query
+    parts = []
+    for part in query.split("&"):
+        name, equals, _ = part.partition("=")
+        parts.append(f"{name}=***" if equals and is_credential(unquote_plus(name)) else part)
+    return "&".join(parts)
 
 
 def failure(exc: AnswerLost) -> str:

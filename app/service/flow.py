@@ -75,6 +75,9 @@ OFF_LOOP_BODY = 1024 * 1024
 OFF_LOOP_JSON = fingerprint.CANONICAL_JSON_LIMIT
 DEFAULT_WAITERS = (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY)
 EXAMPLE_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+# A re-send's answers that release its key, beside the route's release_statuses: the upstream
+# refused the kept credentials, so nothing was performed (`Gateway.resend`).
+RESEND_REFUSALS = frozenset({401, 403})
 
 
 class Gateway:
@@ -278,7 +281,13 @@ class Gateway:
             raise errors.KeyNotUnknown(
                 f"key {record.id} is no longer in state unknown: nothing was sent"
             )
-        answer = await self._forward_protected(route, request, claim, scope)
+        # The kept request carries the credentials of its first attempt, which may have expired
+        # since: an upstream that refuses them performed nothing, and storing its 401 would
+        # answer the client's own retry (with fresh credentials, in the same scope) with it.
+        refused = route.release_statuses | RESEND_REFUSALS
+        answer = await self._forward_protected(
+            route.model_copy(update={"release_statuses": refused}), request, claim, scope
+        )
         if answer.stream is not None:  # the operator gets it whole, up to what is stored
             body = bytearray()
             try:
@@ -340,22 +349,73 @@ class Gateway:
         scope: bytes,
         relay: Relay,
     ) -> None:
+        renewing = None
+        if claim is not None:
+            renewing = asyncio.get_running_loop().create_task(self._renew(route, claim))
+        try:
+            await self._relay_body(route, response, claim, scope, relay, renewing)
+        except Exception:  # a bug: the client's copy must not look complete, nor hang
+            log.exception("route %s: relaying an answer failed unexpectedly", route.name)
+            relay.abandon()
+        finally:
+            if renewing is not None:
+                renewing.cancel()
+
+    async def _renew(self, route: Route, claim: Claim) -> None:
+        """Keep the claim's lease running while its answer is relayed, however long that
+        takes: a lease that ran out would make the key `unknown` (a retry told so, or sent
+        again under `on_unknown: forward`) while its first answer is still arriving."""
+        lease = route.lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                renewed = await self._store.renew(claim, lease)
+            except errors.StoreUnavailable:
+                log.warning(
+                    "route %s: could not renew the lease of a key whose answer is still relayed: "
+                    "the store is unavailable; trying again",
+                    route.name,
+                )
+                continue
+            if not renewed:
+                log.warning(
+                    "route %s: could not renew the lease of a key whose answer is still relayed: "
+                    "it was settled or taken over",
+                    route.name,
+                )
+                return
+
+    async def _relay_body(
+        self,
+        route: Route,
+        response: UpstreamResponse,
+        claim: Claim | None,
+        scope: bytes,
+        relay: Relay,
+        renewing: asyncio.Task[None] | None,
+    ) -> None:
         stream = response.stream
         assert stream is not None
         kept: list[bytes] | None = [] if claim is not None else None
+        # A copy for the store only of a body it will hold: not of one stored as its status
+        # (`store: status_only`), nor of an answer whose status releases the key.
+        copying = route.store == "full" and response.status not in route.release_statuses
         size = 0
         try:
             async for chunk in stream:
                 if kept is not None:
                     size += len(chunk)
                     if size <= route.max_stored_response:
-                        kept.append(chunk)
+                        if copying:
+                            kept.append(chunk)
                     else:
                         kept = None  # too large to store: the status and headers only
                 await relay.put(chunk)
         except AnswerLost as exc:
             log.warning("route %s: %s %s: the answer broke off after %d bytes: %s",
                         route.name, response.status, route.upstream, exc.received, exc)  # fmt: skip
+            if renewing is not None:
+                renewing.cancel()
             if claim is not None:
                 seen = evidence.failure(exc)
                 await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
@@ -364,6 +424,8 @@ class Gateway:
         except BaseException:
             await stream.aclose()
             raise
+        if renewing is not None:
+            renewing.cancel()  # the answer is whole: the settle does not need the lease
         if claim is not None:
             await self._settle_streamed(route, response, claim, scope, kept)
         await relay.end()

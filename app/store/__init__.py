@@ -67,6 +67,11 @@ class Store(Protocol):
         """The request may have reached the upstream and its answer is lost; `failure` says
         what the gateway saw (JSON)."""
 
+    async def renew(self, claim: Claim, lease: float) -> bool:
+        """Run the claim's lease again for `lease` seconds from now, while its answer is still
+        being relayed. False when the claim is not in flight any more (settled, taken over, or
+        its lease already ran out)."""
+
     async def mark_waited(self, record: Record) -> bool:
         """Ask to be told when this in-flight claim settles (`watch`). False when it is not in
         flight any more: there is nothing to wait for."""

@@ -100,6 +100,17 @@ class MemoryStore:
     def watch(self, record_id: int) -> Watch:
         return self._watchers.watch(record_id)
 
+    async def renew(self, claim: Claim, lease: float) -> bool:
+        await self._yield()
+        now = self._clock()
+        row = self._by_id(claim.id)
+        if row is None or row.token != claim.token or state_of(row, now) != "in_progress":
+            return False
+        self._rows[(row.scope, row.key)] = replace(
+            row, lease_expires_at=now + lease, expires_at=max(row.expires_at, now + lease + 1)
+        )
+        return True
+
     async def mark_waited(self, record: Record) -> bool:
         await self._yield()
         row = self._by_id(record.id)

@@ -224,6 +224,19 @@ WHERE key = :key
   AND oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
 RETURNING id;
 
+-- name: renew
+-- A forward whose answer is still being relayed keeps its claim: its lease runs again from now,
+-- and the key cannot expire under it. Only the token's holder, and only while the lease runs:
+-- a key that already turned `unknown` stays so (a retry may have been told).
+UPDATE oncegate_keys
+SET lease_expires_at = oncegate_after(now(), :lease::float8),
+    expires_at = greatest(expires_at, oncegate_after(now(), :lease::float8 + 1))
+WHERE key = :key
+  AND id = :id
+  AND fencing_token = :token
+  AND oncegate_key_is('in_progress', state, lease_expires_at, expires_at, now())
+RETURNING id;
+
 -- name: purge [postgres]
 -- One bounded batch of expired rows (`expires_at <= now()` first, so the index finds them).
 -- Rows locked by a concurrent reclaim are skipped, and a row still in flight is never deleted,

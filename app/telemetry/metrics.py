@@ -208,7 +208,8 @@ WAITS_REFUSED = Counter(
 RESOLUTIONS = Counter(
     "oncegate_resolutions_total",
     "Operators' resolutions of unknown keys, by action (complete, release, resend) and result "
-    "(done; for resend, the forward's outcome: forwarded, released, unknown, unavailable; "
+    "(done; for resend, the forward's outcome: forwarded, released, unknown, "
+    "upstream_unavailable, store_unavailable; "
     "refused: the key was not unknown or its request not kept).",
     ["action", "result"],
 )

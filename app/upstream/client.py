@@ -113,7 +113,7 @@ class _Stream:
         try:
             while True:
                 try:
-                    chunk = await response.content.readany()
+                    chunk = await response.content.read(STREAM_CHUNK)
                 except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
                     raise _lost(
                         f"no more of the answer within {self._timeout:g}s", response,

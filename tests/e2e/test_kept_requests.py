@@ -36,7 +36,8 @@ BODY = {"amount": 81, "card": "tok_visa"}
 
 class SlowFirstUpstream:
     """Performs every request it reads (counted per Idempotency-Key); the first of a key sent
-    with `X-Slow-First` is answered 3 s late, after the gateway's timeout."""
+    with `X-Slow-First` is answered 3 s late, after the gateway's timeout. A later one sent with
+    `X-Refuse-Later` is refused 401 and not performed, as an expired credential would be."""
 
     def __init__(self) -> None:
         self.performed: dict[str, list[dict[str, Any]]] = {}
@@ -49,6 +50,11 @@ class SlowFirstUpstream:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 key = self.headers.get("idempotency-key", "")
+                if self.headers.get("x-refuse-later") and upstream.times(key) > 0:
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 with upstream._lock:
                     seen = upstream.performed.setdefault(key, [])
                     headers = {name.lower(): value for name, value in self.headers.items()}
@@ -214,6 +220,40 @@ async def test_a_resend_performs_the_request_once_more_and_the_retry_replays_its
     finally:
         await connection.close()
     assert (row["request"], row["claimed_by"]) == (None, None)
+
+
+async def test_a_resend_refused_for_its_expired_credentials_releases_the_key(
+    client: httpx.AsyncClient, admin: httpx.AsyncClient, slow_first: SlowFirstUpstream
+) -> None:
+    """The kept request carries its first attempt's credentials: an upstream that refuses them
+    (401) performed nothing, so the key is released, not stored, and the client's own retry is
+    forwarded instead of being answered 401 for the rest of the TTL."""
+    key = str(uuid.uuid4())
+    sent = {**retried(key), "X-Slow-First": "1", "X-Refuse-Later": "1"}
+    answer = await client.post("/kept/charges?currency=eur", json=BODY, headers=sent)
+    assert answer.status_code == 504 and problem_name(answer) == "outcome-unknown"
+    record = await record_of(admin, key)
+    await _wait_until(lambda: slow_first.times(key) == 1)
+
+    with_answer = await admin.post(
+        f"/admin/keys/{record['id']}/resolve", json={"action": "resend", "status": 201}
+    )
+    assert with_answer.status_code == 422  # an answer is complete's, not resend's: refused
+    assert (await record_of(admin, key))["state"] == "unknown"
+
+    resent = await admin.post(f"/admin/keys/{record['id']}/resolve", json={"action": "resend"})
+    assert resent.status_code == 200, resent.text
+    assert (resent.json()["answer"]["status"], resent.json()["answer"]["outcome"]) == (
+        401,
+        "released",
+    )
+    assert (await admin.get("/admin/keys", params={"key": key})).json()["records"] == []
+    assert slow_first.times(key) == 1  # the refused re-send performed nothing
+
+    retry = await client.post("/kept/charges?currency=eur", json=BODY, headers=retried(key))
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert retry.json() == {"charge": "ch_2", "key": key}
+    assert slow_first.times(key) == 2
 
 
 async def test_a_completed_key_holds_no_request(

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import GatewayProcess, prefix_route, problem_name
+from tests.helpers import total
 
 MIB = 1024 * 1024
 
@@ -142,6 +143,9 @@ def gateway(module_dir: Path, database_url: str, paced: PacedUpstream) -> Iterat
     routes = [
         prefix_route("small", paced.url, timeout="30s", max_stored_response="1MiB"),
         prefix_route("large", paced.url, timeout="30s", max_stored_response="8MiB"),
+        # A lease far shorter than the answers relayed on it, and a retry of an `unknown` key
+        # forwarded again: what a lease that ran out mid-answer would cost is a second request.
+        prefix_route("long", paced.url, timeout="2s", lease="3s", on_unknown="forward"),
     ]
     with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
@@ -263,6 +267,64 @@ async def test_an_answer_that_breaks_off_is_cut_short_for_the_client_and_the_key
     assert '"kind": "answer_broken"' in failure and '"status": 200' in failure
     retry = await client.post(target, headers={"Idempotency-Key": key})
     assert (retry.status_code, problem_name(retry)) == (409, "outcome-unknown")
+
+
+async def test_an_answer_that_breaks_off_is_counted_unknown_not_forwarded(
+    client: httpx.AsyncClient, gateway: GatewayProcess, database_url: str
+) -> None:
+    key = str(uuid.uuid4())
+    target = f"/large/paced?size={5 * MIB}&cut={MIB}&chunk={256 * 1024}"
+    metrics = f"{gateway.admin_url}/metrics"
+    async with httpx.AsyncClient() as admin:
+        before = (await admin.get(metrics)).text
+        with pytest.raises(httpx.HTTPError):
+            async with client.stream("POST", target, headers={"Idempotency-Key": key}) as answer:
+                async for _ in answer.aiter_raw():
+                    pass
+        assert (await settled(database_url, key))["state"] == "unknown"
+        after = before
+        for _ in range(100):  # the request is counted when its answer ends
+            after = (await admin.get(metrics)).text
+            if total(after, "oncegate_requests_total", route="large") > total(
+                before, "oncegate_requests_total", route="large"
+            ):
+                break
+            await asyncio.sleep(0.05)
+
+    def counted(outcome: str) -> float:
+        labels = {"route": "large", "outcome": outcome}
+        return total(after, "oncegate_requests_total", **labels) - total(
+            before, "oncegate_requests_total", **labels
+        )
+
+    assert (counted("unknown"), counted("forwarded")) == (1, 0)
+
+
+async def test_an_answer_relayed_for_longer_than_the_lease_keeps_its_key_in_flight(
+    client: httpx.AsyncClient, paced: PacedUpstream, database_url: str
+) -> None:
+    """The gateway renews the lease of a key whose answer it is still relaying: a retry in the
+    middle is told the request is in progress (not `outcome-unknown`, and on this
+    `on_unknown: forward` route not sent upstream again), and the answer is stored whole."""
+    key = str(uuid.uuid4())
+    chunk, count = 64 * 1024, 14
+    target = f"/long/paced?size={chunk * count}&chunk={chunk}&pause=0.5"
+    received, retried = b"", None
+    async with client.stream("POST", target, headers={"Idempotency-Key": key}) as answer:
+        assert answer.status_code == 200
+        async for piece in answer.aiter_raw():
+            received += piece
+            if retried is None and len(received) > 8 * chunk:
+                # At least 8 pauses of 0.5 s since the claim: past the 3 s lease it was given.
+                retried = await client.post(target, headers={"Idempotency-Key": key})
+    assert retried is not None
+    assert (retried.status_code, problem_name(retried)) == (409, "request-in-progress")
+    assert received == pattern(chunk * count)
+    stored = await settled(database_url, key)
+    assert (stored["state"], stored["response_stored"]) == ("completed", True)
+    replay = await client.post(target, headers={"Idempotency-Key": key})
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == received
+    assert paced.performed[key] == 1
 
 
 async def test_server_sent_events_are_relayed_as_they_come_and_replayed_whole(

@@ -238,6 +238,26 @@ async def test_an_operator_settles_or_releases_only_unknown_keys(store: AdminAnd
     assert await store.find(in_flight, "another-route") == []
 
 
+async def test_a_renewal_runs_the_lease_again_for_the_token_holder_in_flight_only(
+    store: Store,
+) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    assert await store.renew(owner, 0.1)  # its lease now runs out in 0.1 s, not in LONG
+    await asyncio.sleep(0.3)
+    assert (await record(store, key)).state == "unknown"
+    assert not await store.renew(owner, LONG)  # ran out: a key once unknown stays so
+    assert (await record(store, key)).state == "unknown"
+    taken = await store.take_over(await record(store, key), LONG)
+    assert taken is not None
+    assert not await store.renew(owner, LONG)  # the token moved on
+    assert await store.renew(taken, LONG)
+    assert (await record(store, key)).state == "in_progress"
+    assert await store.complete(taken, StoredAnswer(201, plaintext([], b"done")))
+    assert not await store.renew(taken, LONG)  # settled
+    assert (await record(store, key)).state == "completed"
+
+
 async def test_a_settle_wakes_the_watch_of_a_row_marked_waited(store: AdminAndKeyStore) -> None:
     for settle in ("complete", "release", "mark_unknown"):
         key = new_key()

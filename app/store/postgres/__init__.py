@@ -119,6 +119,9 @@ class PostgresStore:
     async def mark_unknown(self, claim: Claim, failure: str | None = None) -> bool:
         return await self._requests.mark_unknown(claim, failure)
 
+    async def renew(self, claim: Claim, lease: float) -> bool:
+        return await self._requests.renew(claim, lease)
+
     async def mark_waited(self, record: Record) -> bool:
         return await self._requests.mark_waited(record)
 

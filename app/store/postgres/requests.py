@@ -139,6 +139,14 @@ class RequestPath:
             await batcher.close()
         await self._answers.close()
 
+    @translated("renew")
+    async def renew(self, claim: Claim, lease: float) -> bool:
+        row = await fetchrow(
+            self._pool, self._statements, "renew",
+            key=claim.key, id=claim.id, token=claim.token, lease=lease,
+        )  # fmt: skip
+        return row is not None
+
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
         row = await fetchrow(

@@ -80,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="admin port: /metrics, /healthz, /readyz, the admin API (default 8081)",
     )
-    serve.add_argument("--workers", type=int, metavar="N", help="worker processes (default 1)")
+    serve.add_argument(
+        "--workers",
+        metavar="N",
+        help="worker processes, or auto: one per core this process may use (default 1)",
+    )
     serve.add_argument(
         "--ttl", metavar="DURATION", help="key lifetime for routes that set none (default 24h)"
     )

@@ -8,7 +8,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from .parts import DatabaseSettings, SealingSettings, StoreSettings
 from .routes import DEFAULT_TTL, Route, check_upstream
-from .units import Duration
+from .units import Duration, Workers
 
 DEFAULT_MAX_WAITERS = 1000
 DEFAULT_MAX_WAITERS_PER_KEY = 64
@@ -23,7 +23,8 @@ class Settings(DatabaseSettings, SealingSettings, StoreSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     admin_port: int = Field(8081, ge=0, le=65535)
-    workers: int = Field(1, ge=1, le=64)
+    # Worker processes; `auto`: one per core this process may use (`units.usable_cores`).
+    workers: Workers = 1
     ttl: Duration = DEFAULT_TTL
     upstream: str | None = None
     log_format: Literal["json", "text"] = "json"

@@ -3,7 +3,10 @@ parse and bound them."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import BeforeValidator, Field
@@ -48,6 +51,64 @@ def parse_size(value: object) -> int:
         raise ValueError(f"{value!r} is not a size: use a number of bytes or 512KiB, 10MiB")
     return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
 
+
+# The most worker processes one gateway forks (`workers`).
+MAX_WORKERS = 64
+# Where a container's CPU limit is read: cgroup v2's `cpu.max`, else cgroup v1's quota and period.
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def parse_workers(value: object) -> object:
+    """`auto` -> one worker per core this process may use (`usable_cores`); a whole number (or
+    its digits) as it is, left to the field's bounds (1 to MAX_WORKERS)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return usable_cores()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ValueError(
+        f"{value!r} is not a number of worker processes: use 1 to {MAX_WORKERS}, or auto"
+    )
+
+
+def usable_cores(cgroup: Path | None = None) -> int:
+    """The cores this process may run on: the CPUs it is allowed (affinity, `taskset`, a
+    cpuset), fewer when a CPU quota (a container's `cpus` limit) grants less, at least 1 and at
+    most MAX_WORKERS. A quota of 2.5 CPUs gives 2: a third worker would be throttled for half of
+    each period, and a gateway process throttled mid-request holds every request on its loop."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cpu_quota(CGROUP if cgroup is None else cgroup)
+    if quota is not None:
+        cores = min(cores, math.floor(quota))
+    return max(1, min(cores, MAX_WORKERS))
+
+
+def cpu_quota(cgroup: Path) -> float | None:
+    """The CPUs a cgroup quota grants this process (2.5 for `cpu.max` = `250000 100000`), or
+    None when there is none (`max`, -1, or no cgroup file to read)."""
+    try:
+        text = (cgroup / "cpu.max").read_text().split()
+    except OSError:
+        text = None
+    if text is not None and len(text) == 2 and text[0] != "max":
+        try:
+            quota, period = int(text[0]), int(text[1])
+        except ValueError:
+            return None
+        return quota / period if quota > 0 and period > 0 else None
+    if text is not None:
+        return None  # cgroup v2 without a quota (`max`)
+    try:
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+# `workers`: a whole number, or `auto` for one per usable core.
+Workers = Annotated[int, BeforeValidator(parse_workers), Field(ge=1, le=MAX_WORKERS)]
 
 # Ten years: longer than any key should live, and far inside PostgreSQL's interval range.
 MAX_DURATION = 3650 * 86400.0

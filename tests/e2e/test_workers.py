@@ -15,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from oncegate.settings import units
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 from tests.helpers import total
 
@@ -93,3 +94,21 @@ def test_sigterm_stops_every_worker(gateway: GatewayProcess) -> None:
     assert gateway.process.wait() == 0
     assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE
                    for child in children)  # fmt: skip
+
+
+async def test_workers_auto_serves_with_one_worker_per_usable_core(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> None:
+    route = {"name": "mail", "match": "/", "upstream": upstream.url}
+    cores = units.usable_cores()  # this machine's, as the gateway reads them
+    with GatewayProcess(
+        module_dir, database_url, [route], name="auto", args=["--workers", "auto"]
+    ) as auto:
+        # One core: the gateway serves in its own process, as with --workers 1 (no fork).
+        forked = cores if cores > 1 else 0
+        assert len(wait_for_workers(auto, forked)) == forked
+        async with httpx.AsyncClient(base_url=auto.url, timeout=30) as client:
+            key = str(uuid.uuid4())
+            response = await client.post("/emails", json={}, headers={"Idempotency-Key": key})
+        assert response.status_code == 201
+        assert len(upstream.actions(key)) == 1

@@ -9,6 +9,7 @@ import pytest
 from oncegate import settings
 from oncegate.model import errors
 from oncegate.service import routing
+from oncegate.settings import units
 
 UPSTREAM = "http://127.0.0.1:9001"
 
@@ -792,3 +793,62 @@ def test_the_store_options_have_one_set_of_defaults_and_follow_the_variables() -
     environ = {"ONCEGATE_STORE_COMMAND_TIMEOUT": "3s", "ONCEGATE_STORE_ANSWER_COMMIT": "on"}
     options = settings.load_part(settings.StoreSettings, environ).store_options(pool_size=1)
     assert (options.pool_size, options.command_timeout, options.answer_commit) == (1, 3.0, "on")
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """This process may run on 4 CPUs, under a cgroup directory the test writes (none yet)."""
+    monkeypatch.setattr(units.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    monkeypatch.setattr(units, "CGROUP", cgroup)
+    return cgroup
+
+
+def test_workers_auto_is_one_per_cpu_the_process_may_use(four_cpus: Path, tmp_path: Path) -> None:
+    assert settings.load({"workers": "auto", "upstream": UPSTREAM}, {}).workers == 4
+    assert settings.load({"upstream": UPSTREAM}, {"ONCEGATE_WORKERS": "AUTO"}).workers == 4
+    path = write(tmp_path, f"upstream: {UPSTREAM}\nworkers: auto\n")
+    assert settings.load({}, {}, path).workers == 4
+    assert settings.load({"workers": "3", "upstream": UPSTREAM}, {}).workers == 3
+    assert settings.load({"upstream": UPSTREAM}, {}).workers == 1
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "cores"),
+    [
+        ("250000 100000", None, 2),  # 2.5 CPUs: the third worker would be throttled
+        ("50000 100000", None, 1),  # half a CPU: still one worker
+        ("max 100000", None, 4),  # no quota
+        ("800000 100000", None, 4),  # more quota than CPUs: the CPUs
+        (None, ("300000", "100000"), 3),  # cgroup v1
+        (None, ("-1", "100000"), 4),  # cgroup v1 without a quota
+        ("garbage", None, 4),  # unreadable: the CPUs
+    ],
+)
+def test_workers_auto_heeds_a_cpu_quota(
+    four_cpus: Path, v2: str | None, v1: tuple[str, str] | None, cores: int
+) -> None:
+    if v2 is not None:
+        (four_cpus / "cpu.max").write_text(v2 + "\n")
+    if v1 is not None:
+        (four_cpus / "cpu").mkdir()
+        (four_cpus / "cpu" / "cpu.cfs_quota_us").write_text(v1[0] + "\n")
+        (four_cpus / "cpu" / "cpu.cfs_period_us").write_text(v1[1] + "\n")
+    assert settings.load({"workers": "auto", "upstream": UPSTREAM}, {}).workers == cores
+
+
+def test_workers_auto_is_at_most_the_limit(
+    monkeypatch: pytest.MonkeyPatch, four_cpus: Path
+) -> None:
+    monkeypatch.setattr(units.os, "sched_getaffinity", lambda pid: set(range(200)))
+    assert settings.load({"workers": "auto", "upstream": UPSTREAM}, {}).workers == 64
+
+
+@pytest.mark.parametrize("workers", ["0", "65", "two", "1.5", 2.0, True])
+def test_workers_that_are_not_a_count_are_refused(tmp_path: Path, workers: object) -> None:
+    message = load_error(tmp_path, flags={"workers": workers, "upstream": UPSTREAM})
+    assert "workers" in message

@@ -266,10 +266,11 @@ def _rekey(arguments: argparse.Namespace) -> int:
         done, unopenable, left = rekey.run(
             database.url, keyring, sys.stdout, arguments.batch_size, options
         )
-    print(f"re-sealed {done} stored answers under key {keyring.current!r}")
+    print(f"re-sealed {done} stored answers and kept requests under key {keyring.current!r}")
     if unopenable:
         print(
-            f"{len(unopenable)} stored answers could not be opened and were left as they are; "
+            f"{len(unopenable)} stored answers or kept requests could not be opened and were "
+            "left as they are; "
             "keep their key configured until they expire (releasing them would let a retry be "
             "performed again):",
             file=sys.stderr,
@@ -278,8 +279,9 @@ def _rekey(arguments: argparse.Namespace) -> int:
             print(f"  key id {record_id}: {reason}", file=sys.stderr)
     if left > len(unopenable):
         print(
-            f"{left - len(unopenable)} stored answers are still under an older key: a gateway "
-            "still seals with it. Give every gateway the new key first, then run rekey again.",
+            f"{left - len(unopenable)} stored answers or kept requests are still under an older "
+            "key: a gateway still seals with it. Give every gateway the new key first, then run "
+            "rekey again.",
             file=sys.stderr,
         )
     return 1 if left else 0

@@ -27,9 +27,9 @@ def run(
     batch_size: int = BATCH_SIZE,
     options: StoreOptions | None = None,
 ) -> tuple[int, list[tuple[int, str]], int]:
-    """Re-seal everything; return how many answers were re-sealed, the ids of those that could
-    not be opened (their key is missing, or they were changed) with why, and how many stored
-    answers are still not under the newest key when it ends (those, and any a gateway still
+    """Re-seal everything; return how many answers and kept requests were re-sealed, the ids
+    of those that could not be opened (their key is missing, or they were changed) with why, and
+    how many are still not under the newest key when it ends (those, and any a gateway still
     sealing with an older key stored meanwhile)."""
     return asyncio.run(_run(database_url, keyring, out, batch_size, options))
 

@@ -474,9 +474,11 @@ WHERE row.key = ANY(:keys)
   AND row.response_stored AND row.sealed_with IS NOT DISTINCT FROM resealed.was;
 
 -- name: rekey_remaining
--- What is still not under the newest key, in the whole table.
+-- What is still not under the newest key, in the whole table: stored answers, and requests kept
+-- behind keys (their `request_sealed_with` names the key alone).
 SELECT count(*) FROM oncegate_keys
-WHERE response_stored AND sealed_with IS DISTINCT FROM :newest;
+WHERE (response_stored AND sealed_with IS DISTINCT FROM :newest)
+   OR (request IS NOT NULL AND request_sealed_with IS DISTINCT FROM :newest_request);
 
 -- name: total_keys
 -- How many keys the store holds, expired ones not yet purged included: said once at start-up,

@@ -298,8 +298,10 @@ async def test_kept_requests_are_sealed_rekeyed_and_purged_with_their_keys(
     )
     assert isinstance(owner, Claim) and isinstance(plain, Claim)
 
+    remaining = await store.rekey_remaining(newer)  # the table's, these two among them
     resealed = await store.rekey_requests(newer, 100, 0)
     assert (resealed.resealed, resealed.unopenable) == (2, [])
+    assert remaining - await store.rekey_remaining(newer) == 2  # kept requests count as left
     (record,) = await store.find(key, None)
     assert record.request is not None and record.request.key_name == "k2"
     assert newer.open_request(SCOPE, key, record.request) == data

@@ -68,9 +68,11 @@ class Rekeying:
 
     @translated("rekey_remaining")
     async def rekey_remaining(self, keyring: Keyring) -> int:
-        """Stored answers anywhere in the table not sealed under the newest key."""
+        """Stored answers and kept requests anywhere in the table not sealed under the newest
+        key."""
         query = self._dialect.statements["rekey_remaining"]
         remaining: int = await self._pool.fetchval(
-            query.sql, *query.arguments({"newest": keyring.sealed_with})
+            query.sql,
+            *query.arguments({"newest": keyring.sealed_with, "newest_request": keyring.current}),
         )
         return remaining

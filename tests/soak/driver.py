@@ -349,11 +349,13 @@ class Traffic:
         # deployment: each store holds its own, and the checker tells them apart.
         if recent and dice.random() < 0.2:
             key = dice.choice(recent).key
+            # Only a reused key string can name an operation in play (a new one is numbered).
+            if any((other.route, other.tenant, other.key) == (route, tenant, key)
+                   for other in recent):  # fmt: skip
+                return dice.choice(recent)
         else:
             key = f"soak-{self.seed}-{deployment.name}-{self.numbers}-{dice.getrandbits(32):08x}"
         operation = Operation(route, tenant, key, self.numbers, deployment)
-        if any((other.route, other.tenant, other.key) == (route, tenant, key) for other in recent):
-            return dice.choice(recent)
         recent.append(operation)
         self.every.append(operation)
         return operation

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.soak import usage
 from tests.soak.driver import Child, Deadline
 
@@ -80,3 +82,20 @@ async def test_end_stops_a_frozen_process(tmp_path: Path) -> None:
     assert not frozen.alive()
     assert frozen.popen.returncode == -signal.SIGTERM
     assert ledger.processes == {"gateways": 1}
+
+
+async def test_a_process_s_children_are_read_from_the_kernel_s_list(tmp_path: Path) -> None:
+    ledger = usage.Ledger()
+    sleepers = [
+        Child([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / f"{index}.log",
+              kind="gateways", ledger=ledger)
+        for index in range(2)
+    ]  # fmt: skip
+    try:
+        me = psutil.Process()
+        found = {child.pid for child in usage.children_of(me)}
+        assert {sleeper.popen.pid for sleeper in sleepers} <= found
+        assert found == {child.pid for child in me.children()}
+    finally:
+        for sleeper in sleepers:
+            sleeper.end()

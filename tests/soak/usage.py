@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -56,12 +57,28 @@ def postgres_cpu_seconds(pid: int) -> float | None:
             return None
         times = process.cpu_times()
         total = times.user + times.system + times.children_user + times.children_system
-        for child in process.children(recursive=True):
+        for child in children_of(process):
             with contextlib.suppress(psutil.Error):
                 child_times = child.cpu_times()
                 total += child_times.user + child_times.system
         return total
     return None
+
+
+def children_of(process: psutil.Process) -> list[psutil.Process]:
+    """A postmaster's children (its backends and workers: PostgreSQL's processes are all its
+    direct children), from the kernel's own list of them, which costs one read; psutil's
+    `children()` reads every process of the machine to find them (a tenth of the soak process's
+    CPU, read every 15 s for six servers on a busy machine), so it is only the fallback."""
+    try:
+        listed = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text()
+    except OSError:
+        return process.children()
+    found = []
+    for pid in listed.split():
+        with contextlib.suppress(psutil.Error):
+            found.append(psutil.Process(int(pid)))
+    return found
 
 
 def report(

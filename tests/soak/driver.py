@@ -67,6 +67,7 @@ STARTS = 10  # attempts to start a gateway before the soak gives up on the machi
 SETTLE_READS = 5
 GATEWAYS = 3  # per deployment; the first is never signalled
 USAGE_EVERY = 15.0  # seconds between two readings of every gateway's memory and descriptors
+PROGRESS_EVERY = 300.0  # seconds between two lines of progress on the soak's output
 
 
 @dataclass
@@ -488,10 +489,16 @@ async def store_chaos(
 
 
 async def watch_usage(
-    gateways: list[GatewayProcess], stores: list[Scenario], meter: usage.Meter, deadline: Deadline
+    gateways: list[GatewayProcess],
+    stores: list[Scenario],
+    meter: usage.Meter,
+    deadline: Deadline,
+    traffic: Traffic,
+    start: float,
 ) -> None:
     """Every gateway's memory and descriptors, the PostgreSQL servers' CPU and the machine's
-    load, every `USAGE_EVERY` seconds of the chaos."""
+    load, every `USAGE_EVERY` seconds of the chaos; a line of progress every `PROGRESS_EVERY`."""
+    said = start
     while time.monotonic() < deadline.until:
         wait = min(USAGE_EVERY, max(0.0, deadline.until - time.monotonic()))
         if not await deadline.pause(wait):
@@ -499,6 +506,18 @@ async def watch_usage(
         for gateway in gateways:
             gateway.measure()
         meter.read(postmasters(stores))
+        if time.monotonic() - said >= PROGRESS_EVERY:
+            said = time.monotonic()
+            print(progress(said - start, len(traffic.attempts), meter.loads[-1]), flush=True)  # noqa: T201
+
+
+def progress(seconds: float, requests: int, load: float) -> str:
+    """How far a run is: for a long one, whether it will reach its request count in time."""
+    rate = requests / seconds if seconds > 0 else 0.0
+    return (
+        f"soak: {seconds / 60:.0f} min into the chaos, {requests:,} requests ({rate:,.0f}/s), "
+        f"load {load:.1f}"
+    )
 
 
 def postmasters(stores: list[Scenario]) -> list[int]:
@@ -639,7 +658,9 @@ async def run(options: Options) -> Summary:
                 gateway_chaos(hit, random.Random(dice.random()), deadline, options.kill_interval,
                               events, restarts)
             ),
-            asyncio.create_task(watch_usage(every_gateway, stores, meter, deadline)),
+            asyncio.create_task(
+                watch_usage(every_gateway, stores, meter, deadline, traffic, start)
+            ),
             *(
                 asyncio.create_task(
                     store_chaos(store, store.plan(random.Random(dice.random()), options.seconds,

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from tests.soak import usage
-from tests.soak.driver import Child, Deadline
+from tests.soak.driver import Child, Deadline, progress
 
 
 async def test_the_request_cap_ends_the_chaos_and_wakes_the_fault_injectors() -> None:
@@ -99,3 +99,10 @@ async def test_a_process_s_children_are_read_from_the_kernel_s_list(tmp_path: Pa
     finally:
         for sleeper in sleepers:
             sleeper.end()
+
+
+def test_a_long_run_says_how_far_it_is() -> None:
+    assert progress(600, 123_456, 3.25) == (
+        "soak: 10 min into the chaos, 123,456 requests (206/s), load 3.2"
+    )
+    assert progress(0, 0, 0.0) == "soak: 0 min into the chaos, 0 requests (0/s), load 0.0"

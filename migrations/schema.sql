@@ -102,3 +102,24 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- The fence of a batch the store writes on a Citus worker's shards directly (0012; the reasons
+-- are in that migration): Citus's own lock against a shard move, then, in a new snapshot, every
+-- shard of the batch still placed on this node, or SQLSTATE OGM01 and nothing written.
+CREATE OR REPLACE FUNCTION oncegate_fence(shards bigint[]) RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- Sorted and distinct (the caller's duty): locks taken in one order.
+    PERFORM lock_shard_metadata(5, shards);
+    -- A new statement: a new snapshot, taken after the lock, so a move that committed while
+    -- this waited is seen.
+    IF (SELECT count(*) FROM pg_dist_placement
+        WHERE shardid = ANY(shards)
+          AND groupid = (SELECT groupid FROM pg_dist_local_group)) <> cardinality(shards) THEN
+        RAISE EXCEPTION 'a shard of % is not on this node any more', shards
+            USING ERRCODE = 'OGM01';
+    END IF;
+    RETURN true;
+END
+$$;

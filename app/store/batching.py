@@ -11,7 +11,8 @@ of one kind share the pool. And when the statement in flight takes longer than `
 lock, a slow disk), what waited that long is sent beside it rather than stuck behind it.
 
 Every operation keeps its own result: `send` gets the queued items in arrival order and returns
-one outcome per item, in the same order. If `send` fails, every operation of that batch fails
+one outcome per item, in the same order (an exception among them is that item's failure
+alone). If `send` fails, every operation of that batch fails
 with the same exception, and the next batch is sent as usual; but an error that one row can
 cause for all (`isolate` says which: a constraint, a deadlock) sends each operation of the
 batch again alone, so it fails only the row that caused it. That is safe because a statement
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from ..telemetry import metrics
@@ -46,7 +47,7 @@ class Batcher(Generic[Item, Outcome]):
     def __init__(
         self,
         operation: str,
-        send: Callable[[Sequence[Item]], Awaitable[Sequence[Outcome]]],
+        send: Callable[[Sequence[Item]], Awaitable[Sequence[Outcome | Exception]]],
         max_size: int,
         on_abandoned: Callable[[Item, Outcome], None] | None = None,
         *,
@@ -186,6 +187,10 @@ class Batcher(Generic[Item, Outcome]):
                 future.cancel()
             raise
         for (item, future), outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # this operation's own failure
+                if not future.done():
+                    future.set_exception(outcome)
+                continue
             self._deliver(item, future, outcome)
 
     async def close(self) -> None:
@@ -201,17 +206,17 @@ class Batcher(Generic[Item, Outcome]):
 
 
 class PerShard(Generic[Item, Outcome]):
-    """A `Batcher` per shard, made when the shard's first operation arrives: on Citus, a batch
-    whose keys span shards would be one statement on several workers, committed with two-phase
-    commit; a batch per shard is one worker's, sent to it alone. (On plain PostgreSQL the store
-    uses one `Batcher`: one shard.)"""
+    """A `Batcher` per shard, or per worker, made when its first operation arrives: on Citus, a
+    batch whose keys span workers would be one statement on several of them, committed with
+    two-phase commit; a batch per worker (or per shard, through the coordinator) is one node's,
+    sent to it alone. (On plain PostgreSQL the store uses one `Batcher`: one shard.)"""
 
     def __init__(
-        self, shard_of: Callable[[Item], int], make: Callable[[], Batcher[Item, Outcome]]
+        self, shard_of: Callable[[Item], Hashable], make: Callable[[], Batcher[Item, Outcome]]
     ) -> None:
         self._shard_of = shard_of
         self._make = make
-        self._batchers: dict[int, Batcher[Item, Outcome]] = {}
+        self._batchers: dict[Hashable, Batcher[Item, Outcome]] = {}
         self._closed = False
 
     async def run(self, item: Item) -> Outcome:

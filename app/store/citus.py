@@ -66,60 +66,122 @@ async def describe(url: str) -> Distribution | None:
         await connection.close()
 
 
-# How often the store reads the shards' ranges again. A rebalance moves shards between workers
-# but keeps their ranges, so a batch per shard stays one shard's batch; only a split or a new
-# shard count changes the ranges, and until the next read a batch may then span two shards:
-# still correct (Citus commits it on both, with two-phase commit), only slower.
+# How often the store reads the shards again (their ranges and where each is placed). A
+# rebalance moves shards between workers but keeps their ranges; a split makes new shards. Until
+# the next read, the store may send a batch to a worker that no longer holds its shard: the
+# worker's fence refuses it (nothing written, `store.postgres.workers`) and the store reads the
+# shards at once and sends the batch where they are now. So this only bounds how long a map
+# may be old when nothing is written: routing stays correct without it.
 REFRESH_INTERVAL = 30.0
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Node:
+    """A Citus worker that holds shards of the key table and can take the store's statements
+    itself (it has Citus's metadata, synced): its group (pg_dist_placement's `groupid`) and
+    where it listens."""
+
+    group: int
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    low: int  # the lowest hash of its range (`shardminvalue`)
+    id: int
+    node: Node | None  # None: its worker cannot take statements directly (no synced metadata)
 
 
 class ShardMap:
     """Which shard of `oncegate_keys` holds a key, as Citus decides it: the hash of the key
-    (PostgreSQL's `hashtext`, `hash_text` below) falls in one shard's range of `pg_dist_shard`.
-    The store batches the request path per shard with it, so each batch is one shard's."""
+    (PostgreSQL's `hashtext`, `hash_text` below) falls in one shard's range of `pg_dist_shard`;
+    and which worker holds that shard (`pg_dist_placement`, `pg_dist_node`). The store batches
+    the request path per worker (or per shard, for what it sends through the coordinator) with
+    it, so each statement is one node's."""
 
-    def __init__(self, ranges: list[tuple[int, int]]) -> None:
-        self._ranges = sorted(ranges)  # (lowest hash, shard id)
-        self._lows = [low for low, _ in self._ranges]
+    def __init__(self, shards: list[Shard]) -> None:
+        self._shards = sorted(shards, key=lambda shard: shard.low)
+        self._lows = [shard.low for shard in self._shards]
+        self._nodes = {shard.id: shard.node for shard in self._shards}
         self._refreshing: asyncio.Task[None] | None = None
+        self._reading: asyncio.Task[bool] | None = None
+        self._pool: asyncpg.Pool | None = None
 
     @classmethod
     async def load(cls, pool: asyncpg.Pool) -> ShardMap:
-        shards = cls(await _ranges(pool))
-        shards._refreshing = asyncio.create_task(shards._refresh_forever(pool))
+        shards = cls(await _shards(pool))
+        shards._pool = pool
+        shards._refreshing = asyncio.create_task(shards._refresh_forever())
         return shards
 
     def shard_of(self, key: str) -> int:
-        if not self._ranges:
+        if not self._shards:
             return 0
         index = bisect.bisect_right(self._lows, hash_text(key)) - 1
-        return self._ranges[max(index, 0)][1]
+        return self._shards[max(index, 0)].id
+
+    def node_of(self, shard: int) -> Node | None:
+        """The worker that holds `shard` (as last read), if it can take statements directly."""
+        return self._nodes.get(shard)
+
+    def shards_on(self, node: Node) -> list[int]:
+        """Every shard `node` holds (as last read), in ascending order."""
+        return sorted(shard for shard, holder in self._nodes.items() if holder == node)
+
+    async def refresh(self) -> bool:
+        """Read the shards again now (one read for every caller that asks meanwhile); whether
+        anything changed."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+        return await asyncio.shield(self._reading)
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refreshing
+        for task in (self._refreshing, self._reading):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, *DRIVER_ERRORS):
+                    await task
 
-    async def _refresh_forever(self, pool: asyncpg.Pool) -> None:
+    async def _read(self) -> bool:
+        assert self._pool is not None, "a map made by load() reads its shards again"
+        shards = sorted(await _shards(self._pool), key=lambda shard: shard.low)
+        if shards == self._shards:
+            return False
+        log.info("the shards of oncegate_keys changed: %d now", len(shards))
+        self._shards, self._lows = shards, [shard.low for shard in shards]
+        self._nodes = {shard.id: shard.node for shard in shards}
+        return True
+
+    async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_INTERVAL)
             try:
-                ranges = sorted(await _ranges(pool))
-            except DRIVER_ERRORS as exc:  # the old ranges serve until the next try
+                await self.refresh()
+            except DRIVER_ERRORS as exc:  # the old map serves until the next try
                 log.debug("could not read the shards of oncegate_keys: %s", exc)
-                continue
-            if ranges != self._ranges:
-                log.info("the shards of oncegate_keys changed: %d now", len(ranges))
-                self._ranges, self._lows = ranges, [low for low, _ in ranges]
 
 
-async def _ranges(pool: asyncpg.Pool) -> list[tuple[int, int]]:
+async def _shards(pool: asyncpg.Pool) -> list[Shard]:
     rows = await pool.fetch(
-        "SELECT shardminvalue::int AS low, shardid FROM pg_dist_shard"
-        " WHERE logicalrelid = 'oncegate_keys'::regclass"
+        "SELECT s.shardminvalue::int AS low, s.shardid, n.groupid, n.nodename, n.nodeport,"
+        "  coalesce(n.hasmetadata AND n.metadatasynced AND n.isactive, false) AS direct"
+        " FROM pg_dist_shard AS s"
+        " LEFT JOIN pg_dist_placement AS p ON p.shardid = s.shardid"
+        " LEFT JOIN pg_dist_node AS n ON n.groupid = p.groupid AND n.noderole = 'primary'"
+        " WHERE s.logicalrelid = 'oncegate_keys'::regclass"
     )
-    return [(row["low"], row["shardid"]) for row in rows]
+    return [
+        Shard(
+            row["low"],
+            row["shardid"],
+            Node(row["groupid"], row["nodename"], row["nodeport"]) if row["direct"] else None,
+        )
+        for row in rows
+    ]
 
 
 _MASK = 0xFFFFFFFF

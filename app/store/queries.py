@@ -102,6 +102,12 @@ def _parts(text: str) -> Iterator[tuple[str, str | None, str]]:
     yield from zip(parts[1::3], parts[2::3], parts[3::3], strict=True)
 
 
+def compose(name: str, sql: str) -> Query:
+    """A statement written at run time (on Citus, one that names the shard tables a worker
+    holds: store/postgres/workers.py), with named parameters as in queries.sql."""
+    return _numbered(name, sql)
+
+
 def _numbered(name: str, sql: str) -> Query:
     sql = _COMMENT.sub("", sql.strip()).strip()
     parameters: list[str] = []

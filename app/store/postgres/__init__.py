@@ -67,7 +67,7 @@ class PostgresStore:
         options = options or StoreOptions()
         pools = await Pools.open(url, options, min_size)
         try:
-            dialect = await for_pools(pools)
+            dialect = await for_pools(pools, url, options)
         except BaseException:
             await pools.close()
             raise

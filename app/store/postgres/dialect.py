@@ -10,10 +10,13 @@ dialect and never which server they are on.
 - Plain PostgreSQL: one batcher per operation; the purge deletes a locked batch in one statement;
   a delete says in the same statement whether the row exists; rekey locks a batch and writes it
   back in one transaction.
-- Citus (the key table distributed by `key`): a batcher per shard, so each statement's keys
-  share one shard and Citus sends it there alone (`citus.ShardMap`); the claim runs as the
-  function Citus pushes down to the worker of its `anchor`; the purge, the delete and rekey find
-  their rows on every shard first, unlocked, then write each shard's, checked again as they go.
+- Citus (the key table distributed by `key`): claims and completes batched per worker and sent
+  to that worker's shard tables directly, fenced against shard moves (`workers`); the other
+  request-path statements batched per shard and sent through the coordinator, which sends each
+  to its shard alone (`citus.ShardMap`), the claim of a shard whose worker cannot take
+  statements itself as the function Citus pushes down to the worker of its `anchor`; the purge,
+  the delete and rekey find their rows on every shard first, unlocked, then write each shard's,
+  checked again as they go.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import asyncpg
 from ...kernel import sealing
 from ...kernel.sealing import Keyring
 from ...model.answers import SealedAnswer
+from ...settings import StoreOptions
 from ..batching import Batcher, PerShard
 from ..citus import ShardMap
 from ..queries import DIALECTS, Server, Statements
 from .connections import Pools
 from .operations import Claiming, OnKey
+from .pool import Pool
 from .rows import content_of
+from .workers import ON_WORKERS, Rerouted, Workers
 
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
@@ -52,9 +58,16 @@ class Dialect(Protocol):
     statements: Statements
 
     def batcher(
-        self, make: Callable[[], Batcher[Keyed, Outcome]]
+        self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
-        """The request path's batcher of one operation, from `make`, which makes one."""
+        """The request path's batcher of `operation`, from `make`, which makes one."""
+
+    async def fetch(
+        self, operation: str, pool: Pool, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        """One batch of `operation` (its keys are `values["keys"]`), on `pool` or where the
+        dialect sends it; raises `workers.Rerouted` when it must be sent again, operation by
+        operation (Citus: its shards moved)."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -73,10 +86,13 @@ class Dialect(Protocol):
     async def close(self) -> None: ...
 
 
-async def for_pools(pools: Pools) -> Dialect:
-    """The dialect of the server the pools reached (`Pools.citus`, read as they opened)."""
+async def for_pools(pools: Pools, url: str, options: StoreOptions) -> Dialect:
+    """The dialect of the server the pools reached (`Pools.citus`, read as they opened); on
+    Citus, `url` (the coordinator's) is how the store reaches its workers too, at their host and
+    port."""
     if pools.citus:
-        return OnCitus(await ShardMap.load(pools.operator))
+        shards = await ShardMap.load(pools.operator)
+        return OnCitus(shards, Workers(url, options, shards))
     return Plain()
 
 
@@ -85,6 +101,14 @@ class _Server:
 
     async def close(self) -> None:
         pass
+
+    async def _fetch_on(
+        self, pool: Pool, operation: str, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        query = self.statements[operation]
+        async with pool.acquire() as connection:  # within the pool's acquire timeout
+            rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(values))
+        return rows
 
     async def _execute(self, connection: asyncpg.Connection, name: str, **values: object) -> str:
         query = self.statements[name]
@@ -101,9 +125,14 @@ class Plain(_Server):
     statements = DIALECTS["postgres"]
 
     def batcher(
-        self, make: Callable[[], Batcher[Keyed, Outcome]]
+        self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
         return make()
+
+    async def fetch(
+        self, operation: str, pool: Pool, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        return await self._fetch_on(pool, operation, values)
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {}
@@ -152,14 +181,34 @@ class OnCitus(_Server):
     server: Server = "citus"
     statements = DIALECTS["citus"]
 
-    def __init__(self, shards: ShardMap) -> None:
+    def __init__(self, shards: ShardMap, workers: Workers) -> None:
         self.shards = shards
+        self.workers = workers
 
     def batcher(
-        self, make: Callable[[], Batcher[Keyed, Outcome]]
+        self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
         shards = self.shards
-        return PerShard(lambda operation: shards.shard_of(operation.key), make)
+        if operation in ON_WORKERS:
+            # Per worker; a shard whose worker cannot take statements itself, per shard.
+            return PerShard(lambda each: self._route(each.key), make)
+        return PerShard(lambda each: shards.shard_of(each.key), make)
+
+    async def fetch(
+        self, operation: str, pool: Pool, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        keys: Sequence[str] = values["keys"]  # type: ignore[assignment]  # the batch's keys
+        if operation in ON_WORKERS:
+            node = self.workers.route(keys[0])
+            if node is not None:
+                return await self.workers.fetch(operation, node, values)
+        if len({self.shards.shard_of(key) for key in keys}) > 1:
+            raise Rerouted("the batch spans shards since the map changed")
+        return await self._fetch_on(pool, operation, values)
+
+    def _route(self, key: str) -> object:
+        node = self.workers.route(key)
+        return node if node is not None else self.shards.shard_of(key)
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {"anchor": sent[0].key}  # the batch's keys share its shard
@@ -220,6 +269,7 @@ class OnCitus(_Server):
         return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
 
     async def close(self) -> None:
+        await self.workers.close()
         await self.shards.close()
 
     async def _key_of(self, connection: asyncpg.Connection, record_id: int) -> str | None:

@@ -14,12 +14,14 @@ Design rules:
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
-- The statements are the dialect's (`dialect.Dialect`): the same on both servers but the
-  claim's, each naming the batch's keys. On Citus the dialect batches per shard
-  (`batching.PerShard`), so Citus sends each statement to that shard alone.
+- The statements are the dialect's (`dialect.Dialect`), each naming the batch's keys, and the
+  dialect sends them: on Citus, claims and completes per worker, straight to the worker's shard
+  tables (`workers`), the rest per shard through the coordinator, which sends each to its shard
+  alone. A batch whose shards moved meanwhile is sent again, operation by operation (`Rerouted`).
 - A settle returns whether someone waits on each row it settled (`Prefer: wait`), and the store
-  announces those rows (`notify`) on the same connection once it committed: on Citus that is the
-  coordinator, where the gateways LISTEN, never a worker. Without a waiter nothing more is sent.
+  announces those rows (`notify`) once it committed, on the plain server or the Citus
+  coordinator, where the gateways LISTEN, never on a worker. Without a waiter nothing more is
+  sent.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from .operations import (
 )
 from .pool import Pool
 from .rows import answer_columns, fetchrow, record_of
+from .workers import Rerouted
 
 log = logging.getLogger("oncegate.store.postgres")
 
@@ -120,13 +123,28 @@ class RequestPath:
         send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
         **options: Any,
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
-        """The operation's batcher, as the dialect batches (on Citus, one per shard)."""
+        """The operation's batcher, as the dialect batches (on Citus, per worker or per shard).
+        A batch the dialect refuses as sent (`Rerouted`: on Citus its shards moved, and the map
+        was read again; nothing was written) is sent again operation by operation, each through
+        the batcher to where it goes now, each keeping its own outcome or failure."""
+
+        async def send_or_reroute(batch: Sequence[Keyed]) -> Sequence[Outcome | Exception]:
+            try:
+                return await send(batch)
+            except Rerouted as exc:
+                log.info("a %s batch of %d is sent again: %s", operation, len(batch), exc)
+                again = await asyncio.gather(
+                    *(batcher.run(each) for each in batch), return_exceptions=True
+                )
+                return [_failure(found) if isinstance(found, BaseException) else found
+                        for found in again]  # fmt: skip
 
         def make() -> Batcher[Keyed, Outcome]:
             size = self._options.batch_size
-            return Batcher(operation, send, size, isolate=isolable, **options)
+            return Batcher(operation, send_or_reroute, size, isolate=isolable, **options)
 
-        return self._dialect.batcher(make)
+        batcher = self._dialect.batcher(operation, make)
+        return batcher
 
     async def close(self) -> None:
         """End the batchers: the claims first, then the settles of claims nobody waited for,
@@ -159,15 +177,14 @@ class RequestPath:
         self, operation: str, pool: Pool, sent: Sequence[Keyed], **arrays: object
     ) -> list[asyncpg.Record]:
         """One batched statement: its parameters are arrays, one element per operation, the
-        keys among them (each row is named by (key, id); on Citus the keys name the shard)."""
+        keys among them (each row is named by (key, id); on Citus the keys say where it goes)."""
         arrays["keys"] = [each.key for each in sent]
-        query = self._statements[operation]
-        async with pool.acquire() as connection:  # within the pool's acquire timeout
-            rows: list[asyncpg.Record] = await connection.fetch(query.sql, *query.arguments(arrays))
-            if operation in SETTLES:
-                waited = [row["id"] for row in rows if row["waited"]]
-                if waited:  # committed: wake whoever waits on these rows
-                    notify = self._statements["notify"]
+        rows = await self._dialect.fetch(operation, pool, arrays)
+        if operation in SETTLES:
+            waited = [row["id"] for row in rows if row["waited"]]
+            if waited:  # committed: wake whoever waits on these rows, where gateways LISTEN
+                notify = self._statements["notify"]
+                async with self._pool.acquire() as connection:
                     await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
         return rows
 
@@ -370,3 +387,11 @@ class RequestPath:
             **failures,
         )
         return settled_by_rows(batch, sent, rows)
+
+
+def _failure(found: BaseException) -> Exception:
+    """An operation's failure when its batch was sent again: its own exception, or, for a
+    cancellation (the store closing), one the caller's future can carry."""
+    if isinstance(found, Exception):
+        return found
+    return RuntimeError(f"the operation was not sent again: {type(found).__name__}")

@@ -1,0 +1,284 @@
+"""On Citus, the request path's claims and completes go to the worker that holds their shards,
+as plain PostgreSQL statements on its shard tables, fenced against a shard move.
+
+Why: through the coordinator, each statement is planned twice by Citus (on the coordinator, and
+again on the worker, where the claim was a loop of one-row statements), and batched per shard,
+so 64 requests in flight over 32 shards made statements of 1-3 operations. A pair cost the
+cluster 20-24 times what it costs one server (docs/scaling.md). Here a batch is one worker's
+(every shard it holds), sent to that worker in one statement that names its shard tables
+(`oncegate_keys_102008`), which the worker plans once per connection as any PostgreSQL would:
+Citus's planner never sees it (the statement names no distributed table) and no coordinator
+takes part.
+
+Design rules:
+- A write never lands on a placement that is being, or has been, moved away. Each statement
+  first calls `oncegate_fence(shards)` on the worker (migration 0012): Citus's own shard
+  metadata lock in the mode its writers take (a move or split takes it exclusively on every
+  node before its last catch-up and holds it until the placement is switched), then, in a
+  snapshot taken after the lock, every shard of the batch still placed on this node. If not, the
+  worker refuses (SQLSTATE OGM01) before writing anything; a table already dropped after a move
+  is refused by PostgreSQL (42P01). Either way `Rerouted`: the store reads the shard map again
+  and sends each operation where its shard is now. A claim's unique constraint and every
+  write's fencing token keep a resent operation exactly what it was.
+- One node per statement, one local transaction: never a distributed transaction, never
+  two-phase commit. The statement touches only the batch's shards of that worker (the others'
+  parts of the statement find no rows).
+- A worker down costs only its keys: its pools fail (503 `store-unavailable` above) while the
+  other workers' pools go on; a pool opens connections again as its worker comes back.
+- The statements are written here, not in queries.sql: they name shard tables that exist only at
+  run time, one part per shard the worker holds. Each part is the plain shape of queries.sql's
+  `claim` or `complete` on one shard table; tests/store/test_citus_shard_moves.py runs them.
+- Other request-path statements (reads, take-overs, releases, `mark_unknown`, `mark_waited`) stay
+  on the coordinator, batched per shard: Citus routes and fences those itself, and they are the
+  rare ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from ...settings import StoreOptions
+from ..citus import Node, ShardMap
+from ..queries import Query, compose
+from .connections import citus_settings, request_settings
+from .pool import Pool
+
+# The operations sent to the workers: the two every forwarded request makes.
+ON_WORKERS = frozenset({"claim", "complete"})
+
+# What the fence raises when a shard of the batch is not on the worker any more (migration 0012).
+MOVED = "OGM01"
+
+
+class Rerouted(Exception):
+    """A worker refused a batch because a shard of it is not there any more; the shard map was
+    read again. Nothing was written: send each operation again."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pools:
+    requests: Pool
+    answers: Pool
+
+    async def close(self) -> None:
+        await self.answers.close()
+        await self.requests.close()
+
+
+class Workers:
+    """A pool pair per worker (claims, answers), opened when the worker is first needed, and the
+    statements of each worker's shards."""
+
+    def __init__(self, url: str, options: StoreOptions, shards: ShardMap) -> None:
+        self._url = url
+        self._options = options
+        self._shards = shards
+        self._pools: dict[Node, _Pools] = {}
+        self._statements: dict[tuple[str, tuple[int, ...]], Query] = {}
+
+    def route(self, key: str) -> Node | None:
+        """The worker a key's claim and complete go to, or None: through the coordinator."""
+        return self._shards.node_of(self._shards.shard_of(key))
+
+    async def fetch(
+        self, operation: str, node: Node, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        """`operation`'s batch on `node`, whose keys are `values["keys"]`. Raises `Rerouted`
+        when the batch is not all that node's any more."""
+        keys: Sequence[str] = values["keys"]  # type: ignore[assignment]  # the batch's keys
+        shards = [self._shards.shard_of(key) for key in keys]
+        if any(self._shards.node_of(shard) != node for shard in shards):
+            raise Rerouted(f"the map changed since the batch for {node} was made")
+        query = self._statement(operation, node)
+        arguments = {**values, "shards": shards, "fence": sorted(set(shards))}
+        pools = self._pools_of(node)
+        pool = pools.answers if operation == "complete" else pools.requests
+        try:
+            async with pool.acquire() as connection:
+                wanted = {name: arguments[name] for name in query.parameters}
+                rows: list[asyncpg.Record] = await connection.fetch(
+                    query.sql, *query.arguments(wanted)
+                )
+        except asyncpg.PostgresError as exc:
+            if not _moved_away(exc):
+                raise
+            # Read the map again (or take the read another refusal started). If it still says
+            # every shard of the batch is here, the refusal stands (an outage to the caller)
+            # rather than a loop.
+            await self._shards.refresh()
+            if all(self._shards.node_of(shard) == node for shard in shards):
+                raise
+            raise Rerouted(f"{node}: {exc}") from exc
+        return rows
+
+    async def close(self) -> None:
+        for pools in self._pools.values():
+            await pools.close()
+
+    def _statement(self, operation: str, node: Node) -> Query:
+        shards = tuple(self._shards.shards_on(node))
+        query = self._statements.get((operation, shards))
+        if query is None:
+            build = _claim if operation == "claim" else _complete
+            query = self._statements[operation, shards] = compose(operation, build(shards))
+        return query
+
+    def _pools_of(self, node: Node) -> _Pools:
+        """The node's pools, made when it is first needed; they open connections as statements
+        need them, so a worker that is down fails only the statements sent to it."""
+        pools = self._pools.get(node)
+        if pools is None:
+            pools = self._pools[node] = self._open(node)
+        return pools
+
+    def _open(self, node: Node) -> _Pools:
+        options = self._options
+        # Planned once per connection, as on plain PostgreSQL: the statements name their shard
+        # tables, so the worker plans them as plain PostgreSQL (no Citus planner to feed values).
+        session = {**request_settings(False), **citus_settings()}
+
+        def pool(size: int, settings: dict[str, str]) -> Pool:
+            async def connect() -> asyncpg.Connection:
+                connection: asyncpg.Connection = await asyncpg.connect(
+                    self._url,
+                    host=node.host,
+                    port=node.port,
+                    timeout=options.connect_timeout,
+                    command_timeout=options.command_timeout,
+                    server_settings=settings,
+                )
+                return connection
+
+            return Pool(connect, _nothing, size, 0, options.acquire_timeout)
+
+        return _Pools(
+            pool(options.pool_size, session),
+            pool(
+                max(1, options.pool_size // 2),
+                {**session, "synchronous_commit": options.answer_commit},
+            ),
+        )
+
+
+# Citus's words when the fence asks it to lock a shard that no longer exists (split, or dropped
+# after a move: `LoadShardInterval`, SQLSTATE XX000, raised before anything is written).
+# tests/store/test_citus_shard_moves.py splits shards under load: it fails if these words change.
+GONE = "could not find valid entry for shard "
+
+
+def _moved_away(exc: asyncpg.PostgresError) -> bool:
+    """The worker's fence refused the batch, or a shard it named is gone: its table dropped
+    after a move (PostgreSQL refuses the statement before the fence runs), or its metadata
+    (split: Citus refuses to lock it)."""
+    return (
+        exc.sqlstate == MOVED
+        or isinstance(exc, asyncpg.UndefinedTableError | asyncpg.InvalidCachedStatementError)
+        or (exc.sqlstate == "XX000" and str(exc).startswith(GONE))
+    )
+
+
+async def _nothing(connection: asyncpg.Connection) -> None:
+    pass
+
+
+def _claim(shards: Sequence[int]) -> str:
+    """queries.sql's `claim` on the worker's shard tables: each shard's keys inserted into its
+    table (the id from the key table's sequence, as Citus itself takes it on a worker: each node
+    draws from its own range), the rows that already hold the others read."""
+    inserted = ",\n".join(
+        f"""claimed_{shard} AS (
+    INSERT INTO oncegate_keys_{shard}
+        (id, route, scope, key, fingerprint, state, fencing_token, lease_expires_at, expires_at,
+         request, request_sealed_with, claimed_by)
+    SELECT nextval('oncegate_keys_id_seq'), route, scope, key, fingerprint, 'in_progress', 1,
+           oncegate_after(now(), lease), oncegate_after(now(), ttl),
+           request, request_sealed_with, :claimant
+    FROM wanted
+    WHERE shard = {shard}
+    ORDER BY scope, key
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING id, fencing_token, scope, key
+)"""
+        for shard in shards
+    )
+    claimed = "\n    UNION ALL ".join(f"SELECT * FROM claimed_{shard}" for shard in shards)
+    held = "\n    UNION ALL\n".join(
+        f"""    SELECT wanted.n, h.id, h.fencing_token, h.fingerprint, h.state, h.lease_expires_at,
+           h.expires_at, h.response_status, h.response_headers, h.response_body,
+           h.response_stored, h.sealed_with, h.sealed_headers
+    FROM wanted JOIN oncegate_keys_{shard} AS h ON h.scope = wanted.scope AND h.key = wanted.key
+    WHERE wanted.shard = {shard}
+      AND NOT EXISTS (SELECT FROM claimed
+                      WHERE claimed.scope = wanted.scope AND claimed.key = wanted.key)"""
+        for shard in shards
+    )
+    return f"""WITH wanted AS (
+    SELECT *
+    FROM unnest(:shards::bigint[], :routes::text[], :scopes::bytea[], :keys::text[],
+                :fingerprints::bytea[], :leases::float8[], :ttls::float8[], :requests::bytea[],
+                :requests_sealed_with::text[])
+         WITH ORDINALITY
+         AS wanted(shard, route, scope, key, fingerprint, lease, ttl, request,
+                   request_sealed_with, n)
+    WHERE (SELECT oncegate_fence(:fence::bigint[]))
+),
+{inserted},
+claimed AS (
+    {claimed}
+),
+held AS (
+{held}
+)
+SELECT wanted.n,
+       claimed.id IS NOT NULL AS claimed,
+       coalesce(claimed.id, held.id) AS id,
+       coalesce(claimed.fencing_token, held.fencing_token) AS fencing_token,
+       held.fingerprint,
+       oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
+       held.response_status, held.response_headers, held.response_body, held.response_stored,
+       held.sealed_with, held.sealed_headers
+FROM wanted
+LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
+LEFT JOIN held ON held.n = wanted.n"""
+
+
+def _complete(shards: Sequence[int]) -> str:
+    """queries.sql's `complete` on the worker's shard tables."""
+    updated = ",\n".join(
+        f"""completed_{shard} AS (
+    UPDATE oncegate_keys_{shard} AS k
+    SET state = 'completed',
+        response_status = given.status,
+        response_headers = given.headers::jsonb,
+        response_body = given.body,
+        response_stored = given.stored,
+        sealed_with = given.sealed_with,
+        sealed_headers = given.sealed_headers,
+        completed_at = now(),
+        lease_expires_at = NULL,
+        request = NULL,
+        request_sealed_with = NULL,
+        claimed_by = NULL
+    FROM given
+    WHERE given.shard = {shard}
+      AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
+      AND k.state IN ('in_progress', 'unknown')
+    RETURNING k.id, k.fencing_token, k.waited
+)"""
+        for shard in shards
+    )
+    completed = "\nUNION ALL ".join(f"SELECT * FROM completed_{shard}" for shard in shards)
+    return f"""WITH given AS (
+    SELECT *
+    FROM unnest(:shards::bigint[], :keys::text[], :ids::bigint[], :tokens::bigint[],
+                :statuses::smallint[], :headers::text[], :bodies::bytea[], :stored::boolean[],
+                :sealed_with::text[], :sealed_headers::bytea[])
+         AS given(shard, key, id, token, status, headers, body, stored, sealed_with,
+                  sealed_headers)
+    WHERE (SELECT oncegate_fence(:fence::bigint[]))
+),
+{updated}
+{completed}"""

@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from oncegate.kernel.sealing import StoredAnswer, plaintext
-from oncegate.store import Claim
+from oncegate.kernel.sealing import plaintext
+from oncegate.model.answers import StoredAnswer
+from oncegate.model.records import Claim
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import hash_text
 from oncegate.store.postgres import PostgresStore

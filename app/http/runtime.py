@@ -45,6 +45,14 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     store = await PostgresStore.connect(database_url, settings.store_options())
     upstream = HttpUpstream()
     keyring = settings.keyring()
+    keeping = [route.name for route in settings.routes if route.keep_request != "never"]
+    if keyring is None and keeping:
+        log.warning(
+            "routes %s keep the request behind each key in flight, its credentials included, in "
+            "plaintext in PostgreSQL: set ONCEGATE_ENCRYPTION_KEYS to seal them, or give a route "
+            "keep_request: never (docs/operations.md)",
+            ", ".join(keeping),
+        )
     key_workers = KeyWorkers()
     identities = Identities(settings.routes)
     await identities.start()

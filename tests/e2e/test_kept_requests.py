@@ -256,6 +256,18 @@ async def test_a_resend_refused_for_its_expired_credentials_releases_the_key(
     assert slow_first.times(key) == 2
 
 
+async def test_a_gateway_keeping_requests_unsealed_says_so_when_it_starts(
+    gateway: GatewayProcess,
+) -> None:
+    def warned() -> list[str]:
+        text = gateway.process.log.read_text()
+        return [line for line in text.splitlines() if "in plaintext" in line]
+
+    await _wait_until(lambda: warned() != [])  # said as the runtime starts, after the bind
+    (line,) = warned()
+    assert "routes kept keep the request" in line  # and not the keep_request: never route's
+
+
 async def test_a_completed_key_holds_no_request(
     client: httpx.AsyncClient, admin: httpx.AsyncClient, database_url: str
 ) -> None:

@@ -86,6 +86,7 @@ async def test_the_database_holds_no_plaintext_answer(
     assert replay.content == first.content
     assert replay.headers["location"] == first.headers["location"]
     assert len(upstream.actions(key)) == 1
+    assert "in plaintext" not in sealed_gateway.process.log.read_text()  # sealed: no warning
 
 
 async def test_a_changed_byte_is_refused_never_replayed_as_garbage_nor_forwarded(

@@ -119,8 +119,8 @@ async def measure(
         nonlocal failures, pairs
         while not stop.is_set():
             key = str(uuid.uuid4())
-            claimed = await store.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400)
-            if not isinstance(claimed, Claim) or not await store.complete(
+            claimed = await store.requests.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400)
+            if not isinstance(claimed, Claim) or not await store.requests.complete(
                 claimed, StoredAnswer(201, ANSWER)
             ):
                 failures += 1

@@ -154,10 +154,10 @@ async def drive(url: str, nodes: list[Node], arguments: argparse.Namespace, targ
     async def task() -> None:
         nonlocal pairs, failures
         while not stop.is_set():
-            claimed = await store.claim(
+            claimed = await store.requests.claim(
                 "bench", citus_pairs.SCOPE, str(uuid.uuid4()), citus_pairs.FINGERPRINT, 30, 86_400
             )
-            if not isinstance(claimed, Claim) or not await store.complete(claimed, ANSWER):
+            if not isinstance(claimed, Claim) or not await store.requests.complete(claimed, ANSWER):
                 failures += 1
             elif measuring:
                 pairs += 1

@@ -62,9 +62,11 @@ async def measure(
         nonlocal pairs
         while not stop.is_set():
             key = str(uuid.uuid4())
-            claimed = await store.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400, request)
+            claimed = await store.requests.claim(
+                "bench", SCOPE, key, FINGERPRINT, 30, 86_400, request
+            )
             assert isinstance(claimed, Claim)
-            assert await store.complete(claimed, StoredAnswer(201, ANSWER))
+            assert await store.requests.complete(claimed, StoredAnswer(201, ANSWER))
             if measuring:
                 pairs += 1
 

@@ -63,11 +63,11 @@ async def measure(url: str, rows: int, unknown_every: int) -> None:
             " FROM oncegate_keys GROUP BY 1"
         )
         for _ in range(2):  # the second run, on a warm cache, is the one printed
-            sweep = await timed(service.count_keys(store, pause=0))
-            page = await timed(store.count_keys(rows // 2, service.KEY_COUNT_PAGE_SIZE))
+            sweep = await timed(service.count_keys(store.upkeep, pause=0))
+            page = await timed(store.upkeep.count_keys(rows // 2, service.KEY_COUNT_PAGE_SIZE))
             whole = await timed(connection.fetch(group_by))
-            queue = await timed(store.queue("unknown", None, None, None, 101))
-            describe = await timed(store.describe(rows // 2))
+            queue = await timed(store.operator.queue("unknown", None, None, None, 101))
+            describe = await timed(store.operator.describe(rows // 2))
     finally:
         await store.close()
         await connection.close()

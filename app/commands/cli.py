@@ -241,7 +241,7 @@ def _purge(arguments: argparse.Namespace) -> int:
     async def purge(database_url: str) -> int:
         store = await PostgresStore.connect(database_url, options)
         try:
-            return await service.purge_expired(store)
+            return await service.purge_expired(store.upkeep)
         finally:
             await store.close()
 
@@ -371,17 +371,17 @@ async def _check_schema(url: str, options: settings.StoreOptions) -> tuple[int, 
 
     store = await PostgresStore.connect(url, options)
     try:
-        revision = await store.schema_revision()
+        revision = await store.upkeep.schema_revision()
         if revision != migrate.head():
             raise errors.ConfigError(
                 f"the database is at schema revision {revision or 'none'}, this gateway needs "
                 f"{migrate.head()}: run `oncegate migrate` first"
             )
-        risk = (await store.replication()).risk()
+        risk = (await store.upkeep.replication()).risk()
         if risk is not None:
             log.warning("%s; the primary is %s", risk, store.primary)
         several = len(database_url.parse(url).hosts) > 1
-        return await store.total_keys(), store.primary if several else None
+        return await store.upkeep.total_keys(), store.primary if several else None
     finally:
         await store.close()
 

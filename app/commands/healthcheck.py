@@ -1,4 +1,5 @@
-"""The container image's health check: `python -m oncegate.commands.healthcheck`.
+"""The container image's health check: `python -m oncegate.healthcheck` (app/healthcheck.py, the
+door at the path the Dockerfile names, runs this).
 
 It asks `GET /healthz` of the admin port of the gateway that is the container's first process,
 on the port that gateway was given: `--admin-port` on its command line (compose's `command:`),
@@ -22,7 +23,7 @@ _ANY = {"", "0.0.0.0", "::", "[::]"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oncegate.commands.healthcheck")
+    parser = argparse.ArgumentParser(prog="python -m oncegate.healthcheck")
     parser.add_argument("--pid", type=int, default=1, help="the gateway's process (1)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds (2)")
     arguments = parser.parse_args(argv)

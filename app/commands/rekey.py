@@ -41,9 +41,9 @@ async def _run(
     store = await PostgresStore.connect(database_url, options or StoreOptions(pool_size=1))
     done, unopenable, after = 0, [], 0
     try:
-        total = await store.rekey_remaining(keyring)
+        total = await store.rekeying.rekey_remaining(keyring)
         while True:
-            batch = await store.rekey(keyring, batch_size, after)
+            batch = await store.rekeying.rekey(keyring, batch_size, after)
             done += batch.resealed
             unopenable += batch.unopenable
             after = batch.last
@@ -53,13 +53,13 @@ async def _run(
         # The requests kept behind keys that can still turn unknown, sealed like answers.
         after = 0
         while True:
-            batch = await store.rekey_requests(keyring, batch_size, after)
+            batch = await store.rekeying.rekey_requests(keyring, batch_size, after)
             done += batch.resealed
             unopenable += batch.unopenable
             after = batch.last
             if batch.done:
                 break
-        left = await store.rekey_remaining(keyring)
+        left = await store.rekeying.rekey_remaining(keyring)
     finally:
         await store.close()
     if out.isatty():

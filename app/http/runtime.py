@@ -28,7 +28,6 @@ from ..model import errors
 from ..service.routing import RouteTable
 from ..service.tokens import Identities
 from ..settings import Settings
-from ..store import Store
 from ..store.postgres import PostgresStore
 from ..telemetry import metrics
 from ..upstream import Upstream
@@ -56,9 +55,9 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
     key_workers = KeyWorkers()
     identities = Identities(settings.routes)
     await identities.start()
-    gateway = gateway_of(settings, store, upstream, keyring, key_workers, identities)
-    purger = asyncio.create_task(_purge_forever(store, settings.purge_interval))
-    counter = asyncio.create_task(_count_keys_forever(store, settings.key_count_interval))
+    gateway = gateway_of(settings, store.requests, upstream, keyring, key_workers, identities)
+    purger = asyncio.create_task(_purge_forever(store.upkeep, settings.purge_interval))
+    counter = asyncio.create_task(_count_keys_forever(store.upkeep, settings.key_count_interval))
     for route in settings.routes:
         # Every route's block counters exist from the start, at zero, so a dashboard's rate()
         # has a series to show before the first duplicate arrives.
@@ -68,8 +67,8 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         yield Runtime(
             settings,
             gateway,
-            service.Operator(store, keyring, gateway, settings.routes),
-            service.Health(store),
+            service.Operator(store.operator, keyring, gateway, settings.routes),
+            service.Health(store.upkeep),
             RouteTable(settings.routes),
         )
     finally:
@@ -86,7 +85,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
 
 def gateway_of(
     settings: Settings,
-    store: Store,
+    store: service.RequestStore,
     upstream: Upstream,
     keyring: Keyring | None,
     key_workers: KeyWorkers | None = None,
@@ -155,7 +154,7 @@ async def _render_http_error(request: Request, error: Exception) -> Response:
     return problems.render(problem)
 
 
-async def _purge_forever(store: PostgresStore, interval: float) -> None:
+async def _purge_forever(store: service.UpkeepStore, interval: float) -> None:
     """Delete expired keys now and then. Correctness never waits for this: every read checks
     `expires_at` itself; the purger only keeps the table small."""
     while True:
@@ -166,7 +165,7 @@ async def _purge_forever(store: PostgresStore, interval: float) -> None:
             log.warning("purge skipped: the store is unavailable; trying again in %gs", interval)
 
 
-async def _count_keys_forever(store: PostgresStore, interval: float) -> None:
+async def _count_keys_forever(store: service.UpkeepStore, interval: float) -> None:
     """Keep `oncegate_keys{state}` current: count at start, then every `interval`; and
     `oncegate_store_failover_unsafe` with it."""
     while True:

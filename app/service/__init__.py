@@ -1,6 +1,6 @@
 """The gateway's service: the state machine of contract sections 4 and 5, and the operator's
 side of the keys. No web framework and no database driver: the edge (`http/`) calls it, and it
-reaches PostgreSQL through the store's Protocol and the upstream through its client.
+reaches PostgreSQL through its ports (`ports`) and the upstream through its client.
 
 One idea per room, each readable top to bottom:
 - `flow`: `Gateway.handle`, claim -> forward -> settle (start here);
@@ -10,7 +10,9 @@ One idea per room, each readable top to bottom:
 - `evidence`: the request kept behind a key, and what its gateway saw when it turned `unknown`;
 - `maintenance`: the purger and the key count behind `oncegate_keys`;
 - `health`: whether the gateway can serve (`/readyz`);
-- `messages`: what the edge hands the gateway and gets back.
+- `messages`: what the edge hands the gateway and gets back;
+- `ports`: what the service needs of the key store, one Protocol per consumer;
+- `routing`, `tokens`: which route a path takes, and a key's scope from a verified JWT.
 
 The names others use are imported here, so `from oncegate import service` is all a caller needs.
 """
@@ -36,6 +38,7 @@ from .maintenance import (
 )
 from .messages import Answer, ClientGoneProbe, ProxyRequest
 from .operator import QUEUE_PAGE_SIZE, Operator, QueuePage, decode_cursor, encode_cursor
+from .ports import OperatorStore, RequestStore, UpkeepStore
 from .waiting import ClientGone
 
 __all__ = [
@@ -53,13 +56,16 @@ __all__ = [
     "Health",
     "InFlight",
     "Operator",
+    "OperatorStore",
     "ProxyRequest",
     "QueuePage",
     "Readiness",
     "Reclaim",
     "Refuse",
     "Replay",
+    "RequestStore",
     "TakeOver",
+    "UpkeepStore",
     "count_keys",
     "decide",
     "decode_cursor",

@@ -49,12 +49,12 @@ from ..model.answers import SealedRequest, StoredAnswer
 from ..model.outcomes import Outcome
 from ..model.records import Claim, Record
 from ..settings import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Route
-from ..store import Store
 from ..telemetry import metrics
 from ..upstream import AnswerLost, NotSent, Upstream, UpstreamResponse
 from . import evidence
 from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay, TakeOver, decide
 from .messages import Answer, ProxyRequest
+from .ports import RequestStore
 from .routing import upstream_url
 from .streaming import Broken, Relay
 from .tokens import Identities
@@ -83,7 +83,7 @@ RESEND_REFUSALS = frozenset({401, 403})
 class Gateway:
     def __init__(
         self,
-        store: Store,
+        store: RequestStore,
         upstream: Upstream,
         keyring: Keyring | None = None,
         waiters: tuple[int, int] = DEFAULT_WAITERS,

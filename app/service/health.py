@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model import errors
-from ..store import Store, migrate
+from ..store import migrate
+from .ports import UpkeepStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +20,7 @@ class Readiness:
 
 
 class Health:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: UpkeepStore) -> None:
         self._store = store
 
     async def readiness(self) -> Readiness:

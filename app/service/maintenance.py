@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from ..model.records import LISTED_STATES, Listed
-from ..store import AdminStore, Store
 from ..telemetry import metrics
+from .ports import UpkeepStore
 
 # The purger deletes in bounded batches so each statement's locks and WAL stay small and claims
 # on the same table never wait behind it; the pause between batches leaves room for traffic.
@@ -21,7 +21,7 @@ KEY_COUNT_PAUSE = 0.02
 
 
 async def purge_expired(
-    store: Store, batch_size: int = PURGE_BATCH_SIZE, pause: float = PURGE_PAUSE
+    store: UpkeepStore, batch_size: int = PURGE_BATCH_SIZE, pause: float = PURGE_PAUSE
 ) -> int:
     """Delete every expired key, one bounded batch at a time; return how many."""
     total = 0
@@ -35,7 +35,7 @@ async def purge_expired(
 
 
 async def count_keys(
-    store: AdminStore,
+    store: UpkeepStore,
     page_size: int = KEY_COUNT_PAGE_SIZE,
     pause: float = KEY_COUNT_PAUSE,
 ) -> dict[Listed, int]:

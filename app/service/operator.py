@@ -16,11 +16,11 @@ from ..model import errors
 from ..model.answers import StoredAnswer
 from ..model.records import LISTED_STATES, KeyRecord, Listed, QueuedKey, Record
 from ..settings import ROUTE_NAME, Route
-from ..store import AdminStore
 from ..telemetry import metrics
 from .evidence import KeptRequest
 from .flow import Gateway
 from .messages import Answer
+from .ports import OperatorStore
 
 log = logging.getLogger("oncegate.operator")
 
@@ -39,7 +39,7 @@ class Operator:
 
     def __init__(
         self,
-        store: AdminStore,
+        store: OperatorStore,
         keyring: Keyring | None = None,
         gateway: Gateway | None = None,
         routes: Sequence[Route] = (),

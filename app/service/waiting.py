@@ -22,10 +22,10 @@ from typing import Any
 from ..kernel import headers
 from ..model.records import Record
 from ..settings import Route
-from ..store import Store
 from ..store.notify import Watch
 from ..telemetry import metrics
 from .messages import ClientGoneProbe, ProxyRequest
+from .ports import RequestStore
 
 # A waiting request looks at its row this often, in case a settle notification was lost: often
 # enough that a lost one costs half a second, rare enough that a hundred waiters cost PostgreSQL
@@ -81,7 +81,7 @@ class Wait:
         self,
         seconds: float,
         route_name: str,
-        store: Store,
+        store: RequestStore,
         room: WaitingRoom,
         client_gone: ClientGoneProbe | None,
         applied: str | None,
@@ -100,7 +100,7 @@ class Wait:
 
     @classmethod
     def asked(
-        cls, request: ProxyRequest, route: Route, store: Store, room: WaitingRoom
+        cls, request: ProxyRequest, route: Route, store: RequestStore, room: WaitingRoom
     ) -> Wait | None:
         """How this request waits: as it asked, else as its route says; None: it does not."""
         requested = headers.requested_wait(request.header_values(headers.PREFER))

@@ -1,5 +1,6 @@
-"""An in-memory `Store`, for pure tests of the state machine in one process, and for the bench's
-instrument that measures the gateway without its store (bench/memory_gateway.py).
+"""An in-memory key store (every port of `service.ports` on one object), for pure tests of the
+state machine in one process, and for the bench's instrument that measures the gateway without
+its store (bench/memory_gateway.py).
 
 It is never the gateway's store: it forgets everything on exit and knows no other process. It
 exists so that `service.Gateway` can be driven through laps no timing makes happen on demand
@@ -79,7 +80,7 @@ def state_of(row: _Row, now: float) -> State:
 
 
 class MemoryStore:
-    """The `Store` Protocol on a dict. `clock` gives seconds (wall time by default).
+    """The service's ports on a dict. `clock` gives seconds (wall time by default).
 
     `capacity`: at most this many keys; a claim beyond it first drops the oldest key, if it is
     settled. For bench/memory_gateway.py, whose store lives through a whole benchmark: the

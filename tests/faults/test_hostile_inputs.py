@@ -290,7 +290,7 @@ async def test_a_key_is_released_when_an_unexpected_error_kept_the_request_from_
     upstream = HttpUpstream()
     try:
         with pytest.raises(errors.UpstreamUnavailable):
-            await InProcessGateway(store, upstream).handle(route, request)
+            await InProcessGateway(store.requests, upstream).handle(route, request)
     finally:
         await upstream.aclose()
     assert await row(db, key) is None  # released: a retry is forwarded, not 409 for ever

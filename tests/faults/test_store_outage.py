@@ -185,9 +185,11 @@ async def test_a_driver_state_error_is_a_store_error_not_a_500(
             monkeypatch.setattr(asyncpg.connection.Connection, method, broken)
         with pytest.raises(errors.StoreUnavailable):
             if operation == "claim":
-                await store.claim("r", b"s" * 32, "key", b"f" * 32, 60, 3600)
+                await store.requests.claim("r", b"s" * 32, "key", b"f" * 32, 60, 3600)
             else:
-                await store.complete(Claim(1, 1, "k"), StoredAnswer(201, plaintext([], b"{}")))
+                await store.requests.complete(
+                    Claim(1, 1, "k"), StoredAnswer(201, plaintext([], b"{}"))
+                )
     finally:
         monkeypatch.undo()
         await store.close()

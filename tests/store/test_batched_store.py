@@ -78,7 +78,7 @@ async def store(database_url: str) -> AsyncIterator[PostgresStore]:
 
 
 def claim(store: PostgresStore, key: str, fingerprint: bytes = digest("a")) -> Awaitable[Any]:
-    return store.claim(ROUTE, SCOPE, key, fingerprint, LONG, LONG)
+    return store.requests.claim(ROUTE, SCOPE, key, fingerprint, LONG, LONG)
 
 
 async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_row(
@@ -104,7 +104,7 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
         assert isinstance(seen, Record)
         assert (seen.id, seen.token, seen.state) == (winner.id, winner.token, "in_progress")
         assert seen.fingerprint == digest("one")  # the winner's request, not its own
-    stored = await store.get(SCOPE, key)
+    stored = await store.requests.get(SCOPE, key)
     assert stored is not None and stored.state == "in_progress"
     assert (stored.id, stored.token, stored.fingerprint) == (
         winner.id,
@@ -117,7 +117,7 @@ async def test_copies_of_a_held_key_in_one_batch_all_read_the_row(store: Postgre
     key = new_key()
     held = await claim(store, key)
     assert isinstance(held, Claim)
-    await store.complete(
+    await store.requests.complete(
         held, StoredAnswer(201, plaintext([("content-type", "text/plain")], b"done"))
     )
     _, *seen = await answered(
@@ -136,24 +136,29 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
     claims = [await claim(store, key) for key in keys]
     assert all(isinstance(claimed, Claim) for claimed in claims)
     # The third key's request lost its answer, and another gateway took the key over.
-    assert await store.mark_unknown(claims[2])
-    unknown = await store.get(SCOPE, keys[2])
+    assert await store.requests.mark_unknown(claims[2])
+    unknown = await store.requests.get(SCOPE, keys[2])
     assert unknown is not None and unknown.state == "unknown"
-    taken = await store.take_over(unknown, LONG)
+    taken = await store.requests.take_over(unknown, LONG)
     assert taken is not None and taken.token == claims[2].token + 1
 
     answer = plaintext([], b"{}")
     before = batches("complete")
     settled = await answered(
         asyncio.gather(
-            store.complete(claims[0], StoredAnswer(201, answer)),  # alone; the rest go in one batch
-            *(store.complete(claimed, StoredAnswer(201, answer)) for claimed in claims[1:]),
+            store.requests.complete(
+                claims[0], StoredAnswer(201, answer)
+            ),  # alone; the rest go in one batch
+            *(
+                store.requests.complete(claimed, StoredAnswer(201, answer))
+                for claimed in claims[1:]
+            ),
         )
     )
     assert batches("complete") == (before[0] + 2, before[1] + 5)
     assert settled == [True, True, False, True, True]
     for index, key in enumerate(keys):
-        record = await store.get(SCOPE, key)
+        record = await store.requests.get(SCOPE, key)
         assert record is not None
         if index == 2:  # still the new holder's, in flight, with nothing stored
             assert (record.state, record.token, record.answer) == ("in_progress", taken.token, None)
@@ -164,8 +169,8 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
 async def unknown_record(store: PostgresStore) -> Record:
     key = new_key()
     claimed = await claim(store, key)
-    assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
-    record = await store.get(SCOPE, key)
+    assert isinstance(claimed, Claim) and await store.requests.mark_unknown(claimed)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None and record.state == "unknown"
     return record
 
@@ -175,10 +180,10 @@ async def test_copies_of_one_take_over_in_a_batch_one_wins(store: PostgresStore)
     before = batches("take_over")
     results = await answered(
         asyncio.gather(
-            store.take_over(other, LONG),  # alone; the copies go together after it
-            store.take_over(unknown, LONG),
-            store.take_over(unknown, LONG),
-            store.take_over(unknown, LONG),
+            store.requests.take_over(other, LONG),  # alone; the copies go together after it
+            store.requests.take_over(unknown, LONG),
+            store.requests.take_over(unknown, LONG),
+            store.requests.take_over(unknown, LONG),
         )
     )
     assert batches("take_over") == (before[0] + 2, before[1] + 4)
@@ -193,12 +198,12 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
     same expired row and reclaim it in one batch, one claims it; the rest find it changed."""
     other_key, key = new_key(), new_key()
     for expiring in (other_key, key):
-        claimed = await store.claim(ROUTE, SCOPE, expiring, digest("old"), 0.1, 0.2)
+        claimed = await store.requests.claim(ROUTE, SCOPE, expiring, digest("old"), 0.1, 0.2)
         assert isinstance(claimed, Claim)
     expired: list[Record] = []
     for expiring in (other_key, key):
         for _ in range(100):  # until its TTL has run out (it can only run out more under load)
-            found = await store.get(SCOPE, expiring)
+            found = await store.requests.get(SCOPE, expiring)
             if found is not None and found.state == "expired":
                 break
             await asyncio.sleep(0.05)
@@ -208,8 +213,11 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
     before = batches("reclaim_expired")
     results = await answered(
         asyncio.gather(
-            store.reclaim_expired(other, ROUTE, digest("new"), LONG, LONG),  # alone
-            *(store.reclaim_expired(row, ROUTE, digest("new"), LONG, LONG) for _ in range(3)),
+            store.requests.reclaim_expired(other, ROUTE, digest("new"), LONG, LONG),  # alone
+            *(
+                store.requests.reclaim_expired(row, ROUTE, digest("new"), LONG, LONG)
+                for _ in range(3)
+            ),
         )
     )
     assert batches("reclaim_expired") == (before[0] + 2, before[1] + 4)
@@ -219,7 +227,7 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
         None,
         None,
     ]
-    now = await store.get(SCOPE, key)
+    now = await store.requests.get(SCOPE, key)
     assert now is not None
     assert (now.state, now.token, now.fingerprint) == ("in_progress", row.token + 1, digest("new"))
 
@@ -240,7 +248,7 @@ async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
         assert all(isinstance(claimed, Claim) for claimed in claims)
         assert len({claimed.id for claimed in claims}) == len(keys)
         for key, claimed in zip(keys, claims, strict=True):
-            record = await store.get(SCOPE, key)
+            record = await store.requests.get(SCOPE, key)
             assert record is not None and record.id == claimed.id
     finally:
         await store.close()
@@ -269,7 +277,7 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
         assert isinstance(await answered(staying), Claim)
         with pytest.raises(asyncio.CancelledError):
             await queued
-        assert await store.get(SCOPE, quitter) is None
+        assert await store.requests.get(SCOPE, quitter) is None
 
         # Now give up while the statement is in PostgreSQL.
         again, gone, kept = new_key(), new_key(), new_key()
@@ -286,10 +294,10 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
         with pytest.raises(asyncio.CancelledError):
             await together[1]
         for _ in range(100):  # the release of the claim nobody received follows the batch
-            if await store.get(SCOPE, gone) is None:
+            if await store.requests.get(SCOPE, gone) is None:
                 break
             await asyncio.sleep(0.05)
-        assert await store.get(SCOPE, gone) is None
+        assert await store.requests.get(SCOPE, gone) is None
         # ... and a retry of that key is a new claim.
         assert isinstance(await claim(store, gone), Claim)
     finally:
@@ -341,9 +349,11 @@ async def test_a_row_postgresql_refuses_fails_alone_and_the_rest_of_its_batch_se
     statuses = [201, 201, 42, 201]
     results = await answered(
         asyncio.gather(
-            store.complete(await claim(store, new_key()), StoredAnswer(201, answer)),  # alone
+            store.requests.complete(
+                await claim(store, new_key()), StoredAnswer(201, answer)
+            ),  # alone
             *(
-                store.complete(claimed, StoredAnswer(status, answer))
+                store.requests.complete(claimed, StoredAnswer(status, answer))
                 for claimed, status in zip(claims, statuses, strict=True)
             ),
             return_exceptions=True,
@@ -352,7 +362,7 @@ async def test_a_row_postgresql_refuses_fails_alone_and_the_rest_of_its_batch_se
     assert results[:3] == [True, True, True] and results[4] is True
     assert isinstance(results[3], errors.StoreUnavailable)
     for key, status in zip(keys, statuses, strict=True):
-        record = await store.get(SCOPE, key)
+        record = await store.requests.get(SCOPE, key)
         assert record is not None
         expected = ("in_progress", None) if status == 42 else ("completed", 201)
         assert (record.state, stored(record).status) == expected
@@ -363,15 +373,15 @@ async def test_a_take_over_nobody_waits_for_puts_the_key_back_to_unknown(
 ) -> None:
     key = new_key()
     claimed = await claim(store, key)
-    assert isinstance(claimed, Claim) and await store.mark_unknown(claimed)
-    unknown = await store.get(SCOPE, key)
+    assert isinstance(claimed, Claim) and await store.requests.mark_unknown(claimed)
+    unknown = await store.requests.get(SCOPE, key)
     assert unknown is not None
     holder = await asyncpg.connect(database_url)
     try:
         lock = holder.transaction()
         await lock.start()
         await holder.execute("SELECT FROM oncegate_keys WHERE id = $1 FOR UPDATE", unknown.id)
-        taking = asyncio.create_task(store.take_over(unknown, LONG))
+        taking = asyncio.create_task(store.requests.take_over(unknown, LONG))
         await asyncio.sleep(0.2)  # the take-over waits inside PostgreSQL on the row lock
         taking.cancel()
         await lock.rollback()
@@ -380,7 +390,7 @@ async def test_a_take_over_nobody_waits_for_puts_the_key_back_to_unknown(
     finally:
         await holder.close()
     for _ in range(100):  # the take-over lands, then its orphan is marked unknown again
-        found = await store.get(SCOPE, key)
+        found = await store.requests.get(SCOPE, key)
         if found is not None and found.token == unknown.token + 1 and found.state == "unknown":
             break
         await asyncio.sleep(0.05)

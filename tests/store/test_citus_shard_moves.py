@@ -64,14 +64,14 @@ class Load:
         while self._running:
             key = str(uuid.uuid4())
             try:
-                claimed = await self.store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+                claimed = await self.store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
                 if not isinstance(claimed, Claim):
                     self.wrong.append(f"{key}: a new key's claim got {claimed!r}")
                     continue
-                if not await self.store.complete(claimed, ANSWER):
+                if not await self.store.requests.complete(claimed, ANSWER):
                     self.wrong.append(f"{key}: its claim's complete was refused")
                     continue
-                replay = await self.store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+                replay = await self.store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
                 if isinstance(replay, Claim) or replay is None or replay.state != "completed":
                     self.wrong.append(f"{key}: the replay got {replay!r}")
                     continue

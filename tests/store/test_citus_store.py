@@ -101,7 +101,9 @@ async def test_every_request_path_statement_goes_to_one_shard(
     shards = await ShardMap.load(_Pool(coordinator))  # type: ignore[arg-type]
     try:
         keys = keys_of_one_shard(shards, 3)
-        claims = [await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in keys]
+        claims = [
+            await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in keys
+        ]
         assert all(isinstance(claim, Claim) for claim in claims)
         ids = [claim.id for claim in claims if isinstance(claim, Claim)]
         tokens = [1] * len(keys)
@@ -181,10 +183,10 @@ async def test_concurrent_requests_over_every_shard_run_no_multi_shard_statement
         sent_before = statements_sent()
 
         async def one(key: str) -> None:
-            claimed = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+            claimed = await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
             assert isinstance(claimed, Claim)
-            assert await store.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
-            replay = await store.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+            assert await store.requests.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
+            replay = await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
             assert not isinstance(replay, Claim) and replay is not None
             assert replay.state == "completed"
 
@@ -209,9 +211,9 @@ async def test_a_statement_citus_refuses_is_logged_with_its_name(
     # not know it was on Citus: an error for the caller and a log line naming the statement.
     store = await PostgresStore.connect(database_url)
     try:
-        store._operator._dialect = Plain()
+        store.upkeep._dialect = Plain()
         with pytest.raises(errors.StoreUnavailable):
-            await store.purge(10)
+            await store.upkeep.purge(10)
     finally:
         await store.close()
     refused = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]

@@ -34,7 +34,7 @@ async def test_the_store_names_the_host_it_reached_and_sees_no_standby(database_
     try:
         assert store.primary.startswith("the Unix socket in /")
         assert store.outage.primary is not None  # several hosts: the outage lines name it
-        replication = await store.replication()
+        replication = await store.upkeep.replication()
     finally:
         await store.close()
     assert replication.standbys == 0 and replication.risk() is None

@@ -165,12 +165,14 @@ async def test_an_upgrade_keeps_keys_of_every_state_and_adds_key_to_the_primary_
     # And the store works on the upgraded table: the old rows as they were, new keys claimed.
     store = await PostgresStore.connect(empty_database_url)
     try:
-        answered = await store.get(hashlib.sha256(b"answered").digest(), "answered")
+        answered = await store.requests.get(hashlib.sha256(b"answered").digest(), "answered")
         assert answered is not None and answered.state == "completed"
         assert stored(answered).body == b"receipt"
-        claimed = await store.claim("r", hashlib.sha256(b"s").digest(), "new", bytes(32), 60, 600)
+        claimed = await store.requests.claim(
+            "r", hashlib.sha256(b"s").digest(), "new", bytes(32), 60, 600
+        )
         assert isinstance(claimed, Claim)
-        assert await store.release(claimed)
+        assert await store.requests.release(claimed)
     finally:
         await store.close()
     await asyncio.to_thread(migrate.downgrade, empty_database_url, "0007")

@@ -50,13 +50,13 @@ LOOKUPS = frozenset({"Index Scan", "Index Only Scan"})
 
 
 async def claimed(store: PostgresStore, ttl: float = LONG) -> Claim:
-    claim = await store.claim(ROUTE, SCOPE, new_key(), digest("body"), LONG, ttl)
+    claim = await store.requests.claim(ROUTE, SCOPE, new_key(), digest("body"), LONG, ttl)
     assert isinstance(claim, Claim)
     return claim
 
 
 async def row(store: PostgresStore, key: str) -> Record:
-    found = await store.get(SCOPE, key)
+    found = await store.requests.get(SCOPE, key)
     assert isinstance(found, Record)
     return found
 
@@ -105,23 +105,27 @@ async def test_plans_made_on_an_empty_table_still_use_the_indexes_when_it_has_gr
     store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1))
     try:
         completed = await claimed(store)
-        assert await store.complete(completed, StoredAnswer(201, plaintext([], b"{}")))
-        assert await store.release(await claimed(store))
+        assert await store.requests.complete(completed, StoredAnswer(201, plaintext([], b"{}")))
+        assert await store.requests.release(await claimed(store))
         lost = await claimed(store)
-        assert await store.mark_unknown(lost)
-        taken = await store.take_over(await row(store, lost.key), LONG)
+        assert await store.requests.mark_unknown(lost)
+        taken = await store.requests.take_over(await row(store, lost.key), LONG)
         assert taken is not None
-        assert await store.mark_unknown(taken)
-        assert await store.mark_waited(await row(store, (await claimed(store)).key))
+        assert await store.requests.mark_unknown(taken)
+        assert await store.requests.mark_waited(await row(store, (await claimed(store)).key))
         expiring = await claimed(store, ttl=SHORT)
-        assert await store.complete(expiring, StoredAnswer(201, plaintext([], b"{}")))
+        assert await store.requests.complete(expiring, StoredAnswer(201, plaintext([], b"{}")))
         await asyncio.sleep(2 * SHORT)
         expired = await row(store, expiring.key)
         assert expired.state == "expired"
-        assert await store.reclaim_expired(expired, ROUTE, digest("body"), LONG, LONG) is not None
+        assert (
+            await store.requests.reclaim_expired(expired, ROUTE, digest("body"), LONG, LONG)
+            is not None
+        )
         # The claim's read of a row that holds the key.
         assert isinstance(
-            await store.claim(ROUTE, SCOPE, completed.key, digest("body"), LONG, LONG), Record
+            await store.requests.claim(ROUTE, SCOPE, completed.key, digest("body"), LONG, LONG),
+            Record,
         )
 
         await insert_completed_keys(db, GROWN, "now() + interval '1 hour'", prefix="grown-")

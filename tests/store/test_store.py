@@ -28,7 +28,7 @@ FINGERPRINT = digest("POST /charges {}")
 
 async def claim(store: PostgresStore, key: str, *, lease: float = LEASE, ttl: float = TTL) -> Claim:
     """Claim a key this test made up: it must be won."""
-    claimed = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
+    claimed = await store.requests.claim(ROUTE, SCOPE, key, FINGERPRINT, lease, ttl)
     assert isinstance(claimed, Claim)
     return claimed
 
@@ -36,9 +36,9 @@ async def claim(store: PostgresStore, key: str, *, lease: float = LEASE, ttl: fl
 async def test_first_claim_wins_and_the_next_one_reads_the_row(store: PostgresStore) -> None:
     key = new_key()
     first = await claim(store, key)
-    second = await store.claim(ROUTE, SCOPE, key, digest("another request"), LEASE, TTL)
+    second = await store.requests.claim(ROUTE, SCOPE, key, digest("another request"), LEASE, TTL)
     assert isinstance(second, Record)
-    record = await store.get(SCOPE, key)
+    record = await store.requests.get(SCOPE, key)
     assert record == second
     assert (record.id, record.token) == (first.id, first.token)
     assert record.state == "in_progress"
@@ -48,9 +48,9 @@ async def test_first_claim_wins_and_the_next_one_reads_the_row(store: PostgresSt
 async def test_same_key_in_another_scope_is_another_key(store: PostgresStore) -> None:
     key = new_key()
     await claim(store, key)
-    other = await store.claim(ROUTE, digest("tenant-b"), key, FINGERPRINT, LEASE, TTL)
+    other = await store.requests.claim(ROUTE, digest("tenant-b"), key, FINGERPRINT, LEASE, TTL)
     assert isinstance(other, Claim)
-    assert await store.get(digest("tenant-c"), key) is None
+    assert await store.requests.get(digest("tenant-c"), key) is None
 
 
 async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url: str) -> None:
@@ -62,7 +62,10 @@ async def test_many_connections_racing_for_one_key_exactly_one_wins(database_url
         for _ in range(5):
             key = new_key()
             results = await asyncio.gather(
-                *(store.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL) for _ in range(racers))
+                *(
+                    store.requests.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL)
+                    for _ in range(racers)
+                )
             )
             winners = [result for result in results if isinstance(result, Claim)]
             assert len(winners) == 1
@@ -80,23 +83,23 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
     key = new_key()
     owner = await claim(store, key)
     stale = Claim(owner.id, owner.token - 1, owner.key)
-    assert not await store.complete(stale, StoredAnswer(500, plaintext([], b"wrong")))
+    assert not await store.requests.complete(stale, StoredAnswer(500, plaintext([], b"wrong")))
     headers = [("content-type", "application/json"), ("location", "/charges/1")]
-    assert await store.complete(owner, StoredAnswer(201, plaintext(headers, b'{"id": 1}')))
-    record = await store.get(SCOPE, key)
+    assert await store.requests.complete(owner, StoredAnswer(201, plaintext(headers, b'{"id": 1}')))
+    record = await store.requests.get(SCOPE, key)
     assert record is not None
     assert record.state == "completed"
     assert stored(record) == (201, headers, b'{"id": 1}', True)
     # A completed key cannot be completed or released again, even by its owner.
-    assert not await store.complete(owner, StoredAnswer(500, plaintext([], b"again")))
-    assert not await store.release(owner)
+    assert not await store.requests.complete(owner, StoredAnswer(500, plaintext([], b"again")))
+    assert not await store.requests.release(owner)
 
 
 async def test_an_answer_too_large_to_store_keeps_only_its_status(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, StoredAnswer(201, None))
-    record = await store.get(SCOPE, key)
+    assert await store.requests.complete(owner, StoredAnswer(201, None))
+    record = await store.requests.get(SCOPE, key)
     assert record is not None
     assert (record.state, stored(record)) == ("completed", (201, None, None, False))
 
@@ -106,16 +109,16 @@ async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(
 ) -> None:
     key = new_key()
     owner = await claim(store, key)
-    assert not await store.release(Claim(owner.id, owner.token + 1, owner.key))
-    assert await store.release(owner)
-    assert await store.get(SCOPE, key) is None
+    assert not await store.requests.release(Claim(owner.id, owner.token + 1, owner.key))
+    assert await store.requests.release(owner)
+    assert await store.requests.get(SCOPE, key) is None
     again = await claim(store, key)
     # A new row: the released claim names the old one, so it can settle nothing here.
     assert again.id != owner.id
-    assert not await store.complete(
+    assert not await store.requests.complete(
         owner, StoredAnswer(500, plaintext([], b"from the released claim"))
     )
-    assert not await store.release(owner)
+    assert not await store.requests.release(owner)
 
 
 async def test_replays_commit_no_transaction(store: PostgresStore, db: asyncpg.Connection) -> None:
@@ -124,10 +127,10 @@ async def test_replays_commit_no_transaction(store: PostgresStore, db: asyncpg.C
     commit a transaction: migration 0004.)"""
     key = new_key()
     owner = await claim(store, key)
-    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"{}")))
+    assert await store.requests.complete(owner, StoredAnswer(201, plaintext([], b"{}")))
     before = await db.fetchval("SELECT pg_current_xact_id()")
     for _ in range(200):
-        found = await store.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL)
+        found = await store.requests.claim(ROUTE, SCOPE, key, FINGERPRINT, LEASE, TTL)
         assert isinstance(found, Record) and found.state == "completed"
     after = await db.fetchval("SELECT pg_current_xact_id()")
     # Our own two probes take one id each; anything the replays took would show in between.
@@ -142,50 +145,57 @@ async def test_the_owner_of_a_claim_whose_lease_ran_out_may_still_settle_it(
     key = new_key()
     owner = await claim(store, key, lease=0.2)
     await asyncio.sleep(0.4)
-    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"late")))
-    record = await store.get(SCOPE, key)
+    assert await store.requests.complete(owner, StoredAnswer(201, plaintext([], b"late")))
+    record = await store.requests.get(SCOPE, key)
     assert record is not None and (record.state, stored(record).body) == ("completed", b"late")
 
 
 async def test_take_over_fences_off_the_previous_owner(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key)
-    record = await store.get(SCOPE, key)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None
     # A live in-flight claim cannot be taken over.
-    assert await store.take_over(record, LEASE) is None
-    assert await store.mark_unknown(owner)
-    record = await store.get(SCOPE, key)
+    assert await store.requests.take_over(record, LEASE) is None
+    assert await store.requests.mark_unknown(owner)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None and record.state == "unknown"
-    successor = await store.take_over(record, LEASE)
+    successor = await store.requests.take_over(record, LEASE)
     assert successor is not None and successor.token > owner.token
     # Only one of two gateways taking over the same unknown key succeeds.
-    assert await store.take_over(record, LEASE) is None
-    assert not await store.complete(owner, StoredAnswer(500, plaintext([], b"from the lost owner")))
-    assert not await store.release(owner)
-    assert await store.complete(successor, StoredAnswer(201, plaintext([], b"from the new owner")))
-    record = await store.get(SCOPE, key)
+    assert await store.requests.take_over(record, LEASE) is None
+    assert not await store.requests.complete(
+        owner, StoredAnswer(500, plaintext([], b"from the lost owner"))
+    )
+    assert not await store.requests.release(owner)
+    assert await store.requests.complete(
+        successor, StoredAnswer(201, plaintext([], b"from the new owner"))
+    )
+    record = await store.requests.get(SCOPE, key)
     assert record is not None and stored(record).body == b"from the new owner"
 
 
 async def test_an_expired_key_is_reclaimed_once_as_a_new_claim(store: PostgresStore) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.1, ttl=0.3)
-    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"old")))
+    assert await store.requests.complete(owner, StoredAnswer(201, plaintext([], b"old")))
     await asyncio.sleep(0.5)
-    record = await store.get(SCOPE, key)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None and record.state == "expired"
     new_fingerprint = digest("another request")
     results = await asyncio.gather(
-        *(store.reclaim_expired(record, ROUTE, new_fingerprint, LEASE, TTL) for _ in range(5))
+        *(
+            store.requests.reclaim_expired(record, ROUTE, new_fingerprint, LEASE, TTL)
+            for _ in range(5)
+        )
     )
     winners = [result for result in results if result is not None]
     assert len(winners) == 1
-    fresh = await store.get(SCOPE, key)
+    fresh = await store.requests.get(SCOPE, key)
     assert fresh is not None
     assert (fresh.state, fresh.fingerprint) == ("in_progress", new_fingerprint)
     assert fresh.answer is None
-    assert not await store.complete(owner, StoredAnswer(201, plaintext([], b"stale")))
+    assert not await store.requests.complete(owner, StoredAnswer(201, plaintext([], b"stale")))
 
 
 async def test_an_expired_key_still_in_flight_is_not_reclaimed(
@@ -193,7 +203,7 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
 ) -> None:
     key = new_key()
     owner = await claim(store, key, lease=60.0, ttl=120.0)
-    record = await store.get(SCOPE, key)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None
     # Pretend the TTL passed while the lease still runs: the in-flight claim must survive.
     await db.execute(
@@ -201,11 +211,11 @@ async def test_an_expired_key_still_in_flight_is_not_reclaimed(
         " expires_at = now() - interval '1 second' WHERE id = $1",
         owner.id,
     )
-    in_flight = await store.get(SCOPE, key)
+    in_flight = await store.requests.get(SCOPE, key)
     assert in_flight is not None and in_flight.state == "in_progress"  # the lease comes first
-    assert await store.reclaim_expired(record, ROUTE, FINGERPRINT, LEASE, TTL) is None
-    assert await store.purge(100) == 0
-    assert await store.complete(owner, StoredAnswer(201, plaintext([], b"done")))
+    assert await store.requests.reclaim_expired(record, ROUTE, FINGERPRINT, LEASE, TTL) is None
+    assert await store.upkeep.purge(100) == 0
+    assert await store.requests.complete(owner, StoredAnswer(201, plaintext([], b"done")))
 
 
 async def test_store_errors_become_store_unavailable() -> None:
@@ -222,12 +232,12 @@ async def test_a_value_the_store_refuses_is_bad_input_never_an_outage(
     with pytest.raises(errors.StoreRefusedValue):
         if refused == "moment":
             edge = datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5)))
-            await store.queue("unknown", None, edge, None, 10)
+            await store.operator.queue("unknown", None, edge, None, 10)
         else:
-            await store.find("a\x00b", None)
+            await store.operator.find("a\x00b", None)
     assert not store.outage.down
     assert "unavailable" not in caplog.text
-    assert await store.find(new_key(), None) == []  # and the store goes on
+    assert await store.operator.find(new_key(), None) == []  # and the store goes on
 
 
 async def test_constraints_refuse_what_the_gateway_never_writes(
@@ -261,9 +271,9 @@ async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(
     await db.execute("DELETE FROM oncegate_keys")
     await insert_completed_keys(db, 2500, "now() - interval '1 day'", prefix="expired-")
     await claim(store, new_key())
-    assert await service.purge_expired(store, batch_size=1000, pause=0) == 2500
+    assert await service.purge_expired(store.upkeep, batch_size=1000, pause=0) == 2500
     assert await db.fetchval("SELECT count(*) FROM oncegate_keys") == 1
-    assert await service.purge_expired(store, batch_size=1000, pause=0) == 0
+    assert await service.purge_expired(store.upkeep, batch_size=1000, pause=0) == 0
 
 
 async def test_take_over_keeps_the_key_alive_for_its_lease(
@@ -271,10 +281,10 @@ async def test_take_over_keeps_the_key_alive_for_its_lease(
 ) -> None:
     key = new_key()
     owner = await claim(store, key, lease=0.2, ttl=1.0)
-    assert await store.mark_unknown(owner)
-    record = await store.get(SCOPE, key)
+    assert await store.requests.mark_unknown(owner)
+    record = await store.requests.get(SCOPE, key)
     assert record is not None
-    assert await store.take_over(record, 30.0) is not None
+    assert await store.requests.take_over(record, 30.0) is not None
     # Taken over shortly before its TTL: it must not expire while the new attempt is in flight.
     assert await db.fetchval(
         "SELECT expires_at > lease_expires_at FROM oncegate_keys WHERE key = $1", key
@@ -292,26 +302,30 @@ async def test_kept_requests_are_sealed_rekeyed_and_purged_with_their_keys(
     assert data not in sealed.data and old.open_request(SCOPE, key, sealed) == data
     with pytest.raises(Unopenable):
         old.open_request(SCOPE, plain_key, sealed)  # moved to another key: it does not open
-    owner = await store.claim(ROUTE, SCOPE, key, digest("r"), LEASE, TTL, sealed)
-    plain = await store.claim(
+    owner = await store.requests.claim(ROUTE, SCOPE, key, digest("r"), LEASE, TTL, sealed)
+    plain = await store.requests.claim(
         ROUTE, SCOPE, plain_key, digest("r"), 0.1, 0.3, SealedRequest(None, data)
     )
     assert isinstance(owner, Claim) and isinstance(plain, Claim)
 
-    remaining = await store.rekey_remaining(newer)  # the table's, these two among them
-    resealed = await store.rekey_requests(newer, 100, 0)
+    remaining = await store.rekeying.rekey_remaining(newer)  # the table's, these two among them
+    resealed = await store.rekeying.rekey_requests(newer, 100, 0)
     assert (resealed.resealed, resealed.unopenable) == (2, [])
-    assert remaining - await store.rekey_remaining(newer) == 2  # kept requests count as left
-    (record,) = await store.find(key, None)
+    assert (
+        remaining - await store.rekeying.rekey_remaining(newer) == 2
+    )  # kept requests count as left
+    (record,) = await store.operator.find(key, None)
     assert record.request is not None and record.request.key_name == "k2"
     assert newer.open_request(SCOPE, key, record.request) == data
-    assert (await store.rekey_requests(newer, 100, 0)).resealed == 0  # nothing left under k1
+    assert (
+        await store.rekeying.rekey_requests(newer, 100, 0)
+    ).resealed == 0  # nothing left under k1
 
     # The TTL and the purger take a kept request with its key.
     await asyncio.sleep(0.5)
-    while await store.purge(100):
+    while await store.upkeep.purge(100):
         pass
-    assert await store.find(plain_key, None) == []
+    assert await store.operator.find(plain_key, None) == []
     connection = await asyncpg.connect(database_url)
     try:
         assert (

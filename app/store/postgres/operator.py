@@ -1,10 +1,10 @@
-"""The operator's queries: finding, listing, releasing and resolving keys (the admin API and
-`oncegate keys`), the purger's batches, the key count, and the schema's revision. They run on
-the operator's pool, never on a connection a request waits for, one autocommitted statement each.
+"""The operator's queries (`service.ports.OperatorStore`): finding, listing, releasing and
+resolving keys (the admin API and `oncegate keys`), and the admin page's ended sessions. They run
+on the operator's pool, never on a connection a request waits for, one autocommitted statement
+each.
 
 A write finds its row by id, then names it by (id, key), as the request path does (on Citus,
-on the row's shard alone). The purge and the delete take the dialect's shape of work
-(`dialect.Dialect`).
+on the row's shard alone). The delete takes the dialect's shape of work (`dialect.Dialect`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 import asyncpg
 
 from ...model.answers import StoredAnswer
-from ...model.records import KeyCount, KeyRecord, Listed, QueuedKey, Replication
+from ...model.records import KeyRecord, Listed, QueuedKey
 from ...settings import StoreOptions
-from ...telemetry import metrics
 from ..errors import Outage, translated
 from .dialect import Dialect
 from .rows import answer_columns, fetchrow, key_record_of
@@ -36,11 +35,6 @@ class OperatorQueries:
         self.outage = outage
         self._dialect = dialect
         self._statements = dialect.statements
-
-    @translated("purge")
-    async def purge(self, batch_size: int) -> int:
-        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
-            return await self._dialect.purge(connection, batch_size)
 
     async def _fetchrow(self, name: str, **parameters: object) -> Any:
         return await fetchrow(self._pool, self._statements, name, **parameters)
@@ -92,12 +86,6 @@ class OperatorQueries:
             return False
         return await self._fetchrow("admin_resolve_released", key=key, id=record_id) is not None
 
-    @translated("total_keys")
-    async def total_keys(self) -> int:
-        """Every row of the key table, expired ones not yet purged included."""
-        keys: int = (await self._fetchrow("total_keys"))["keys"]
-        return keys
-
     @translated("admin_queue")
     async def queue(
         self,
@@ -142,32 +130,6 @@ class OperatorQueries:
             for row in rows
         ]
 
-    @translated("count_keys")
-    async def count_keys(self, after: int, limit: int) -> KeyCount:
-        row = await self._fetchrow("count_keys", after=after, page_size=limit)
-        return KeyCount(
-            last_id=row["last_id"],
-            rows=row["counted"],
-            counts={
-                "in_progress": row["in_progress"],
-                "completed": row["completed"],
-                "unknown": row["unknown"],
-            },
-        )
-
-    @translated("replication")
-    async def replication(self) -> Replication:
-        """The primary's standbys and commit setting; `oncegate_store_failover_unsafe` follows."""
-        row = await self._fetchrow("replication")
-        found = Replication(
-            standbys=row["standbys"],
-            synchronous=None if row["hidden"] else row["synchronous"],
-            synchronous_standby_names=row["synchronous_standby_names"],
-            synchronous_commit=row["synchronous_commit"],
-        )
-        metrics.FAILOVER_UNSAFE.set(1 if found.risk() else 0)
-        return found
-
     @translated("end_session")
     async def end_session(self, session: bytes, expires_at: datetime) -> None:
         query = self._statements["end_session"]
@@ -181,15 +143,3 @@ class OperatorQueries:
         row = await self._fetchrow("session_ended", session=session)
         ended: bool = row["ended"]
         return ended
-
-    @translated("schema_revision")
-    async def schema_revision(self) -> str | None:
-        """The Alembic revision the database is at, or None before the first migration."""
-        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
-            exists = await connection.fetchval("SELECT to_regclass('alembic_version')")
-            if exists is None:
-                return None
-            revision: str | None = await connection.fetchval(
-                "SELECT version_num FROM alembic_version"
-            )
-            return revision

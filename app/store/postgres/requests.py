@@ -41,7 +41,8 @@ from ...telemetry import tracing
 from .. import claimant
 from ..batching import Batcher, PerShard
 from ..errors import DRIVER_ERRORS, Outage, isolable, translated
-from .connections import Pools
+from ..notify import Watch
+from .connections import Listener, Pools
 from .dialect import Dialect
 from .failover import RecentAnswers
 from .operations import (
@@ -75,12 +76,18 @@ COMPLETE_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class RequestPath:
-    """The store's request-path operations (the `Store` Protocol but `watch`, `purge` and
-    `schema_revision`), each batched with its concurrent twins."""
+    """The request path (`service.ports.RequestStore`): every statement a request waits for,
+    each batched with its concurrent twins, and the watches of a waiting retry."""
 
     def __init__(
-        self, pools: Pools, options: StoreOptions, outage: Outage, dialect: Dialect
+        self,
+        pools: Pools,
+        options: StoreOptions,
+        outage: Outage,
+        dialect: Dialect,
+        listener: Listener,
     ) -> None:
+        self._listener = listener  # closed by the store, after this room
         self._pool = pools.requests
         self._answer_pool = pools.answers
         self._options = options
@@ -156,6 +163,9 @@ class RequestPath:
         for batcher in self._settling:
             await batcher.close()
         await self._answers.close()
+
+    def watch(self, record_id: int) -> Watch:
+        return self._listener.watch(record_id)
 
     @translated("renew")
     async def renew(self, claim: Claim, lease: float) -> bool:

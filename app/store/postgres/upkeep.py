@@ -1,0 +1,85 @@
+"""The gateway's upkeep (`service.ports.UpkeepStore`): the purger's batches, the key count, the
+primary's standbys and the schema's revision, for the purger, the gauges and the health checks.
+On the operator's pool, never on a connection a request waits for, one autocommitted statement
+each; the purge takes the dialect's shape of work (`dialect.Dialect`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from ...model.records import KeyCount, Replication
+from ...settings import StoreOptions
+from ...telemetry import metrics
+from ..errors import Outage, translated
+from .dialect import Dialect
+from .rows import fetchrow
+
+
+class Upkeep:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: StoreOptions,
+        outage: Outage,
+        dialect: Dialect,
+    ) -> None:
+        self._pool = pool
+        self._options = options
+        self.outage = outage
+        self._dialect = dialect
+        self._statements = dialect.statements
+
+    @translated("purge")
+    async def purge(self, batch_size: int) -> int:
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            return await self._dialect.purge(connection, batch_size)
+
+    async def _fetchrow(self, name: str, **parameters: object) -> Any:
+        return await fetchrow(self._pool, self._statements, name, **parameters)
+
+    @translated("total_keys")
+    async def total_keys(self) -> int:
+        """Every row of the key table, expired ones not yet purged included."""
+        keys: int = (await self._fetchrow("total_keys"))["keys"]
+        return keys
+
+    @translated("count_keys")
+    async def count_keys(self, after: int, limit: int) -> KeyCount:
+        row = await self._fetchrow("count_keys", after=after, page_size=limit)
+        return KeyCount(
+            last_id=row["last_id"],
+            rows=row["counted"],
+            counts={
+                "in_progress": row["in_progress"],
+                "completed": row["completed"],
+                "unknown": row["unknown"],
+            },
+        )
+
+    @translated("replication")
+    async def replication(self) -> Replication:
+        """The primary's standbys and commit setting; `oncegate_store_failover_unsafe` follows."""
+        row = await self._fetchrow("replication")
+        found = Replication(
+            standbys=row["standbys"],
+            synchronous=None if row["hidden"] else row["synchronous"],
+            synchronous_standby_names=row["synchronous_standby_names"],
+            synchronous_commit=row["synchronous_commit"],
+        )
+        metrics.FAILOVER_UNSAFE.set(1 if found.risk() else 0)
+        return found
+
+    @translated("schema_revision")
+    async def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at, or None before the first migration."""
+        async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
+            exists = await connection.fetchval("SELECT to_regclass('alembic_version')")
+            if exists is None:
+                return None
+            revision: str | None = await connection.fetchval(
+                "SELECT version_num FROM alembic_version"
+            )
+            return revision

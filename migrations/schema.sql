@@ -1,15 +1,102 @@
--- The functions of the oncegate schema as they are at head: the rules, readable without
--- replaying the migrations (migrations/versions/ is the history that got here; this file is
--- where it ended). tests/store/test_schema.py checks that loading this file gives the same
--- functions as running every migration. Change a function with a new migration, and change it
--- here in the same commit.
+-- The oncegate schema as it is at head: every table, constraint, index and function, readable
+-- without replaying the migrations (migrations/versions/ is the history that got here; this
+-- file is where it ended; each part names the migrations that shaped it, whose docstrings say
+-- why). tests/store/test_schema.py builds one database from this file and one by running every
+-- migration, and compares their catalogs: tables and columns, constraints, indexes, sequences,
+-- storage options and functions. Change the schema with a new migration, and change it here in
+-- the same commit.
 --
--- The tables: oncegate_keys (0001, 0003, 0004, 0006, 0007, 0008, 0010), oncegate_checkpoints
--- (0002), oncegate_ended_sessions (0009).
+-- On a database with the `citus` extension, migration 0008 also distributes `oncegate_keys` by
+-- `key` and `oncegate_checkpoints` by `run_id`, and the functions beside them; this file is the
+-- schema a plain PostgreSQL holds, which is the same on each Citus node.
+
+
+-- One row per (scope, key): its state, lease, fencing token and stored answer (0001); the
+-- request behind it while it can turn `unknown` (0011).
+CREATE TABLE oncegate_keys (
+    -- Handed out 1,000 at a time per session, so the sequence is WAL-logged once per 1,000
+    -- claims (0004); ids are unique, with gaps.
+    id bigint GENERATED ALWAYS AS IDENTITY (CACHE 1000),
+    route text NOT NULL CHECK (char_length(route) BETWEEN 1 AND 64),
+    scope bytea NOT NULL CHECK (octet_length(scope) = 32),
+    key text NOT NULL CHECK (char_length(key) BETWEEN 1 AND 255),
+    fingerprint bytea NOT NULL CHECK (octet_length(fingerprint) = 32),
+    -- What was last written; what a key is now is `oncegate_key_state` below.
+    state text NOT NULL CHECK (state IN ('in_progress', 'completed', 'unknown')),
+    -- Per row: a claim starts at 1, each take-over and operator's resolution adds one (0004).
+    fencing_token bigint NOT NULL,
+    lease_expires_at timestamptz,
+    -- The stored answer (0001, 0007): its status in the clear; its headers in
+    -- `response_headers`, or sealed in `sealed_headers` under the key named in `sealed_with`;
+    -- its body (sealed or not) in `response_body`. `response_stored` false: the status alone.
+    response_status smallint CHECK (response_status BETWEEN 100 AND 599),
+    response_headers jsonb,
+    response_body bytea,
+    response_stored boolean NOT NULL DEFAULT false,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    completed_at timestamptz,
+    expires_at timestamptz NOT NULL,
+    -- A request waits for this key to settle (`Prefer: wait`): only then does a settle NOTIFY
+    -- (0006).
+    waited boolean NOT NULL DEFAULT false,
+    sealed_with text,
+    sealed_headers bytea,
+    -- The request behind the key, sealed under `request_sealed_with` or in plaintext; who
+    -- claimed it; what its gateway saw when it turned `unknown` (0011).
+    request bytea,
+    request_sealed_with text,
+    claimed_by text,
+    failure jsonb,
+    -- (id, key): Citus enforces a primary key per shard, so it must hold the distribution
+    -- column, `key`; `id` first, so lookups and pages by id still walk it (0008).
+    CONSTRAINT oncegate_keys_pkey PRIMARY KEY (id, key),
+    CONSTRAINT oncegate_keys_scope_key UNIQUE (scope, key),
+    CONSTRAINT oncegate_keys_in_progress_has_lease
+        CHECK (state <> 'in_progress' OR lease_expires_at IS NOT NULL),
+    CONSTRAINT oncegate_keys_completed_has_status
+        CHECK (state <> 'completed' OR response_status IS NOT NULL),
+    CONSTRAINT oncegate_keys_stored_has_body
+        CHECK (NOT response_stored OR (response_body IS NOT NULL AND
+               (response_headers IS NOT NULL OR sealed_headers IS NOT NULL))),
+    CONSTRAINT oncegate_keys_expires_after_created CHECK (expires_at > created_at),
+    CONSTRAINT oncegate_keys_sealed_whole
+        CHECK ((sealed_with IS NULL) = (sealed_headers IS NULL))
+)
+-- Room on each page, so storing an answer is a HOT update that touches no index (0003).
+WITH (fillfactor = 70);
+
+-- The purger walks expired rows oldest first in bounded batches (0001).
+CREATE INDEX oncegate_keys_expires_at ON oncegate_keys (expires_at);
+
+-- The agent library's checkpoints: one row per agent run (0002). `outputs` holds one entry per
+-- finished step; `pending` is the action of `next_step` whose parameters were saved before it
+-- was sent, so a resumed run sends the same request and the gateway replays it.
+CREATE TABLE oncegate_checkpoints (
+    run_id text PRIMARY KEY CHECK (char_length(run_id) BETWEEN 1 AND 200),
+    task text NOT NULL CHECK (char_length(task) BETWEEN 1 AND 200),
+    next_step integer NOT NULL CHECK (next_step >= 1),
+    outputs jsonb NOT NULL,
+    pending jsonb,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT oncegate_checkpoints_outputs_per_step CHECK (
+        jsonb_typeof(outputs) = 'array' AND jsonb_array_length(outputs) = next_step - 1
+    ),
+    CONSTRAINT oncegate_checkpoints_pending_is_next_step CHECK (
+        pending IS NULL OR (pending->>'step')::integer = next_step
+    )
+);
+
+-- The operator page's sessions ended by a logout, each (a SHA-256 of its cookie) until its own
+-- expiry (0009).
+CREATE TABLE oncegate_ended_sessions (
+    session bytea PRIMARY KEY CHECK (length(session) = 32),
+    expires_at timestamptz NOT NULL
+);
 
 
 -- The state a key is in, said once (tests/store/test_state_rule.py holds it as a table and
--- runs it beside its Python twin, `store.memory.state_of`):
+-- runs it beside its Python twin, `store.memory.key_state`):
 -- - in_progress: claimed, and its lease still runs: a gateway is forwarding it now. This comes
 --   first: a request in flight is never reclaimed or purged, even past its TTL.
 -- - expired: past its TTL: a request with this key is a new request.

@@ -1,0 +1,188 @@
+"""Through the gateway: what a forward costs PostgreSQL on one server and on a Citus cluster,
+end to end, in one run.
+
+One `oncegate demo-upstream` and, per target, one `oncegate serve` process (one worker) in
+front of it, its `ONCEGATE_DATABASE_URL` the target: one plain PostgreSQL 15, or the coordinator
+of a Citus cluster of two workers (tests/citus.py's servers, the same settings), its key table
+in `--shards` shards (a database per shard count). `POST /emails` with a new Idempotency-Key per
+request over `--connections` keep-alive connections (bench/quick.py's load generator) for
+`--duration` seconds after a warm-up, `--repeats` times, the targets in turn. From /proc: the
+CPU per forward of the gateway process and of every PostgreSQL node (postmasters, their
+children and the children they reaped; on the cluster the coordinator apart).
+
+    .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
+        [--shards 4,32]
+
+Needs Citus installed (as the tests do). Every process and server is stopped, and the directory
+removed, in a `finally`; the run is under SIGALRM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))  # tests.citus: the cluster the tests start
+
+import capacity  # noqa: E402
+import citus_pairs  # noqa: E402
+import quick  # noqa: E402
+import run  # noqa: E402
+
+from oncegate.store import migrate  # noqa: E402
+from tests import citus  # noqa: E402
+
+STARTUP_TIMEOUT = 60.0
+WARMUP = 2.0
+
+
+@dataclass
+class Row:
+    target: str
+    forwards_per_second: float
+    gateway_ms: float
+    postgres_ms: float
+    coordinator_ms: float | None
+    load: float  # the machine's load average (1 min) at the end of the run
+
+    def line(self) -> str:
+        postgres = f"{self.postgres_ms:.3f}"
+        if self.coordinator_ms is not None:
+            postgres += (
+                f" ({self.coordinator_ms:.3f} + {self.postgres_ms - self.coordinator_ms:.3f})"
+            )
+        return (
+            f"| {self.target} | {self.forwards_per_second:,.0f} | {self.gateway_ms:.3f} |"
+            f" {postgres} | {self.load:.1f} |"
+        )
+
+
+def measure(
+    target: str, url: str, postmasters: list[int], upstream_port: int, work: Path,
+    arguments: argparse.Namespace,
+) -> Row:  # fmt: skip
+    environment = {name: value for name, value in os.environ.items()
+                   if not name.startswith("ONCEGATE_")}  # fmt: skip
+    environment["ONCEGATE_DATABASE_URL"] = url
+    port, admin_port = quick.free_port(), quick.free_port()
+    started: list[subprocess.Popen[bytes]] = []
+    log = work / f"gateway-{port}.log"
+    try:
+        quick.start(
+            quick.oncegate("serve", "--upstream", f"http://{quick.HOST}:{upstream_port}",
+                           "--host", quick.HOST, "--port", str(port),
+                           "--admin-port", str(admin_port), "--log-level", "warning"),
+            log, environment, started,
+        )  # fmt: skip
+        gateway = started[0]
+        quick.wait_listening(gateway, port, log, STARTUP_TIMEOUT)
+        asyncio.run(
+            capacity.drive(port, arguments.connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}")
+        )
+        groups = {"gateway": [gateway.pid]} | {
+            f"node{index}": [pid] for index, pid in enumerate(postmasters)
+        }
+        before = run.cpu_seconds(groups)
+        result = asyncio.run(
+            capacity.drive(port, arguments.connections, arguments.duration, uuid.uuid4().hex[:12])
+        )
+        after = run.cpu_seconds(groups)
+        if result.errors:
+            raise RuntimeError(f"{target}: errors {dict(result.errors)} ({quick.tail(log)})")
+    finally:
+        for process in started:
+            quick.stop(process)
+    used = {name: after[name] - before[name] for name in groups}
+    forwards = max(result.requests, 1)
+    nodes = [name for name in groups if name != "gateway"]
+    return Row(
+        target,
+        result.requests / result.elapsed,
+        used["gateway"] * 1000 / forwards,
+        sum(used[name] for name in nodes) * 1000 / forwards,
+        used["node0"] * 1000 / forwards if len(nodes) > 1 else None,
+        os.getloadavg()[0],
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--shards",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=[4, 32],
+        metavar="N,N,...",
+        help="the key table's shard counts on the cluster (default 4: two per worker; and 32)",
+    )
+    arguments = parser.parse_args()
+    why = citus.unavailable()
+    if why is not None:
+        print(f"citus_gateway: no Citus here: {why}", file=sys.stderr)
+        return 2
+    budget = 2 * STARTUP_TIMEOUT + (1 + len(arguments.shards)) * arguments.repeats * (
+        WARMUP + arguments.duration + STARTUP_TIMEOUT
+    )
+
+    def out_of_time(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the benchmark ran out of its {budget:.0f}s budget")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(math.ceil(budget))
+    work = citus.temporary_directory("oncegate-citus-gateway-")
+    rows: list[Row] = []
+    upstream: list[subprocess.Popen[bytes]] = []
+    try:
+        with citus_pairs.servers(work, arguments.shards) as targets:
+            for url, _ in targets.values():
+                migrate.upgrade(url)
+            upstream_port = quick.free_port()
+            quick.start(
+                quick.oncegate("demo-upstream", "--host", quick.HOST, "--port", str(upstream_port)),
+                work / "upstream.log", os.environ.copy(), upstream,
+            )  # fmt: skip
+            quick.wait_listening(upstream[0], upstream_port, work / "upstream.log", STARTUP_TIMEOUT)
+            for _ in range(arguments.repeats):
+                for target, (url, postmasters) in targets.items():
+                    row = measure(target, url, postmasters, upstream_port, work, arguments)
+                    rows.append(row)
+                    run.progress(f"{target}: {row.forwards_per_second:,.0f} forwards/s")
+        print(
+            f"one `oncegate serve` process per target, {arguments.connections} connections, a new"
+            f" key per request, {WARMUP:g} s warm-up + {arguments.duration:g} s per run; CPU"
+            " from /proc"
+        )
+        print(f"\n$ {quick.command_line()}\n")
+        print(
+            "| target | forwards/s | gateway CPU ms/forward | PostgreSQL CPU ms/forward"
+            " (coordinator + workers) | load average |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        for row in rows:
+            print(row.line())
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"citus_gateway failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.alarm(0)
+        for process in upstream:
+            quick.stop(process)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -191,6 +192,9 @@ def _rotate(value: int, bits: int) -> int:
     return ((value << bits) | (value >> (32 - bits))) & _MASK
 
 
+# A forward asks for its key's hash several times (where its claim and its complete are batched,
+# and sent): Python's lookup3 costs microseconds a call, a cached answer a dictionary lookup.
+@functools.lru_cache(maxsize=16384)
 def hash_text(text: str) -> int:
     """PostgreSQL's `hashtext(text)` (its `hash_bytes`, Bob Jenkins' lookup3, over the UTF-8
     bytes), as a signed 32-bit integer: the hash Citus places a text distribution value by.

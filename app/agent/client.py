@@ -36,10 +36,9 @@ from typing import Any
 
 import httpx
 
+from ..kernel import keys
+from ..model import errors
 from .checkpoints import JSON
-
-PROBLEM_PREFIX = "urn:oncegate:problem:"
-KEY_HEADER = "Idempotency-Key"
 
 
 class ActionError(Exception):
@@ -88,15 +87,15 @@ class RetryPolicy:
 
 def problem_name(response: httpx.Response) -> str | None:
     """The gateway's problem name (`key-reused`), or None if the answer is not a problem."""
-    if not response.headers.get("content-type", "").startswith("application/problem+json"):
+    if not response.headers.get("content-type", "").startswith(errors.PROBLEM_MEDIA_TYPE):
         return None
     try:
         document = response.json()
     except ValueError:
         return None
     kind = document.get("type") if isinstance(document, dict) else None
-    if isinstance(kind, str) and kind.startswith(PROBLEM_PREFIX):
-        return kind[len(PROBLEM_PREFIX) :]
+    if isinstance(kind, str) and kind.startswith(errors.PROBLEM_TYPE_PREFIX):
+        return kind.removeprefix(errors.PROBLEM_TYPE_PREFIX)
     return None
 
 
@@ -189,21 +188,21 @@ class Attempts:
                 return response
             name = problem_name(response)
             status = response.status_code
-            if name == "outcome-unknown":
+            if name == errors.OutcomeUnknown.name:
                 raise ActionOutcomeUnknown(
                     f"{key}: the gateway cannot tell whether the upstream performed this "
                     f"action ({status}); find out and resolve the key, do not resend",
                     key=key,
                     response=response,
                 )
-            if status == 422 and name == "key-reused":
+            if status == errors.KeyReused.status and name == errors.KeyReused.name:
                 raise ActionKeyReused(
                     f"{key} was already used for a different request: the parameters "
                     "changed between attempts, or two actions share a key",
                     key=key,
                     response=response,
                 )
-            if status == 409 and name == "request-in-progress":
+            if status == errors.RequestInProgress.status and name == errors.RequestInProgress.name:
                 reason = f"{key} is still in progress"
                 hinted = retry_after(response)
                 wait = (
@@ -255,7 +254,7 @@ def request_headers(
     above)."""
     merged = dict(headers or {})
     if key is not None:
-        merged[KEY_HEADER] = key
+        merged[keys.HEADER] = key
         if policy.wait:
             merged.setdefault("Prefer", f"wait={policy.wait}")
     return merged

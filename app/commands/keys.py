@@ -109,7 +109,7 @@ class AdminAccess(BaseModel):
     port is and its token. `admin_url` is this command's own (`serve` has no use for it)."""
 
     admin_token: str | None = None
-    admin_port: str = "8081"
+    admin_port: settings.Port = settings.DEFAULT_ADMIN_PORT
     admin_url: str | None = None
 
 

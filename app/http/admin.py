@@ -324,7 +324,7 @@ class Resolution(BaseModel):
             )
         if self.body is not None and self.body_base64 is not None:
             raise ValueError("give body or body_base64, not both")
-        if self.status in (204, 304) and (self.body or self.body_base64):
+        if self.status in headers.BODILESS_STATUSES and (self.body or self.body_base64):
             raise ValueError(f"a {self.status} answer has no body")
         if self.body is not None and not _encodes(self.body):
             raise ValueError("body is not UTF-8 text (a lone surrogate?); send it as body_base64")
@@ -334,6 +334,13 @@ class Resolution(BaseModel):
             if not headers.VALUE.match(value):
                 raise ValueError(f"the value of {name} is not a valid header value")
         return self
+
+    def answer(self) -> tuple[int, list[tuple[str, str]], bytes] | None:
+        """The answer a `complete` stores (status, headers, body); None for the other actions."""
+        if self.action != "complete":
+            return None
+        assert self.status is not None  # the validator above: complete needs a status
+        return self.status, self.headers, self.body_bytes()
 
     def body_bytes(self) -> bytes:
         if self.body_base64 is not None:
@@ -363,11 +370,7 @@ async def resolve_key(runtime: RuntimeDep, record_id: int, request: Request) -> 
     if resolution.action == "resend":
         sent = await runtime.operator.resend(record_id)
         return {"id": record_id, "resolved": "resend", "answer": answer_document(sent)}
-    answer = None
-    if resolution.action == "complete":
-        assert resolution.status is not None
-        answer = (resolution.status, resolution.headers, resolution.body_bytes())
-    await runtime.operator.resolve(record_id, answer)
+    await runtime.operator.resolve(record_id, resolution.answer())
     return {"id": record_id, "resolved": resolution.action}
 
 

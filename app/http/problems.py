@@ -9,7 +9,6 @@ from starlette.responses import Response
 
 from ..model import errors
 
-MEDIA_TYPE = "application/problem+json"
 # Whether a retry with the same key can help (`GatewayError.retry_advised`), in the two headers
 # client libraries read: Stainless-generated SDKs (`x-should-retry`) and Stripe's.
 SHOULD_RETRY = (b"x-should-retry", b"stripe-should-retry")
@@ -24,7 +23,7 @@ def parts(error: errors.GatewayError) -> tuple[int, list[tuple[bytes, bytes]], b
     if advice is not None:
         headers += [(name, b"true" if advice else b"false") for name in SHOULD_RETRY]
     headers += [
-        (b"content-type", MEDIA_TYPE.encode()),
+        (b"content-type", errors.PROBLEM_MEDIA_TYPE.encode()),
         (b"content-length", str(len(body)).encode()),
         # The server's own Date header is off (proxied answers carry the upstream's); the
         # gateway's own answers carry one, as RFC 9110 §6.6.1 asks of a server with a clock.

@@ -16,13 +16,13 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, assert_never
 
-from ..kernel import headers, paths
+from ..kernel import headers, keys, paths
 from ..model import errors
 from ..model.outcomes import Outcome
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
 from ..service.routing import RouteTable
 from ..service.streaming import Broken, Relay
-from ..settings import Route, routes
+from ..settings import Route
 from ..telemetry import metrics, tracing
 from . import problems
 
@@ -36,7 +36,6 @@ Send = Callable[[Message], Awaitable[None]]
 # The route label of a request that matched no route. Route names cannot contain parentheses,
 # so it never collides with one.
 UNMATCHED = "(unmatched)"
-_NO_BODY_STATUSES = frozenset({204, 304})
 # A body larger than this is sent in slices of it (a memoryview each: no copy).
 SLICE = 64 * 1024
 
@@ -156,7 +155,7 @@ def _key_header(route: Route | None) -> str | None:
     """The header that holds the key of a request to `route`, as the route spells it: the
     contract's Idempotency-Key where no route matched, None where the key is in the body."""
     if route is None:
-        return routes.KEY_HEADER
+        return keys.HEADER
     return None if route.key_pointer is not None else route.key_header_shown
 
 
@@ -188,7 +187,7 @@ def _relayed(
     body = answer.body
     if answer.stream is not None:
         return answer.status, response_headers, body, dropped  # chunked: no length
-    if answer.status in _NO_BODY_STATUSES or method == "HEAD":
+    if headers.bodiless(method, answer.status):
         body = b""  # whatever was stored or received, these answers carry none
     else:
         response_headers.append((b"content-length", str(len(body)).encode()))

@@ -397,15 +397,11 @@ async def resolve(
         message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         message = message.removeprefix("Value error, ")
         return _key_page(session, record, await _evidence(operator, record_id), message, 422, form)
-    answer = None
-    if resolution.action == "complete":
-        assert resolution.status is not None
-        answer = (resolution.status, resolution.headers, resolution.body_bytes())
     try:
         if resolution.action == "resend":
             await operator.resend(record_id)
         else:
-            await operator.resolve(record_id, answer)
+            await operator.resolve(record_id, resolution.answer())
     except (errors.KeyNotUnknown, errors.RequestNotKept, errors.OutcomeUnknown,
             errors.UpstreamUnavailable) as exc:  # fmt: skip
         evidence = await _evidence(operator, record_id)

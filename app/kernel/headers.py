@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..model import errors
+from . import keys
 
 # RFC 9110 §7.6.1: connection-specific fields, never forwarded or stored. Keep-Alive and
 # Proxy-Connection are the legacy ones it names; Content-Length is recomputed on each hop.
@@ -56,14 +57,17 @@ REQUEST_ID = "x-request-id"
 PREFER = "prefer"
 _WAIT = re.compile(r"^wait\s*=\s*\"?(\d{1,9})\"?$", re.IGNORECASE)
 _SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-# RFC 9110 §5.1 and §5.5: what a header name and a header value may hold.
-NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+# RFC 9110 §5.1 and §5.5: what a header name (a token) and a header value may hold.
+_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+NAME = re.compile(_HEADER_NAME)
 VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
 # What the HTTP/1.1 servers under both ports refuse to write into an answer: a control byte (tab
 # aside) in a value, where it could end the head early or drive the client's terminal.
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_NAME = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_NAME = re.compile(_HEADER_NAME.encode())  # as the server's bytes
 DROPPED = b"oncegate-dropped-headers"
+# Answers that never carry a body (RFC 9110 §15.3.5, §15.4.5), whatever was stored or received.
+BODILESS_STATUSES = frozenset({204, 304})
 
 
 def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
@@ -93,6 +97,11 @@ def _excluded(drop: frozenset[str], keep: frozenset[str]) -> frozenset[str]:
     """What `end_to_end` leaves out when no `Connection` header names more: the same few sets
     on every request, made once."""
     return (HOP_BY_HOP | drop) - keep
+
+
+def bodiless(method: str, status: int) -> bool:
+    """Whether the answer to `method` with `status` has no body: HEAD's, 204's and 304's."""
+    return method == "HEAD" or status in BODILESS_STATUSES
 
 
 def announces_forbidden_body(status: int, headers: Mapping[str, str]) -> bool:
@@ -132,7 +141,7 @@ def relayable(
 
 
 def check_request(
-    http_version: str, headers: list[tuple[str, str]], key_header: str | None = "Idempotency-Key"
+    http_version: str, headers: list[tuple[str, str]], key_header: str | None = keys.HEADER
 ) -> None:
     """Refuse what cannot be passed on as the client meant it (docs/security.md):
     - an HTTP/1.1 request without exactly one Host (RFC 9112 §3.2 says 400);

@@ -25,13 +25,15 @@ from collections.abc import Sequence
 
 from ..model import errors
 
-HEADER = "idempotency-key"
+# The contract's key header, as messages spell it, and as request header names are matched.
+HEADER = "Idempotency-Key"
+HEADER_NAME = HEADER.lower()
 MAX_KEY_LENGTH = 255
 _PRINTABLE = frozenset(map(chr, range(0x20, 0x7F)))
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
-def parse(values: Sequence[str], header: str = "Idempotency-Key") -> str | None:
+def parse(values: Sequence[str], header: str = HEADER) -> str | None:
     """Return the key named by the request's key header lines, or None if absent.
 
     `values` are the values of every header line with that name, in order (as received, each

@@ -94,26 +94,23 @@ class Keyring:
             keys.append((name, key))
         return cls(keys)
 
-    def names(self) -> list[str]:
-        return list(self._ciphers)
-
     @property
     def sealed_with(self) -> str:
         """What new answers' `sealed_with` says: the newest key, and the claim binding."""
         return f"{self.current}:{CLAIM_BINDING}"
 
     def seal(self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]],
-             body: bytes | None) -> SealedAnswer:  # fmt: skip
+             body: bytes) -> SealedAnswer:  # fmt: skip
         cipher = self._ciphers[self.current]
         return SealedAnswer(
             key_name=self.sealed_with,
             headers=_seal(cipher, _headers_json(headers), _bound(claim, scope, b"headers")),
-            body=None if body is None else _seal(cipher, body, _bound(claim, scope, b"body")),
+            body=_seal(cipher, body, _bound(claim, scope, b"body")),
         )
 
     def open(
         self, claim: Claimed, scope: bytes, stored: SealedAnswer, *, row_binding: bool = False
-    ) -> tuple[list[tuple[str, str]], bytes | None]:
+    ) -> tuple[list[tuple[str, str]], bytes]:
         """The headers and body of a stored answer, sealed or not. `row_binding`: also open an
         answer sealed before answers were bound to their claim (`oncegate rekey` alone)."""
         if stored.key_name is None:
@@ -137,10 +134,7 @@ class Keyring:
         else:
             raise Unopenable(f"sealed under a binding this release does not know ({binding})", name)
         headers = _open(cipher, stored, stored.headers, bound(b"headers"))
-        body = None
-        if stored.body is not None:
-            body = _open(cipher, stored, stored.body, bound(b"body"))
-        return header_pairs(headers), body
+        return header_pairs(headers), _open(cipher, stored, stored.body, bound(b"body"))
 
     def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
         cipher = self._ciphers[self.current]
@@ -179,7 +173,7 @@ class Sealer:
         self._keyring = keyring
 
     def seal(
-        self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes | None
+        self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes
     ) -> SealedAnswer:
         if self._keyring is None:
             return plaintext(headers, body)
@@ -187,7 +181,7 @@ class Sealer:
 
     def open(
         self, claim: Claimed, scope: bytes, stored: SealedAnswer
-    ) -> tuple[list[tuple[str, str]], bytes | None]:
+    ) -> tuple[list[tuple[str, str]], bytes]:
         if self._keyring is None:
             return open_plain(stored)
         return self._keyring.open(claim, scope, stored)
@@ -208,12 +202,12 @@ class Sealer:
         return stored.data
 
 
-def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
+def plaintext(headers: Sequence[tuple[str, str]], body: bytes) -> SealedAnswer:
     """An answer stored as it is (no keyring)."""
     return SealedAnswer(key_name=None, headers=_headers_json(headers), body=body)
 
 
-def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes | None]:
+def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes]:
     """Open without a keyring: plaintext rows only."""
     if stored.key_name is not None:
         name = stored.key_name.partition(":")[0]

@@ -14,7 +14,9 @@ class SealedAnswer:
 
     key_name: str | None
     headers: bytes  # JSON of the header pairs, sealed or not
-    body: bytes | None  # None: no body was stored with the headers
+    # Always there: `store: status_only` stores an empty one (a constraint of the key table says
+    # a stored answer has a body); an answer too large to store has no `SealedAnswer` at all.
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from typing import ClassVar
 from .outcomes import BlockReason, Outcome
 
 PROBLEM_TYPE_PREFIX = "urn:oncegate:problem:"
+PROBLEM_MEDIA_TYPE = "application/problem+json"  # RFC 9457
 
 
 class GatewayError(Exception):

@@ -11,6 +11,11 @@ from typing import Literal
 
 from .answers import SealedRequest, StoredAnswer
 
+# The three writes that settle a claim: store its answer, delete it, or say its outcome is
+# unknown. Each ends the claim; only these may wake a request waiting on the key.
+Settle = Literal["complete", "release", "mark_unknown"]
+SETTLES: frozenset[Settle] = frozenset(("complete", "release", "mark_unknown"))
+
 # What a key is now (`oncegate_key_state` in SQL, migrations/schema.sql): `in_progress` while
 # its lease runs, `expired` past its TTL (a new key), `unknown` when marked so or its lease ran
 # out, `completed` with its answer stored.

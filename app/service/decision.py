@@ -88,7 +88,7 @@ def decide(
                     headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER)},
                 )
             )
-        case "unknown" if route.on_unknown == "forward":
+        case "unknown" if route.forwards_unknown:
             return TakeOver()
         case "unknown":
             return Refuse(

@@ -19,9 +19,10 @@ Read `Gateway.handle` top to bottom:
    take-over that finds the row changed since it was read looks again, a few times at most.
 
 Changing the lease rule (when an in-flight claim counts as abandoned) safely: the rule lives in
-one SQL function, `oncegate_key_state` (as it is now: migrations/schema.sql; change it with a new
-migration and that file), which every query and the admin API read states through; `decide` acts
-on the state it returns and never on the clock. `tests/store/test_state_rule.py` holds the rule
+one SQL function, `oncegate_key_is` (as it is now: migrations/schema.sql; change it with a new
+migration and that file), which every write tests and `oncegate_key_state`, through which every
+read and the admin API name a state, asks; `decide` acts on the state a read returns and never
+on the clock. `tests/store/test_state_rule.py` holds the rule
 as a table and runs it through the SQL function and its Python twin (`store.memory.key_state`)
 on one clock, cell by cell.
 A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
@@ -246,11 +247,11 @@ class Gateway:
                 f"{'not back in time' if exc.timed_out else 'lost'}; it may have been performed. "
                 + (
                     "A retry with the same key is forwarded again (the route's on_unknown)"
-                    if route.on_unknown == "forward"
+                    if route.forwards_unknown
                     else "Retries get 409 until an operator resolves the key"
                 ),
                 status=504 if exc.timed_out else 502,
-                retry=route.on_unknown == "forward",
+                retry=route.forwards_unknown,
             ) from exc
         if response.stream is not None:
             released = response.status in route.release_statuses

@@ -15,7 +15,13 @@ PostgreSQL, how the store is run, the sealing keys: what `load_part` loads alone
 here (`from oncegate import settings`).
 """
 
-from .gateway import DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITERS_PER_KEY, Settings
+from .gateway import (
+    DEFAULT_ADMIN_PORT,
+    DEFAULT_MAX_WAITERS,
+    DEFAULT_MAX_WAITERS_PER_KEY,
+    Port,
+    Settings,
+)
 from .loader import ENV_PREFIX, load, load_part
 from .parts import (
     AnswerCommit,
@@ -30,7 +36,6 @@ from .routes import (
     DEFAULT_MAX_WAIT,
     DEFAULT_TIMEOUT,
     DEFAULT_TTL,
-    KEY_HEADER,
     ROUTE_NAME,
     UNUSABLE_KEY_HEADERS,
     Route,
@@ -40,6 +45,7 @@ from .routes import (
 from .units import MAX_DURATION, Duration, Size, Wait, parse_duration, parse_size
 
 __all__ = [
+    "DEFAULT_ADMIN_PORT",
     "DEFAULT_BODY_LIMIT",
     "DEFAULT_MAX_WAIT",
     "DEFAULT_MAX_WAITERS",
@@ -47,13 +53,13 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TTL",
     "ENV_PREFIX",
-    "KEY_HEADER",
     "MAX_DURATION",
     "ROUTE_NAME",
     "UNUSABLE_KEY_HEADERS",
     "AnswerCommit",
     "DatabaseSettings",
     "Duration",
+    "Port",
     "Route",
     "SealingSettings",
     "Settings",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -14,6 +14,11 @@ DEFAULT_MAX_WAITERS = 1000
 DEFAULT_MAX_WAITERS_PER_KEY = 64
 
 
+# A TCP port; 0 asks the system for a free one.
+Port = Annotated[int, Field(ge=0, le=65535)]
+DEFAULT_ADMIN_PORT = 8081
+
+
 class Settings(DatabaseSettings, SealingSettings, StoreSettings):
     """Everything `serve` needs, validated."""
 
@@ -21,8 +26,8 @@ class Settings(DatabaseSettings, SealingSettings, StoreSettings):
 
     admin_token: str | None = None
     host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    admin_port: int = Field(8081, ge=0, le=65535)
+    port: Port = 8080
+    admin_port: Port = DEFAULT_ADMIN_PORT
     # Worker processes; `auto`: one per core this process may use (`units.usable_cores`).
     workers: Workers = 1
     ttl: Duration = DEFAULT_TTL

@@ -20,8 +20,6 @@ DEFAULT_MAX_WAIT = 10.0
 _METHOD = re.compile(r"^[A-Z]+$")
 # A route name: a metric label, a log field and the admin API's `route=`.
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-KEY_HEADER = "Idempotency-Key"
 # What a `key_header` cannot be, besides hop-by-hop fields and the route's scope headers:
 # fields the gateway or the HTTP layers below it read, set or rewrite (the client's request
 # head, its body's description, credentials, `Prefer`, the request id, trace context), so a
@@ -98,7 +96,7 @@ class TokenScope(BaseModel):
     @field_validator("header")
     @classmethod
     def _header(cls, value: str) -> str:
-        if not _HEADER_NAME.match(value):
+        if not headers.NAME.match(value):
             raise ValueError(f"{value!r} is not a header name")
         return value.lower()
 
@@ -211,7 +209,7 @@ class Route(BaseModel):
     @classmethod
     def _scope_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
-            if not _HEADER_NAME.match(name):
+            if not headers.NAME.match(name):
                 raise ValueError(f"{name!r} is not a header name")
         return tuple(name.lower() for name in value)
 
@@ -228,7 +226,7 @@ class Route(BaseModel):
     def _key_header(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        if not _HEADER_NAME.match(value):
+        if not headers.NAME.match(value):
             raise ValueError(f"{value!r} is not a header name")
         lowered = value.lower()
         if lowered in headers.HOP_BY_HOP or lowered in headers.REQUEST_ONLY:
@@ -283,10 +281,16 @@ class Route(BaseModel):
         return self
 
     @property
+    def forwards_unknown(self) -> bool:
+        """Whether a retry of an `unknown` key is taken over and forwarded again
+        (`on_unknown: forward`), rather than refused until an operator resolves it."""
+        return self.on_unknown == "forward"
+
+    @property
     def key_header_shown(self) -> str:
         """The header the key is in, as the route spells it (`key_header`, else
         `Idempotency-Key`): for messages."""
-        return self.key_header or KEY_HEADER
+        return self.key_header or keys.HEADER
 
     @functools.cached_property
     def key_header_name(self) -> str:

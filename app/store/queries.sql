@@ -1,6 +1,8 @@
 -- The key table's statements, one named query each (`-- name: NAME`), with named parameters
--- (`:scope`; queries.py numbers them for asyncpg). (The agent's are in checkpoints.sql; the
--- store reads Citus's catalog in citus.py and the schema's revision in postgres/operator.py.)
+-- (`:scope`; queries.py numbers them for asyncpg). Not every statement of the store is here:
+-- the agent's are in checkpoints.sql; Citus's catalog is read in citus.py; the claims and
+-- completes a Citus worker runs on its own shard tables are built per batch, shard by shard, in
+-- postgres/workers.py; the schema's revision is read in postgres/upkeep.py.
 -- Each runs alone, autocommitted: one round trip, and no transaction is ever held open across
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
 --

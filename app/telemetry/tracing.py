@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from typing import Any, TypeVar, cast
 
 from ..model import errors
+from ..model.records import SETTLES
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 VARIABLES = (
@@ -35,7 +36,6 @@ VARIABLES = (
     "OTEL_BSP_SCHEDULE_DELAY",
 )
 REQUEST_SPAN = "oncegate request"
-_SETTLE = {"complete", "release", "mark_unknown"}
 _CLAIM = {"claim"}
 # Only these fields of the request's log record become attributes (never the request id, which a
 # client chooses, nor timings, which the span has).
@@ -163,7 +163,7 @@ def store_operation(operation: str) -> contextlib.AbstractContextManager[object]
         return _OFF
     if operation in _CLAIM:
         return _child("claim", operation)
-    if operation in _SETTLE:
+    if operation in SETTLES:
         return _child("settle", operation)
     return _OFF
 

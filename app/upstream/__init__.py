@@ -68,7 +68,7 @@ class Upstream(Protocol):
         request_headers: Sequence[tuple[str, str]],
         body: bytes,
         timeout: float,  # noqa: ASYNC109 - a per-route budget, the implementation applies it
-        key_header: str = keys.HEADER,
+        key_header: str = keys.HEADER_NAME,
     ) -> UpstreamResponse:
         """Send one request and read its whole answer within `timeout` seconds. `key_header`
         (lower case) is sent even when the client names it in `Connection`: the key."""

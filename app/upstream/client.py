@@ -93,7 +93,7 @@ STREAM_CHUNK = 64 * 1024  # the most one read of a streamed body hands on
 
 
 def _read_whole(method: str, response: aiohttp.ClientResponse) -> bool:
-    if method == "HEAD" or response.status in (204, 304):
+    if headers.bodiless(method, response.status):
         return True
     length = response.content_length
     return length is not None and length <= READ_WHOLE_UP_TO
@@ -192,7 +192,7 @@ class HttpUpstream:
         request_headers: Sequence[tuple[str, str]],
         body: bytes,
         timeout: float,  # noqa: ASYNC109 - a per-route budget, applied by aiohttp
-        key_header: str = keys.HEADER,
+        key_header: str = keys.HEADER_NAME,
     ) -> UpstreamResponse:
         """Send one request and read its whole answer within `timeout` seconds. `key_header`
         (lower case) is sent even when the client names it in `Connection`: the key."""

@@ -37,7 +37,7 @@ from ..queries import DIALECTS, Server, Statements
 from .connections import Pools
 from .operations import Claiming, OnKey
 from .pool import Pool
-from .rows import content_of
+from .rows import content_of, touched
 from .workers import ON_WORKERS, Rerouted, Workers
 
 Keyed = TypeVar("Keyed", bound=OnKey)
@@ -138,7 +138,7 @@ class Plain(_Server):
         return {}
 
     async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
-        return _count(await self._execute(connection, "purge", batch_size=batch_size))
+        return touched(await self._execute(connection, "purge", batch_size=batch_size))
 
     async def delete(self, connection: asyncpg.Connection, record_id: int) -> bool | None:
         row = await self._fetchrow(connection, "admin_delete", id=record_id)
@@ -224,7 +224,7 @@ class OnCitus(_Server):
                 keys=[row["key"] for row in doomed],
                 ids=[row["id"] for row in doomed],
             )
-            deleted += _count(status)
+            deleted += touched(status)
         return deleted
 
     async def delete(self, connection: asyncpg.Connection, record_id: int) -> bool | None:
@@ -264,7 +264,7 @@ class OnCitus(_Server):
             status = await self._execute(
                 connection, "rekey_rows", sealed_with=keyring.sealed_with, **arrays
             )
-            resealed += _count(status)
+            resealed += touched(status)
         last = rows[-1]["id"] if rows else after
         return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
 
@@ -281,11 +281,6 @@ class OnCitus(_Server):
         for row in rows:
             grouped.setdefault(self.shards.shard_of(key(row)), []).append(row)
         return list(grouped.values())
-
-
-def _count(status: str) -> int:
-    """The rows a command's status says it touched ("DELETE 3")."""
-    return int(status.rsplit(" ", 1)[1])
 
 
 def _resealed(

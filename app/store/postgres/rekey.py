@@ -14,6 +14,7 @@ from ...model.answers import SealedRequest
 from ...settings import StoreOptions
 from ..errors import Outage, translated
 from .dialect import Dialect, RekeyBatch
+from .rows import touched
 
 
 class Rekeying:
@@ -62,7 +63,7 @@ class Rekeying:
                          "key": row["key"], "id": row["id"], "was": row["request"]}
                     ),
                 )  # fmt: skip
-                resealed += int(status.rsplit(" ", 1)[1])
+                resealed += touched(status)
         last = rows[-1]["id"] if rows else after
         return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
 

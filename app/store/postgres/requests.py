@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ...model.answers import SealedRequest, StoredAnswer
-from ...model.records import Claim, Record
+from ...model.records import SETTLES, Claim, Record
 from ...settings import StoreOptions
 from ...telemetry import tracing
 from .. import claimant
@@ -68,7 +68,6 @@ log = logging.getLogger("oncegate.store.postgres")
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
 # The statements that settle a row, and so may have to wake whoever waits on it.
-SETTLES = frozenset({"complete", "release", "mark_unknown"})
 
 # Answers are sent to PostgreSQL as one array per batch: a batch holds at most this many bytes
 # of them (one larger answer goes alone), so 64 large answers never make one huge parameter.

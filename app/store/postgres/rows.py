@@ -89,3 +89,8 @@ def answer_columns(answer: StoredAnswer) -> dict[str, object]:
                 "body": content.body, "sealed_with": None, "sealed_headers": None}  # fmt: skip
     return {"status": answer.status, "stored": True, "headers": None, "body": content.body,
             "sealed_with": content.key_name, "sealed_headers": content.headers}  # fmt: skip
+
+
+def touched(status: str) -> int:
+    """The rows a command's status says it touched ("DELETE 3", "UPDATE 1")."""
+    return int(status.rsplit(" ", 1)[1])

@@ -39,11 +39,8 @@ def gateway(
         {"name": "released", "match": "/released", "strip_prefix": True,
          "upstream": upstream.url, "release_statuses": [429, 500, 503]},
     ]  # fmt: skip
-    process = GatewayProcess(module_dir, database_url, routes)
-    try:
+    with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture

@@ -42,21 +42,18 @@ def environment(data_dir: Path, upstream: DemoUpstream, tmp_path: Path) -> Itera
     """A gateway on its embedded default in `data_dir`, and the environment an example run from
     the README has: no ONCEGATE_* but the data directory, GATEWAY_URL naming that gateway."""
     port = free_port()
-    gateway = Process(
+    with Process(
         ["serve", "--upstream", upstream.url, "--port", str(port), "--admin-port",
          str(free_port())],
         tmp_path / "gateway.log",
         env={"ONCEGATE_DATABASE_URL": "", "ONCEGATE_DATA_DIR": str(data_dir)},
-    )  # fmt: skip
-    try:
+    ) as gateway:  # fmt: skip
         gateway.wait_listening(port)
         yield {
             **{key: value for key, value in os.environ.items() if not key.startswith("ONCEGATE")},
             "ONCEGATE_DATA_DIR": str(data_dir),
             "GATEWAY_URL": f"http://127.0.0.1:{port}",
         }
-    finally:
-        gateway.stop()
 
 
 def test_the_example_agent_runs_on_the_gateways_embedded_database_and_resumes_without_repeating(

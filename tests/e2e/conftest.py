@@ -1,7 +1,9 @@
 """Real processes on real sockets: the demo upstream and gateways, started as `oncegate` would be.
 
 Every process is started by a fixture, logs to a file under the test's temporary directory, and
-is ended by its PID when the fixture finishes (SIGTERM, then SIGKILL if it lingers).
+is ended by its PID when the fixture finishes (SIGTERM, then SIGKILL if it lingers). `Process`,
+`DemoUpstream` and `GatewayProcess` are context managers, so a fixture reads
+`with GatewayProcess(...) as gateway: yield gateway`.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class Process:
                     self.popen.wait(5)
         finally:
             self._log_file.close()  # whatever happened: an open log fails a later test
+
+    def __enter__(self) -> Process:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 class DemoUpstream:

@@ -36,13 +36,10 @@ def route_config(upstream: str) -> list[dict[str, Any]]:
 def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(
+    with GatewayProcess(
         module_dir, database_url, route_config(upstream.url), admin_token=TOKEN
-    )
-    try:
+    ) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture

@@ -86,11 +86,8 @@ def blackhole() -> Iterator[int]:
 def gateway(
     module_dir: Path, database_url: str, route_config: list[dict[str, Any]]
 ) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(module_dir, database_url, route_config)
-    try:
+    with GatewayProcess(module_dir, database_url, route_config) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def post(path: str, *header_lines: str, body: bytes = b"{}") -> bytes:

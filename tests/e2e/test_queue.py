@@ -36,17 +36,14 @@ def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
     routes = [prefix_route(name, upstream.url, timeout="1s") for name in QUEUE_ROUTES]
-    process = GatewayProcess(
+    with GatewayProcess(
         module_dir,
         database_url,
         routes,
         admin_token=TOKEN,
         env={"ONCEGATE_KEY_COUNT_INTERVAL": "0.3s"},
-    )
-    try:
+    ) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture

@@ -25,11 +25,8 @@ def gateway(
     module_dir: Path, database_url: str, upstream: DemoUpstream
 ) -> Iterator[GatewayProcess]:
     route = {"name": "mail", "match": "/", "upstream": upstream.url}
-    process = GatewayProcess(module_dir, database_url, [route], args=["--workers", "2"])
-    try:
+    with GatewayProcess(module_dir, database_url, [route], args=["--workers", "2"]) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def workers(gateway: GatewayProcess) -> list[psutil.Process]:

@@ -36,11 +36,8 @@ def gateway(
         prefix_route("pay", upstream.url, max_stored_response=f"{STORED // 1024}KiB"),
         prefix_route("slow", upstream.url, timeout="1s", max_stored_response="1KiB"),
     ]
-    process = GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN)
-    try:
+    with GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def answer_while_sending(

@@ -44,11 +44,8 @@ def gateway(
         return prefix_route(name, **{"upstream": upstream.url, **options})
 
     routes = [route("strict"), route("optional", key="optional"), route("small", max_body="1KiB")]
-    process = GatewayProcess(module_dir, database_url, routes)
-    try:
+    with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
-    finally:
-        process.stop()
 
 
 class Rows:

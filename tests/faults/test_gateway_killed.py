@@ -88,13 +88,10 @@ def survivor(
     module_dir: Path, database_url: str, routes: list[dict[str, Any]]
 ) -> Iterator[GatewayProcess]:
     """The gateway that stays up and answers the retries."""
-    gateway = GatewayProcess(
+    with GatewayProcess(
         module_dir, database_url, routes, name="survivor", admin_token=ADMIN_TOKEN
-    )
-    try:
+    ) as gateway:
         yield gateway
-    finally:
-        gateway.stop()
 
 
 @pytest.fixture

@@ -47,11 +47,8 @@ def gateway(
          "strip_prefix": True},
         {"name": "default", "match": "/", "upstream": upstream.url, "key": "optional"},
     ]  # fmt: skip
-    process = GatewayProcess(module_dir, database_url, routes)
-    try:
+    with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def exchange(port: int, data: bytes, answers: int) -> list[tuple[int, dict[str, str], bytes]]:

@@ -52,11 +52,8 @@ def gateway(
         route("slow", timeout="0.5s"),
         route("dead", upstream=f"http://127.0.0.1:{free_port()}"),
     ]
-    process = GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN)
-    try:
+    with GatewayProcess(module_dir, database_url, routes, admin_token=ADMIN_TOKEN) as process:
         yield process
-    finally:
-        process.stop()
 
 
 async def test_one_key_from_two_credentials_and_none_is_three_keys(

@@ -33,11 +33,8 @@ def gateway(
     module_dir: Path, database_url: str, raw_upstream: RawUpstream
 ) -> Iterator[GatewayProcess]:
     routes = [{"name": "raw", "match": "/", "upstream": raw_upstream.url, "timeout": "2s"}]
-    process = GatewayProcess(module_dir, database_url, routes)
-    try:
+    with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.mark.parametrize("behaviour", ["close", "reset", "half", "garbage"])

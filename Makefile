@@ -52,8 +52,12 @@ test-tools: $(STAMP)
 
 # The contract's whole surface: every test not marked slow (pyproject.toml), the gateway on
 # PostgreSQL and the store on PostgreSQL and on Citus. A new user's second command: a few minutes.
+# On TEST_WORKERS workers (pytest-xdist), each a session with its own PostgreSQL: the suite waits
+# on processes and sockets about half the time, so three keep two cores busy (tests/conftest.py
+# says how the tests are shared out). `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
 test: test-tools
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 # The rest of the suite, what `make test` leaves out (-m slow): the gateway's modules again on
 # Citus, the 200-run LangGraph lab, load and fault loops, the chaos soak, the Dockerfile's

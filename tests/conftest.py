@@ -23,6 +23,7 @@ import tempfile
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -118,6 +119,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         slow = [pytest.mark.slow] if marker.kwargs.get("slow") else []
         backends = [pytest.param("postgresql"), pytest.param("citus", marks=slow)]
         metafunc.parametrize("backend", backends, indirect=True, scope="module")
+
+
+def work_unit(nodeid: str) -> str:
+    """Which share of the suite a test is in when it runs on several workers (`make test`'s
+    `-n`, pytest-xdist): a module's tests run together on one worker, in order, so its
+    module-scoped gateway and database are made once; every test on Citus (a module's `[citus]`
+    half, or a module about Citus) runs on one worker, so one Citus cluster starts, not one per
+    worker. Each worker is a session of its own: its own PostgreSQL, temporary directories and
+    ports."""
+    path, _, name = nodeid.partition("::")
+    parameters = name.partition("[")[2].rstrip("]").split("-")
+    return "citus" if "citus" in parameters or "citus" in Path(path).name else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Shares handed out in the order they are collected, not largest first: tests/agent's
+    LangGraph modules, few tests of many seconds each, start first and tests/unit's many quick
+    ones fill the end, so no worker is left alone with a long module at the end."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByWorkUnit(config, log)
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,8 @@ def test_plaintext_answers_open_without_a_keyring_and_sealed_ones_do_not() -> No
         (f"k1:{key()},k1:{key()}", "given twice"),
         (f"bad name:{key()}", "name:base64-key"),
     ],
+    # Named, not by their random keys: every worker of a parallel run collects the same tests.
+    ids=["no-key", "not-base64", "16-bytes", "given-twice", "bad-name"],
 )
 def test_a_bad_keyring_is_refused_without_showing_key_material(text: str, message: str) -> None:
     with pytest.raises(errors.ConfigError, match=message) as refused:

@@ -154,13 +154,11 @@ class Workers:
 
             return Pool(connect, _nothing, size, 0, options.acquire_timeout)
 
-        return _Pools(
-            pool(options.pool_size, session),
-            pool(
-                max(1, options.pool_size // 2),
-                {**session, "synchronous_commit": options.answer_commit},
-            ),
-        )
+        # Answers commit with the worker's own `synchronous_commit`, as they did when Citus sent
+        # them: `store_answer_commit = off` would let a worker that crashes lose answers it
+        # acknowledged, and the store counts such losses only for a failover of its primary.
+        answers = max(1, options.pool_size // 2)
+        return _Pools(pool(options.pool_size, session), pool(answers, session))
 
 
 # Citus's words when the fence asks it to lock a shard that no longer exists (split, or dropped

@@ -468,7 +468,7 @@ class _Checker:
             if row.state == "in_progress":
                 self.violation("held", key, "still in progress after the chaos and every lease")
             if row.state == "unknown":
-                cause = self.unknown_cause(key)
+                cause = self.unknown_cause(key, row)
                 if cause is None:
                     self.violation(
                         "unexplained-unknown", key,
@@ -477,7 +477,7 @@ class _Checker:
                 else:
                     self.result.unknown_causes[cause] += 1
 
-    def unknown_cause(self, key: Identity) -> str | None:
+    def unknown_cause(self, key: Identity, row: Row) -> str | None:
         """The failure a key's requests were in flight at (`upstream-slow`, `gateway-kill`,
         `postgres-failover`, ...), or None."""
         for record in self.by_key.get(key, []):
@@ -488,6 +488,10 @@ class _Checker:
             # upstream drew no fault: on a loaded machine it (or the gateway reading it) ran late.
             if attempt.status == 504 and problem_name(attempt) == "outcome-unknown":
                 return "route-timeout"
+        # The same, where the 504 went to a client that had hung up: the gateway's own record of
+        # why it marked the key says its timeout fired.
+        if row.failure == "read_timeout":
+            return "route-timeout"
         attempts = [
             attempt for attempt in self.attempts_by_key.get(key, [])
             if attempt.sent < self.rows_read_at

@@ -535,6 +535,7 @@ async def dump_rows(url: str) -> list[Row]:
     try:
         records = await connection.fetch(
             "SELECT scope, key, response_status, response_body, response_stored,"
+            " failure->>'kind' AS failure,"
             " CASE WHEN state = 'in_progress' AND lease_expires_at <= now() THEN 'unknown'"
             "      ELSE state END AS state"
             " FROM oncegate_keys"
@@ -549,7 +550,7 @@ async def dump_rows(url: str) -> list[Row]:
             Row(route=route, tenant=tenant, key=record["key"], state=record["state"],
                 status=record["response_status"],
                 answer=bytes(body).decode("utf-8", "replace") if body is not None else None,
-                stored=record["response_stored"])
+                stored=record["response_stored"], failure=record["failure"])
         )  # fmt: skip
     return rows
 

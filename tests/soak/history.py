@@ -83,6 +83,9 @@ class Row:
     status: int | None
     answer: str | None
     stored: bool
+    # What its gateway saw when it marked the key `unknown` (the key table's `failure`):
+    # "read_timeout" (the route's timeout fired), "no_answer", "answer_broken"; else None.
+    failure: str | None = None
 
 
 @dataclass(frozen=True)

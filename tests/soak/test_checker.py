@@ -320,6 +320,24 @@ def test_a_route_timeout_explains_unknown_though_the_upstream_drew_no_fault() ->
 
 
 @pytest.mark.parametrize(
+    ("failure", "explained"),
+    [("read_timeout", True), ("no_answer", False), ("answer_broken", False), (None, False)],
+)
+def test_a_route_timeout_whose_504_nobody_saw_is_read_from_the_key_table(
+    failure: str | None, explained: bool
+) -> None:
+    """The client hung up before the gateway's 504: only the gateway's record of why it marked
+    the key `unknown` says its timeout fired. Another reason, or none, explains nothing."""
+    attempts = [attempt("a1", 100.0, outcome="hung-up", gateway="gateway-1")]
+    row = dataclasses.replace(UNKNOWN, failure=failure)
+    result = checker.check(attempts, [performed(1, "a1")], [row], [READ])
+    assert result.ok == explained
+    assert result.unknown_causes == ({"route-timeout": 1} if explained else {})
+    if not explained:
+        assert rules(result) == ["unexplained-unknown"]
+
+
+@pytest.mark.parametrize(
     ("target", "at", "explained"),
     [("gateway-1", 100.005, True), ("gateway-2", 100.005, False), ("gateway-1", 120.0, False)],
     ids=["its-gateway-in-flight", "another-gateway", "its-gateway-later"],

@@ -92,6 +92,7 @@ class Workers:
         shards = [self._shards.shard_of(key) for key in keys]
         if any(self._shards.node_of(shard) != node for shard in shards):
             raise Rerouted(f"the map changed since the batch for {node} was made")
+        named = tuple(self._shards.shards_on(node))  # every shard table the statement names
         query = self._statement(operation, node)
         arguments = {**values, "shards": shards, "fence": sorted(set(shards))}
         pools = self._pools_of(node)
@@ -105,13 +106,18 @@ class Workers:
         except asyncpg.PostgresError as exc:
             if not _moved_away(exc):
                 raise
-            # Read the map again (or take the read another refusal started). If it still says
-            # every shard of the batch is here, the refusal stands (an outage to the caller)
-            # rather than a loop.
-            await self._shards.refresh()
-            if all(self._shards.node_of(shard) == node for shard in shards):
-                raise
-            raise Rerouted(f"{node}: {exc}") from exc
+            # Read the map again (or take the read another refusal started: it may have begun
+            # before the move ended, so once more if nothing seems to have moved). Sent again
+            # when a shard of the batch moved, or one the statement names (it names every shard
+            # table of the node: a table dropped after a move refuses a batch of other shards
+            # too). Otherwise the refusal stands (an outage to the caller) rather than a loop.
+            for _ in range(2):
+                await self._shards.refresh()
+                if tuple(self._shards.shards_on(node)) != named or any(
+                    self._shards.node_of(shard) != node for shard in shards
+                ):
+                    raise Rerouted(f"{node}: {exc}") from exc
+            raise
         return rows
 
     async def close(self) -> None:

@@ -77,14 +77,6 @@ async def test_a_worker_down_fails_its_keys_closed_and_the_other_keeps_working(
         assert answered_before.status_code == 201
         ready = await client.get(gateway.admin_url + "/readyz")
         assert ready.status_code == 200 and ready.json()["revision"] == migrate.head()
-        # Answers commit with store_answer_commit (off by default): one the worker had not yet
-        # flushed would be lost in the stop below and its key turn `unknown` (docs/operations.md),
-        # so this one is flushed first: the replay below is then owed.
-        worker = await asyncpg.connect(down.url(database_url.rsplit("/", 1)[1]))
-        try:
-            await worker.execute("CHECKPOINT")
-        finally:
-            await worker.close()
         await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
         try:
             # Still ready: the coordinator answers and the other worker's keys are served;

@@ -370,6 +370,8 @@ async def aread(
     try:
         return await checkpointer.aget_tuple(config)
     except NotImplementedError:
+        # Not a stub of ours: LangGraph's BaseCheckpointSaver.aget_tuple raises it in every saver
+        # that implements only the sync API (tested with the sync PostgresSaver).
         return await asyncio.to_thread(checkpointer.get_tuple, config)
 
 

@@ -16,7 +16,11 @@ multi-shard executions, and two-phase commits recorded in `pg_dist_transaction`)
 operations per statement of the store's batches (`oncegate_store_batch_size`).
 
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
-        [--shards 32,8,2]
+        [--shards 32,8,2] [--apart]
+
+`--apart` adds, per shard count, the cluster again with each worker's claims and completes in
+statements of their own (as the store sent them before it carried both in one): the two side by
+side in one run.
 
 On one machine the cluster cannot be faster than the single server (three servers share its
 cores with the client); what the figures show is the cost of a pair on the cluster: docs/
@@ -53,6 +57,7 @@ from oncegate.model.answers import StoredAnswer  # noqa: E402
 from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store import migrate  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
+from oncegate.store.postgres.dialect import OnCitus  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402
 
@@ -60,7 +65,12 @@ SCOPE = bytes(32)
 FINGERPRINT = bytes(32)
 ANSWER = plaintext([("content-type", "application/json")], b'{"id":"em_000001"}')
 DATABASE = "oncegate_bench"
+APART = ", claims and completes apart"
 STARTUP_TIMEOUT = 120.0
+
+
+# The store's batchers: claims, completes, and on Citus a worker's claims and completes together.
+OPERATIONS = ("claim", "complete", "claim_complete")
 
 
 @dataclass
@@ -109,7 +119,12 @@ async def citus_counters(url: str) -> tuple[int, int, int] | None:
 async def measure(
     target: str, url: str, postmasters: list[int], arguments: argparse.Namespace
 ) -> Sample:
-    store = await PostgresStore.connect(url)
+    together = OnCitus.together
+    OnCitus.together = not target.endswith(APART)  # read as the store opens
+    try:
+        store = await PostgresStore.connect(url)
+    finally:
+        OnCitus.together = together
     failures = 0
     measuring = False
     pairs = 0
@@ -145,7 +160,7 @@ async def measure(
     finally:
         await store.close()
     batch = {}
-    for operation in ("claim", "complete"):
+    for operation in OPERATIONS:
         total, count = after_batches.get(operation, (0.0, 0.0))
         total_before, count_before = before_batches.get(operation, (0.0, 0.0))
         if count > count_before:
@@ -170,7 +185,9 @@ async def measure(
 
 
 @contextmanager
-def servers(work: Path, shard_counts: list[int]) -> Iterator[dict[str, tuple[str, list[int]]]]:
+def servers(
+    work: Path, shard_counts: list[int], apart: bool = False
+) -> Iterator[dict[str, tuple[str, list[int]]]]:
     """The targets: name -> (database URL, postmaster pids): one server, and the cluster once
     per shard count (a database of its own, distributed with that many shards)."""
     single = citus.Cluster.start(work / "single", workers=0, with_citus=False)
@@ -184,6 +201,8 @@ def servers(work: Path, shard_counts: list[int]) -> Iterator[dict[str, tuple[str
                 asyncio.run(set_shard_count(url, shards))
                 name = f"Citus, coordinator + {citus.WORKERS} workers, {shards} shards"
                 targets[name] = (url, cluster.postmasters())
+                if apart:
+                    targets[name + APART] = targets[name]
             yield targets
         finally:
             cluster.stop()
@@ -205,7 +224,7 @@ def table(samples: list[Sample]) -> str:
     lines = [
         "| target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
         " | single-shard / multi-shard executions"
-        " | two-phase commits | operations per statement (claim / complete) | failures |",
+        " | two-phase commits | operations per statement (claim / complete / both) | failures |",
         "|---|---:|---:|---|---:|---|---:|",
     ]
     for sample in samples:
@@ -215,9 +234,7 @@ def table(samples: list[Sample]) -> str:
             else f"{sample.single_shard:,} / {sample.multi_shard:,}"
         )
         two_phase = "-" if sample.two_phase is None else f"{sample.two_phase}"
-        batch = " / ".join(
-            f"{sample.batch.get(operation, 0):.1f}" for operation in ("claim", "complete")
-        )
+        batch = " / ".join(f"{sample.batch.get(operation, 0):.1f}" for operation in OPERATIONS)
         cpu = f"{sample.postgres_ms_per_pair:.3f} ms"
         if sample.coordinator_ms_per_pair is not None:
             workers = sample.postgres_ms_per_pair - sample.coordinator_ms_per_pair
@@ -243,6 +260,11 @@ def parse_arguments() -> argparse.Namespace:
         metavar="N,N,...",
         help="the key table's shard counts on the cluster, one target each (default 32, Citus's)",
     )
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="each cluster again with claims and completes in statements of their own",
+    )
     return parser.parse_args()
 
 
@@ -252,7 +274,7 @@ def main() -> int:
     if why is not None:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
-    runs = (1 + len(arguments.shards)) * arguments.repeats
+    runs = (1 + len(arguments.shards) * (2 if arguments.apart else 1)) * arguments.repeats
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:
@@ -264,8 +286,8 @@ def main() -> int:
     work = citus.temporary_directory("oncegate-citus-pairs-")
     samples: list[Sample] = []
     try:
-        with servers(work, arguments.shards) as targets:
-            for url, _ in targets.values():
+        with servers(work, arguments.shards, arguments.apart) as targets:
+            for url in {url for url, _ in targets.values()}:
                 migrate.upgrade(url)
             for _ in range(arguments.repeats):
                 for target, (url, postmasters) in targets.items():

@@ -9,6 +9,10 @@ queries.sql is one dialect for two servers: a statement is written once for both
 the two must differ, once per server (`-- name: NAME [postgres]`, `-- name: NAME [citus]`).
 `DIALECTS[server]` holds what that server runs: asking it for a statement it has no shape of
 raises, it never hands over another server's.
+
+A part that statements share is written once as a fragment (`-- fragment: NAME`) and named in a
+statement as `{NAME}`: the statement holds the fragment's text there. `FRAGMENTS` holds them for
+the statements written at run time (store/postgres/workers.py), so both say the same thing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Literal
 Server = Literal["postgres", "citus"]
 SERVERS: tuple[Server, ...] = ("postgres", "citus")
 
-_NAME = re.compile(r"^-- name: (\w+)(?: \[(\w+)\])?\s*$", re.MULTILINE)
+_NAME = re.compile(r"^-- (name|fragment): (\w+)(?: \[(\w+)\])?\s*$", re.MULTILINE)
+# `{name}`: a fragment, in a statement whose comments are gone.
+_FRAGMENT = re.compile(r"\{(\w+)\}")
 # `:name`, but not the second colon of a `::type` cast.
 _PARAMETER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
 _COMMENT = re.compile(r"--[^\n]*")
@@ -67,28 +73,30 @@ class Statements(Mapping[str, Query]):
 
 def load(text: str) -> dict[str, Query]:
     """The statements of a file written for any server (no `[server]` shapes)."""
+    fragments, parts = _read(text)
     queries: dict[str, Query] = {}
-    for name, server, body in _parts(text):
+    for name, server, body in parts:
         if server is not None:
             raise ValueError(f"query {name} is written for {server} in a file of one dialect")
         if name in queries:
             raise ValueError(f"query {name} is written twice")
-        queries[name] = _numbered(name, body)
+        queries[name] = _numbered(name, body, fragments)
     return queries
 
 
 def load_dialects(text: str) -> dict[Server, Statements]:
     """Per server, what it runs. A name is either written once for every server or shaped per
     server, never both (which one would win is what this refuses to decide)."""
+    fragments, parts = _read(text)
     shared: dict[str, Query] = {}
     shaped: dict[str, dict[str, Query]] = {server: {} for server in SERVERS}
-    for name, server, body in _parts(text):
+    for name, server, body in parts:
         if server is not None and server not in shaped:
             raise ValueError(f"query {name} is shaped for {server}, which is none of {SERVERS}")
         written = shared if server is None else shaped[server]
         if name in written:
             raise ValueError(f"query {name} is written twice for {server or 'every server'}")
-        written[name] = _numbered(name, body)
+        written[name] = _numbered(name, body, fragments)
     for server, own in shaped.items():
         both = own.keys() & shared.keys()
         if both:
@@ -96,20 +104,55 @@ def load_dialects(text: str) -> dict[Server, Statements]:
     return {server: Statements(server, {**shared, **shaped[server]}) for server in SERVERS}
 
 
-def _parts(text: str) -> Iterator[tuple[str, str | None, str]]:
+def load_fragments(text: str) -> dict[str, str]:
+    """The fragments of a file, each without its comments."""
+    return _read(text)[0]
+
+
+def _read(text: str) -> tuple[dict[str, str], list[tuple[str, str | None, str]]]:
+    """The file's fragments, and its statements as (name, server or None, body)."""
+    fragments: dict[str, str] = {}
+    statements: list[tuple[str, str | None, str]] = []
     parts = _NAME.split(text)
-    # parts = [preamble, name1, server1 or None, body1, name2, ...]
-    yield from zip(parts[1::3], parts[2::3], parts[3::3], strict=True)
+    # parts = [preamble, kind1, name1, server1 or None, body1, kind2, ...]
+    for kind, name, server, body in zip(
+        parts[1::4], parts[2::4], parts[3::4], parts[4::4], strict=True
+    ):
+        if kind == "name":
+            statements.append((name, server, body))
+            continue
+        if server is not None:
+            raise ValueError(f"fragment {name} is shaped for {server}: fragments are shared")
+        if name in fragments:
+            raise ValueError(f"fragment {name} is written twice")
+        fragments[name] = _uncommented(body).rstrip(";").strip()
+    return fragments, statements
 
 
 def compose(name: str, sql: str) -> Query:
     """A statement written at run time (on Citus, one that names the shard tables a worker
     holds: store/postgres/workers.py), with named parameters as in queries.sql."""
-    return _numbered(name, sql)
+    return _numbered(name, sql, None)
 
 
-def _numbered(name: str, sql: str) -> Query:
-    sql = _COMMENT.sub("", sql.strip()).strip()
+def _uncommented(sql: str) -> str:
+    return _COMMENT.sub("", sql.strip()).strip()
+
+
+def _numbered(name: str, sql: str, fragments: Mapping[str, str] | None) -> Query:
+    """`sql` with asyncpg's numbered parameters; a file's statement (`fragments` given) with its
+    fragments in place, the text of one written at run time as it is."""
+
+    def fragment(match: re.Match[str]) -> str:
+        assert fragments is not None, "only a file's statements name fragments"
+        try:
+            return fragments[match.group(1)]
+        except KeyError:
+            raise ValueError(f"query {name} names no fragment of the file: {match[0]}") from None
+
+    sql = _uncommented(sql)
+    if fragments is not None:
+        sql = _FRAGMENT.sub(fragment, sql)
     parameters: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -120,4 +163,6 @@ def _numbered(name: str, sql: str) -> Query:
     return Query(name, _PARAMETER.sub(number, sql), tuple(parameters))
 
 
-DIALECTS = load_dialects((Path(__file__).parent / "queries.sql").read_text())
+_TEXT = (Path(__file__).parent / "queries.sql").read_text()
+DIALECTS = load_dialects(_TEXT)
+FRAGMENTS = load_fragments(_TEXT)

@@ -161,25 +161,31 @@ WHERE k.key = ANY(:keys)
   AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
 RETURNING k.id, k.fencing_token;
 
+-- fragment: completed
+-- What storing an answer writes into its row (`given`: the answer's columns), for `complete`
+-- below and for the complete a Citus worker runs on its own shard tables (postgres/workers.py):
+-- written once, so the two cannot differ.
+state = 'completed',
+response_status = given.status,
+response_headers = given.headers::jsonb,
+response_body = given.body,
+response_stored = given.stored,
+sealed_with = given.sealed_with,
+sealed_headers = given.sealed_headers,
+completed_at = now(),
+lease_expires_at = NULL,
+-- a completed key cannot turn `unknown`: its kept request goes (the new row version carries
+-- no copy of it), and who claimed it
+request = NULL,
+request_sealed_with = NULL,
+claimed_by = NULL
+
 -- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
 -- better than `unknown`); a take-over changed the token and refuses it. `waited`: someone waits
 -- on the row (`mark_waited`), and the store sends `notify` for it.
 UPDATE oncegate_keys AS k
-SET state = 'completed',
-    response_status = given.status,
-    response_headers = given.headers::jsonb,
-    response_body = given.body,
-    response_stored = given.stored,
-    sealed_with = given.sealed_with,
-    sealed_headers = given.sealed_headers,
-    completed_at = now(),
-    lease_expires_at = NULL,
-    -- a completed key cannot turn `unknown`: its kept request goes (the new row version
-    -- carries no copy of it), and who claimed it
-    request = NULL,
-    request_sealed_with = NULL,
-    claimed_by = NULL
+SET {completed}
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
             :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
             :sealed_headers::bytea[])

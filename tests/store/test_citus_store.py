@@ -288,3 +288,79 @@ async def test_the_store_reads_the_catalog_without_citus_hiding_shards(database_
     finally:
         await connection.close()
     assert "relation_is_a_known_shard" in plan, plan
+
+
+def batch_sizes(operation: str) -> tuple[float, float]:
+    """(operations carried, statements) of the store's `operation` batches so far."""
+    found = {"sum": 0.0, "count": 0.0}
+    for family in metrics.STORE_BATCH_SIZE.collect():
+        for sample in family.samples:
+            if sample.labels.get("operation") == operation:
+                for suffix in found:
+                    if sample.name.endswith(f"_{suffix}"):
+                        found[suffix] = sample.value
+    return found["sum"], found["count"]
+
+
+def keys_of_one_worker(store: PostgresStore, count: int) -> list[str]:
+    """`count` new keys whose shards one worker holds (a batch of that worker)."""
+    workers = store.requests._dialect.workers  # type: ignore[attr-defined]
+    keys: list[str] = []
+    node = None
+    while len(keys) < count:
+        key = str(uuid.uuid4())
+        if node is None:
+            node = workers.route(key)
+        if node is not None and workers.route(key) == node:
+            keys.append(key)
+    return keys
+
+
+async def test_a_workers_claims_and_completes_share_one_statement_and_a_bad_row_fails_alone(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One statement carries a worker's claims and completes; a value PostgreSQL refuses in one
+    # row (a NUL in a header: jsonb takes no \u0000) fails that complete alone, every other
+    # operation of the statement is sent again alone and keeps its outcome.
+    store = await PostgresStore.connect(database_url)
+    try:
+        keys = keys_of_one_worker(store, 7)
+        held = [await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+                for key in keys[:3]]  # fmt: skip
+        assert all(isinstance(claim, Claim) for claim in held)
+        good = StoredAnswer(201, plaintext([("content-type", "application/json")], b"{}"))
+        bad = StoredAnswer(201, plaintext([("x-note", "a\x00b")], b"{}"))
+        together_before = batch_sizes("claim_complete")
+        outcomes = await asyncio.gather(
+            # The first goes alone (nothing in flight); the others queue behind it: one batch.
+            store.requests.claim("r", SCOPE, keys[3], FINGERPRINT, 600, 600),
+            store.requests.complete(held[0], bad),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[4], FINGERPRINT, 600, 600),
+            store.requests.complete(held[1], good),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[5], FINGERPRINT, 600, 600),
+            store.requests.complete(held[2], good),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[0], FINGERPRINT, 600, 600),  # held: a read
+            return_exceptions=True,
+        )
+        together = batch_sizes("claim_complete")
+        assert together[1] - together_before[1] >= 2  # the lone first, then the batch
+        assert together[0] - together_before[0] == 7 + 6  # the batch, then each alone again
+        assert [
+            message for message in (record.getMessage() for record in caplog.records)
+            if message.startswith("a claim_complete batch of 6 failed")
+        ]  # fmt: skip
+        assert isinstance(outcomes[0], Claim)
+        assert isinstance(outcomes[1], errors.StoreRefusedValue)
+        assert isinstance(outcomes[2], Claim) and isinstance(outcomes[4], Claim)
+        assert outcomes[3] is True and outcomes[5] is True
+        assert not isinstance(outcomes[6], Claim | BaseException) and outcomes[6] is not None
+        assert outcomes[6].state == "in_progress"  # the bad answer was not stored
+        for key, state in (
+            (keys[1], "completed"),
+            (keys[2], "completed"),
+            (keys[4], "in_progress"),
+        ):
+            record = await store.requests.get(SCOPE, key)
+            assert record is not None and record.state == state, key
+    finally:
+        await store.close()

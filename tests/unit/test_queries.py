@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from oncegate.store.queries import DIALECTS, SERVERS, load, load_dialects
+from oncegate.store.postgres import workers
+from oncegate.store.queries import (
+    DIALECTS,
+    FRAGMENTS,
+    SERVERS,
+    load,
+    load_dialects,
+    load_fragments,
+)
 
 # The operations whose work takes another shape on Citus: the claim runs as a function on the
 # worker, and the purge, the operator's delete and rekey find rows on every shard first.
@@ -66,3 +74,34 @@ def test_each_server_gets_the_shared_statement_itself() -> None:
     assert [dialects[server]["get"].sql for server in SERVERS] == ["SELECT $1;"] * 2
     assert dialects["postgres"]["claim"].parameters == ()
     assert dialects["citus"]["claim"].parameters == ("anchor",)
+
+
+def test_a_fragment_is_written_once_and_each_statement_that_names_it_holds_its_text() -> None:
+    text = (
+        "-- fragment: done\n-- what a settle writes\nstate = 'done', at = now()\n\n"
+        "-- name: settle\nUPDATE t SET {done} WHERE id = :id;\n"
+        "-- name: settle_all\nUPDATE t SET {done};\n"
+    )
+    statements = load(text)
+    assert statements["settle"].sql == "UPDATE t SET state = 'done', at = now() WHERE id = $1;"
+    assert statements["settle_all"].sql == "UPDATE t SET state = 'done', at = now();"
+    assert load_fragments(text) == {"done": "state = 'done', at = now()"}
+    assert "done" not in load_dialects(text)["postgres"]  # a fragment is no statement
+
+
+def test_a_fragment_named_but_not_written_or_written_twice_or_per_server_does_not_load() -> None:
+    with pytest.raises(ValueError, match=r"query settle names no fragment of the file: \{done\}"):
+        load("-- name: settle\nUPDATE t SET {done};\n")
+    with pytest.raises(ValueError, match="fragment done is written twice"):
+        load("-- fragment: done\na = 1\n-- fragment: done\na = 2\n")
+    with pytest.raises(ValueError, match="fragment done is shaped for citus"):
+        load_dialects("-- fragment: done [citus]\na = 1\n")
+
+
+def test_the_stored_answers_columns_are_one_fragment_for_the_complete_and_a_workers() -> None:
+    # The complete a Citus worker runs on its own shard tables writes what queries.sql's does.
+    completed = FRAGMENTS["completed"]
+    assert completed.startswith("state = 'completed',") and "claimed_by = NULL" in completed
+    assert completed in DIALECTS["postgres"]["complete"].sql
+    for build in (workers._complete, workers._claim_complete):
+        assert build([102008, 102009]).count(completed) == 2  # once per shard table

@@ -56,6 +56,9 @@ class RekeyBatch:
 class Dialect(Protocol):
     server: Server
     statements: Statements
+    # Claims and completes share one batcher and, where the dialect can, one statement
+    # (`fetch_both`): on Citus, one statement per worker carrying both.
+    together: bool
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -68,6 +71,13 @@ class Dialect(Protocol):
         """One batch of `operation` (its keys are `values["keys"]`), on `pool` or where the
         dialect sends it; raises `workers.Rerouted` when it must be sent again, operation by
         operation (Citus: its shards moved)."""
+
+    async def fetch_both(
+        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+        """A batch of claims and one of completes whose keys go to one place (`together`):
+        their rows, from one statement where the dialect can (else a statement each, on
+        `pools`: the claims', the completes')."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -102,6 +112,18 @@ class _Server:
     async def close(self) -> None:
         pass
 
+    async def fetch(
+        self, operation: str, pool: Pool, values: dict[str, object]
+    ) -> list[asyncpg.Record]:
+        raise NotImplementedError
+
+    async def fetch_both(
+        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+        """A statement each, the claims' first."""
+        claimed = await self.fetch("claim", pools[0], claims)
+        return claimed, await self.fetch("complete", pools[1], completes)
+
     async def _fetch_on(
         self, pool: Pool, operation: str, values: dict[str, object]
     ) -> list[asyncpg.Record]:
@@ -123,6 +145,7 @@ class _Server:
 class Plain(_Server):
     server: Server = "postgres"
     statements = DIALECTS["postgres"]
+    together = False
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -180,6 +203,7 @@ class Plain(_Server):
 class OnCitus(_Server):
     server: Server = "citus"
     statements = DIALECTS["citus"]
+    together = True
 
     def __init__(self, shards: ShardMap, workers: Workers) -> None:
         self.shards = shards
@@ -205,6 +229,17 @@ class OnCitus(_Server):
         if len({self.shards.shard_of(key) for key in keys}) > 1:
             raise Rerouted("the batch spans shards since the map changed")
         return await self._fetch_on(pool, operation, values)
+
+    async def fetch_both(
+        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+        """On the worker of their keys, one statement; through the coordinator (a shard whose
+        worker cannot take statements itself), a statement each."""
+        keys: Sequence[str] = claims["keys"]  # type: ignore[assignment]  # the batch's keys
+        node = self.workers.route(keys[0])
+        if node is not None:
+            return await self.workers.fetch_both(node, claims, completes)
+        return await super().fetch_both(pools, claims, completes)
 
     def _route(self, key: str) -> object:
         node = self.workers.route(key)

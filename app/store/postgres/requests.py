@@ -4,7 +4,8 @@ Design rules:
 - Every statement is autocommitted: one round trip, no transaction held open.
 - Concurrent claims share one statement and one commit, as do concurrent completes, releases,
   take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
-  the SQL is in queries.sql.
+  the SQL is in queries.sql. Where the dialect says so (`Dialect.together`: on Citus, a
+  worker's), claims and completes share one batcher and one statement.
 - Storing an answer (`complete`) commits with `synchronous_commit` = `store_answer_commit` (the
   `answers` pool): `off` by default, without waiting for the WAL flush, one fsync fewer on every
   forward. The claim stays synchronous, because a claim lost in a PostgreSQL crash could let a
@@ -95,17 +96,35 @@ class RequestPath:
         self._statements = dialect.statements
         # Who claims keys: this gateway process, as the operator sees it (`claimed_by`).
         self.claimant = claimant()
-        self._claims = self._batcher(
-            "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
-        )
+        self._claims: Batcher[Any, Any] | PerShard[Any, Any]
+        self._completes: Batcher[Any, Any] | PerShard[Any, Any]
+        if dialect.together:
+            # One batcher, one statement for both where the dialect can (on Citus, a worker's
+            # claims and completes: about twice the operations per statement, one fence and one
+            # commit for both). It closes with the claims (`close`); the gateway has drained
+            # its requests by then, so no complete comes after.
+            self._claims = self._completes = self._batcher(
+                "claim_complete",
+                self._claim_complete_batch,
+                on_abandoned=self._claimed_for_nobody,  # a complete's outcome is no claim
+                weight=_answer_weight,
+                max_weight=COMPLETE_BATCH_BYTES,
+            )
+        else:
+            self._claims = self._batcher(
+                "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
+            )
+            self._completes = self._batcher(
+                "complete",
+                self._complete_batch,
+                weight=answer_size,
+                max_weight=COMPLETE_BATCH_BYTES,
+            )
         self._reclaims = self._batcher(
             "reclaim_expired", self._reclaim_batch, on_abandoned=self._claimed_for_nobody
         )
         self._take_overs = self._batcher(
             "take_over", self._take_over_batch, on_abandoned=self._taken_for_nobody
-        )
-        self._completes = self._batcher(
-            "complete", self._complete_batch, weight=answer_size, max_weight=COMPLETE_BATCH_BYTES
         )
         self._releases = self._batcher("release", functools.partial(self._settle_batch, "release"))
         self._unknowns = self._batcher(
@@ -116,7 +135,8 @@ class RequestPath:
             self._claims, self._reclaims, self._take_overs,
         )  # fmt: skip
         self._settling: tuple[Batcher[Any, Any] | PerShard[Any, Any], ...] = (
-            self._completes, self._releases, self._unknowns,
+            *((self._completes,) if self._completes is not self._claims else ()),
+            self._releases, self._unknowns,
         )  # fmt: skip
         self._cleanups: set[asyncio.Task[bool]] = set()
         self._answers = RecentAnswers(pools.operator, self._statements, options)
@@ -190,12 +210,16 @@ class RequestPath:
         arrays["keys"] = [each.key for each in sent]
         rows = await self._dialect.fetch(operation, pool, arrays)
         if operation in SETTLES:
-            waited = [row["id"] for row in rows if row["waited"]]
-            if waited:  # committed: wake whoever waits on these rows, where gateways LISTEN
-                notify = self._statements["notify"]
-                async with self._pool.acquire() as connection:
-                    await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
+            await self._wake(rows)
         return rows
+
+    async def _wake(self, settled: Sequence[asyncpg.Record]) -> None:
+        """Notify the rows a committed settle returned as waited on, where gateways LISTEN."""
+        waited = [row["id"] for row in settled if row["waited"]]
+        if waited:
+            notify = self._statements["notify"]
+            async with self._pool.acquire() as connection:
+                await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
 
     @translated("claim")
     async def claim(
@@ -210,46 +234,58 @@ class RequestPath:
     ) -> Claim | Record | None:
         wanted = Claiming(route, scope, key, fingerprint, lease, ttl, request)
         with tracing.store_operation("claim"):
-            return await self._claims.run(wanted)
+            claimed: Claim | Record | None = await self._claims.run(wanted)
+        return claimed
 
     async def _claim_batch(self, batch: Sequence[Claiming]) -> list[Claim | Record | None]:
-        # One row per key: of two copies of a key in one batch, the first is sent, and the
-        # copy sees the row the first one found or made, as it would a statement later.
-        first: dict[tuple[bytes, str], int] = {}
-        for index, wanted in enumerate(batch):
-            first.setdefault((wanted.scope, wanted.key), index)
-        # Written in one order, so two batches wait for each other rather than deadlock.
-        sent = sorted((batch[index] for index in first.values()),
-                      key=lambda wanted: (wanted.scope, wanted.key))  # fmt: skip
-        rows = await self._fetch_batch(
-            "claim",
-            self._pool,
-            sent,
+        sent, arrays = self._claim_arrays(batch)
+        rows = await self._fetch_batch("claim", self._pool, sent, **arrays)
+        return _claims_found(batch, sent, rows)
+
+    def _claim_arrays(self, batch: Sequence[Claiming]) -> tuple[list[Claiming], dict[str, object]]:
+        """The claims to send, and the statement's arrays but the keys (`_fetch_batch`'s).
+        One row per key: of two copies of a key in one batch, the first is sent, and the copy
+        sees the row the first one found or made, as it would a statement later
+        (`_claims_found`). Written in one order, so two batches wait for each other rather than
+        deadlock."""
+        first: dict[tuple[bytes, str], Claiming] = {}
+        for wanted in batch:
+            first.setdefault((wanted.scope, wanted.key), wanted)
+        sent = sorted(first.values(), key=lambda wanted: (wanted.scope, wanted.key))
+        return sent, {
             **self._dialect.claim_arguments(sent),
-            routes=[wanted.route for wanted in sent],
-            scopes=[wanted.scope for wanted in sent],
-            fingerprints=[wanted.fingerprint for wanted in sent],
-            leases=[wanted.lease for wanted in sent],
-            ttls=[wanted.ttl for wanted in sent],
+            "routes": [wanted.route for wanted in sent],
+            "scopes": [wanted.scope for wanted in sent],
+            "fingerprints": [wanted.fingerprint for wanted in sent],
+            "leases": [wanted.lease for wanted in sent],
+            "ttls": [wanted.ttl for wanted in sent],
             **self._kept(sent),
-            claimant=self.claimant,
+            "claimant": self.claimant,
+        }
+
+    async def _claim_complete_batch(
+        self, batch: Sequence[Claiming | Completing]
+    ) -> list[Claim | Record | bool | None]:
+        """Claims and completes of one place (`Dialect.together`), in one statement when the
+        batch has both; each operation keeps its own outcome, in the batch's order."""
+        claims = [each for each in batch if isinstance(each, Claiming)]
+        completes = [each for each in batch if isinstance(each, Completing)]
+        if not completes:
+            return list(await self._claim_batch(claims))
+        if not claims:
+            return list(await self._complete_batch(completes))
+        claimed, claim_arrays = self._claim_arrays(claims)
+        completed, complete_arrays = self._complete_arrays(completes)
+        claim_rows, complete_rows = await self._dialect.fetch_both(
+            (self._pool, self._answer_pool),
+            {**claim_arrays, "keys": [each.key for each in claimed]},
+            {**complete_arrays, "keys": [each.key for each in completed]},
         )
-        found: dict[tuple[bytes, str], Claim | Record | None] = {}
-        for row in rows:
-            wanted = sent[row["n"] - 1]
-            if row["id"] is None:
-                found[wanted.scope, wanted.key] = None
-            elif row["claimed"]:
-                found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"], wanted.key)
-            else:
-                found[wanted.scope, wanted.key] = record_of(row, wanted.key)
-        outcomes: list[Claim | Record | None] = []
-        for index, wanted in enumerate(batch):
-            outcome = found[wanted.scope, wanted.key]
-            if index != first[wanted.scope, wanted.key] and isinstance(outcome, Claim):
-                outcome = claimed_row(outcome, batch[first[wanted.scope, wanted.key]])
-            outcomes.append(outcome)
-        return outcomes
+        await self._wake(complete_rows)
+        claim_outcomes = iter(_claims_found(claims, claimed, claim_rows))
+        stored = iter(settled_by_rows(completes, completed, complete_rows))
+        return [next(claim_outcomes) if isinstance(each, Claiming) else next(stored)
+                for each in batch]  # fmt: skip
 
     def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
         """A request stopped waiting for its claim (or its reclaim of an expired key) after the
@@ -345,7 +381,7 @@ class RequestPath:
         completing = Completing(claim.id, claim.token, claim.key, answer)
         with tracing.store_operation("complete"):
             try:
-                stored = await self._completes.run(completing)
+                stored: bool = await self._completes.run(completing)
             except DRIVER_ERRORS:
                 self._answers.unstored(claim)
                 raise
@@ -354,22 +390,26 @@ class RequestPath:
         return stored
 
     async def _complete_batch(self, batch: Sequence[Completing]) -> list[bool]:
+        sent, arrays = self._complete_arrays(batch)
+        rows = await self._fetch_batch("complete", self._answer_pool, sent, **arrays)
+        return settled_by_rows(batch, sent, rows)
+
+    def _complete_arrays(
+        self, batch: Sequence[Completing]
+    ) -> tuple[list[Completing], dict[str, object]]:
+        """The completes to send (`to_send`), and the statement's arrays but the keys."""
         sent = to_send(batch)
         columns = [answer_columns(completing.answer) for completing in sent]
-        rows = await self._fetch_batch(
-            "complete",
-            self._answer_pool,
-            sent,
-            ids=[completing.id for completing in sent],
-            tokens=[completing.token for completing in sent],
-            statuses=[column["status"] for column in columns],
-            stored=[column["stored"] for column in columns],
-            headers=[column["headers"] for column in columns],
-            bodies=[column["body"] for column in columns],
-            sealed_with=[column["sealed_with"] for column in columns],
-            sealed_headers=[column["sealed_headers"] for column in columns],
-        )
-        return settled_by_rows(batch, sent, rows)
+        return sent, {
+            "ids": [completing.id for completing in sent],
+            "tokens": [completing.token for completing in sent],
+            "statuses": [column["status"] for column in columns],
+            "stored": [column["stored"] for column in columns],
+            "headers": [column["headers"] for column in columns],
+            "bodies": [column["body"] for column in columns],
+            "sealed_with": [column["sealed_with"] for column in columns],
+            "sealed_headers": [column["sealed_headers"] for column in columns],
+        }
 
     @translated("release")
     async def release(self, claim: Claim) -> bool:
@@ -396,6 +436,37 @@ class RequestPath:
             **failures,
         )
         return settled_by_rows(batch, sent, rows)
+
+
+def _claims_found(
+    batch: Sequence[Claiming], sent: Sequence[Claiming], rows: Sequence[asyncpg.Record]
+) -> list[Claim | Record | None]:
+    """Each claim's outcome from the rows of the claims `sent` (`n`: a claim's position among
+    them): won (a `Claim`), the row that holds the key, or None (a concurrent claim's row, not
+    seen yet: the caller reads it). A copy of a key sent once sees the row its first made."""
+    found: dict[tuple[bytes, str], Claim | Record | None] = {}
+    for row in rows:
+        wanted = sent[row["n"] - 1]
+        if row["id"] is None:
+            found[wanted.scope, wanted.key] = None
+        elif row["claimed"]:
+            found[wanted.scope, wanted.key] = Claim(row["id"], row["fencing_token"], wanted.key)
+        else:
+            found[wanted.scope, wanted.key] = record_of(row, wanted.key)
+    firsts = {(wanted.scope, wanted.key): wanted for wanted in sent}
+    outcomes: list[Claim | Record | None] = []
+    for wanted in batch:
+        outcome = found[wanted.scope, wanted.key]
+        first = firsts[wanted.scope, wanted.key]
+        if wanted is not first and isinstance(outcome, Claim):
+            outcome = claimed_row(outcome, first)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _answer_weight(operation: Claiming | Completing) -> int:
+    """What an operation weighs in a batch of claims and completes: an answer's bytes."""
+    return answer_size(operation) if isinstance(operation, Completing) else 0
 
 
 def _failure(found: BaseException) -> Exception:

@@ -364,3 +364,26 @@ async def test_a_workers_claims_and_completes_share_one_statement_and_a_bad_row_
             assert record is not None and record.state == state, key
     finally:
         await store.close()
+
+
+async def test_a_workers_connections_keep_its_statements_prepared_whatever_their_size(
+    database_url: str,
+) -> None:
+    # A worker's statement names every shard table it holds: a claim and complete over 16
+    # shards is 30 KB. asyncpg keeps none above 15 KiB prepared by default, and one it does not
+    # keep is planned again at every call (five to ten times a pair's cost at 32 shards).
+    store = await PostgresStore.connect(database_url)
+    try:
+        workers = store.requests._dialect.workers  # type: ignore[attr-defined]
+        node = workers.route(keys_of_one_worker(store, 1)[0])
+        large = "SELECT 1 -- " + "a worker's statement naming many shard tables " * 500
+        assert len(large) > 20_000
+        async with workers._pools_of(node).requests.acquire() as connection:
+            for _ in range(2):
+                assert await connection.fetchval(large) == 1
+            kept = await connection.fetchval(
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement = $1", large
+            )
+        assert kept == 1
+    finally:
+        await store.close()

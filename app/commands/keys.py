@@ -6,6 +6,10 @@ It reads `ONCEGATE_ADMIN_TOKEN` and sends it as a bearer token; `--admin-url` (o
 `ONCEGATE_ADMIN_URL`) says where the admin port is, by default 127.0.0.1 on
 `ONCEGATE_ADMIN_PORT` (8081). The gateway's problems are printed as `title: detail` and end the
 command with status 1; a missing token is a configuration error (status 2).
+
+httpx is imported when a `keys` command runs, not with this module: `oncegate`'s parser adds
+this command's for every command, `serve` too, whose start should not pay for a client it never
+uses.
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from pydantic import BaseModel
 
 from .. import settings
 from ..model import errors
+
+if TYPE_CHECKING:
+    import httpx
 
 EXIT_REFUSED = 1
 # Answers on the admin port are one statement of PostgreSQL away: a generous bound still ends a
@@ -124,12 +130,16 @@ class AdminClient:
         self.url = (
             arguments.admin_url or access.admin_url or f"http://127.0.0.1:{access.admin_port}"
         ).rstrip("/")
+        import httpx
+
         self._client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT
         )
 
     def call(self, method: str, path: str, **options: Any) -> Any:
         """The answer's JSON document; a problem or an unreachable port ends the command."""
+        import httpx
+
         try:
             response = self._client.request(method, path, **options)
         except httpx.HTTPError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,47 @@ def test_migrate_is_idempotent_and_serve_refuses_an_unmigrated_database(
         result = oncegate("migrate", env=env)
         assert result.returncode == 0, result.stderr
         assert f"schema revision {migrate.head()}" in result.stdout
+
+
+def _previous(revision: str) -> str:
+    """The revision before `revision`, as Alembic's scripts say."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(migrate.LOCATION))
+    down = ScriptDirectory.from_config(config).get_revision(revision).down_revision
+    assert isinstance(down, str)
+    return down
+
+
+@pytest.mark.parametrize("where", ["behind", "ahead"])
+async def test_serve_refuses_a_database_behind_or_ahead_of_its_code(
+    empty_database_url: str, where: str
+) -> None:
+    # Behind: migrated by an older release, really (downgraded one revision). Ahead: migrated by
+    # a newer release, whose revision this code does not ship.
+    await asyncio.to_thread(migrate.upgrade, empty_database_url)
+    if where == "behind":
+        revision = _previous(migrate.head())
+        await asyncio.to_thread(migrate.downgrade, empty_database_url, revision)
+    else:
+        revision = "9999_newer"
+        connection = await asyncpg.connect(empty_database_url)
+        try:
+            await connection.execute("UPDATE alembic_version SET version_num = $1", revision)
+        finally:
+            await connection.close()
+    refused = await asyncio.to_thread(
+        oncegate, "serve", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()),
+        "--admin-port", str(free_port()), env={"ONCEGATE_DATABASE_URL": empty_database_url},
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        f"oncegate: the database is at schema revision {revision}, this gateway needs "
+        f"{migrate.head()}: run `oncegate migrate` first"
+    )
+    assert "Traceback" not in refused.stderr
 
 
 async def test_purge_deletes_expired_keys_and_says_how_many(database_url: str) -> None:

@@ -101,7 +101,7 @@ async def test_keys_are_read_from_a_jwks_url_and_again_when_the_issuer_rotates(
     import threading
 
     from oncegate import settings
-    from oncegate.service import tokens
+    from oncegate.service import token_keys, tokens
 
     served = Issuer(tmp_path / "jwks.json")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
@@ -119,7 +119,7 @@ async def test_keys_are_read_from_a_jwks_url_and_again_when_the_issuer_rotates(
             part = await identities.scope_part(route, [f"Bearer {served.token()}"])
             assert part == [["jwt", ISSUER, "client-1"]]
             served.add("ec-2", "ES256")
-            monkeypatch.setattr(tokens, "MIN_REFRESH", 0.0)
+            monkeypatch.setattr(token_keys, "MIN_REFRESH", 0.0)
             rotated = f"Bearer {served.token('client-1', 'ec-2')}"
             assert await identities.scope_part(route, [rotated]) == part
         finally:

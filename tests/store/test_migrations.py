@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from oncegate.model.records import Claim
 from oncegate.store import migrate
@@ -213,3 +214,37 @@ async def test_the_state_rule_reads_as_it_did_before_it_was_written_as_a_conditi
     finally:
         await connection.close()
     assert differing == []
+
+
+def test_the_head_a_gateway_needs_is_alembic_s_head() -> None:
+    # `migrate.head` reads the scripts' own lines, so a start need not import Alembic: it must
+    # name the revision Alembic would migrate to.
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(migrate.LOCATION))
+    assert migrate.head() == ScriptDirectory.from_config(config).get_current_head()
+
+
+def _script(directory: Path, revision: str, down: str | None) -> None:
+    down_text = "None" if down is None else f'"{down}"'
+    (directory / f"{revision}_change.py").write_text(
+        f'"""A change."""\n\nrevision = "{revision}"\ndown_revision = {down_text}\n'
+        "branch_labels = None\n"
+    )
+
+
+def test_the_head_is_refused_when_the_scripts_are_not_one_line(tmp_path: Path) -> None:
+    _script(tmp_path, "0001", None)
+    _script(tmp_path, "0002", "0001")
+    (tmp_path / "README").write_text("not a script")
+    assert migrate.head_of(tmp_path.iterdir()) == "0002"
+    _script(tmp_path, "0003", "0001")  # a branch: two heads
+    with pytest.raises(RuntimeError, match=r"not one line of revisions \(heads \['0002', '0003'\]"):
+        migrate.head_of(tmp_path.iterdir())
+    (tmp_path / "0003_change.py").write_text(
+        'revision = "0003"\ndown_revision = ("0001", "0002")\n'  # a merge
+    )
+    with pytest.raises(RuntimeError, match=r"migration 0003_change\.py: no single"):
+        migrate.head_of(tmp_path.iterdir())

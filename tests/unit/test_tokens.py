@@ -15,7 +15,7 @@ import pytest
 from oncegate import settings
 from oncegate.kernel import keys
 from oncegate.model import errors
-from oncegate.service import tokens
+from oncegate.service import token_keys, tokens
 from tests.issuer import ISSUER, Issuer
 
 
@@ -193,7 +193,7 @@ async def test_a_rotated_key_is_read_when_a_token_names_it(
         # Read at start a moment ago: not again before MIN_REFRESH, whatever tokens say.
         with pytest.raises(errors.InvalidToken, match="not among"):
             await identities.scope_part(paypal, [token])
-        monkeypatch.setattr(tokens, "MIN_REFRESH", 0.0)
+        monkeypatch.setattr(token_keys, "MIN_REFRESH", 0.0)
         assert await identities.scope_part(paypal, [token]) == [["jwt", ISSUER, "client-1"]]
     finally:
         await identities.close()
@@ -214,7 +214,7 @@ async def test_keys_that_cannot_be_read_are_503_and_kept_when_a_later_read_fails
     identities = await started(paypal)
     try:
         issuer.jwks_file.write_text("not json")
-        monkeypatch.setattr(tokens, "MIN_REFRESH", 0.0)
+        monkeypatch.setattr(token_keys, "MIN_REFRESH", 0.0)
         issuer_token = f"Bearer {issuer.token()}"
         assert await identities.scope_part(paypal, [issuer_token])  # the keys held still verify
     finally:

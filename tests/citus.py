@@ -33,8 +33,10 @@ BIN = Path("/usr/lib/postgresql/15/bin")
 LIB = Path("/usr/lib/postgresql/15/lib")
 USER = "postgres"  # the servers' user when the tests run as root (Debian's package makes it)
 WORKERS = 2
-# Shards per distributed table: Citus's default is 32; 8 keep a test database's migration to a
-# second while still putting several shards on each worker.
+# Shards per distributed table: Citus's default is 32, and oncegate's `migrate` chooses two per
+# worker where the operator left that default; 8 (set per database, as an operator would: the
+# migration honours it) keep a test database's migration to a second while still putting
+# several shards on each worker.
 SHARD_COUNT = 8
 START_TIMEOUT = 60
 OWNER = "owner.pid"  # the process that started a cluster, so a later run can stop an orphan
@@ -112,7 +114,6 @@ class Cluster:
         citus_settings = (
             "shared_preload_libraries = 'citus'\n"
             "citus.node_conninfo = 'sslmode=disable'\n"
-            f"citus.shard_count = {SHARD_COUNT}\n"
             "citus.enable_stat_counters = on\n"
             # Shards move by logical replication (citus_rebalance_start) without blocking writes.
             "wal_level = logical\n"
@@ -177,6 +178,13 @@ class Cluster:
         )
         if self.with_citus:
             await self._add_nodes(name)
+            connection = await asyncpg.connect(self.url("postgres"))
+            try:
+                await connection.execute(
+                    f"ALTER DATABASE {name} SET citus.shard_count = {SHARD_COUNT:d}"
+                )
+            finally:
+                await connection.close()
 
     async def _add_nodes(self, database: str) -> None:
         await self._on_every_node(database, "CREATE EXTENSION IF NOT EXISTS citus")

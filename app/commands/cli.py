@@ -227,6 +227,9 @@ def _migrate(arguments: argparse.Namespace) -> int:
     print(f"database is at schema revision {migrate.head()}")
     if distribution is not None:
         print(distribution)
+        warning = citus.crowded(distribution.most)
+        if warning is not None:
+            citus.log.warning("%s", warning)
     return 0
 
 

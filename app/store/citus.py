@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import functools
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import asyncpg
@@ -20,13 +21,51 @@ from .errors import DRIVER_ERRORS, translated
 log = logging.getLogger("oncegate.store.citus")
 
 
+# How many shards of the key table oncegate recommends per worker. The gateway sends each worker
+# one statement per batch that names every shard table the worker holds, and each costs the
+# worker at every statement, rows or not (executor start of its parts; with rows, its CHECK
+# constraints compiled again): measured on two workers beside one server, a claim+complete pair
+# cost the cluster 0.06-0.08 ms of PostgreSQL CPU at 1 or 2 shards a worker, 0.09-0.10 at 4,
+# 0.15 at 8 and 0.18-0.20 at Citus's default of 32 (16 a worker), one server 0.05
+# (docs/scaling.md). Two rather than one: a worker added later takes a shard from each of the
+# others by a move, without a split first.
+SHARDS_PER_WORKER = 2
+
+
+def recommended_shards(workers: int) -> int:
+    """The key table's shard count oncegate chooses for `workers` workers (`oncegate migrate`,
+    when the operator left `citus.shard_count` at Citus's default)."""
+    return SHARDS_PER_WORKER * max(workers, 1)
+
+
+def crowded(most: int) -> str | None:
+    """What to tell the operator when a worker holds `most` shards of the key table, more than
+    recommended; None when it holds no more."""
+    if most <= SHARDS_PER_WORKER:
+        return None
+    return (
+        f"a Citus worker holds {most} shards of oncegate_keys, more than the"
+        f" {SHARDS_PER_WORKER} oncegate recommends: each claim and stored answer sent to a worker"
+        " names every shard table it holds, and each one costs the worker (measured: a request"
+        " cost the workers three times as much at 16 shards a worker as at 1 or 2, and twice"
+        " as much at 8). A distributed key table cannot take fewer shards (Citus's"
+        " alter_distributed_table refuses its identity column): add workers (citus_add_node,"
+        f" then citus_rebalance_start) until each holds {SHARDS_PER_WORKER} or fewer; for a new"
+        " database, leave citus.shard_count at Citus's default before `oncegate migrate`, which"
+        f" then distributes {SHARDS_PER_WORKER} shards per worker"
+        ' (docs/operations.md, "Shard count")'
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Distribution:
-    """How `oncegate_keys` is spread: over how many workers, in how many shards, by what."""
+    """How `oncegate_keys` is spread: over how many workers, in how many shards, by what, and
+    the most shards one worker holds."""
 
     workers: int
     shards: int
     column: str
+    most: int = 0
 
     def __str__(self) -> str:
         return (
@@ -49,12 +88,16 @@ async def distribution(connection: asyncpg.Connection) -> Distribution | None:
     row = await connection.fetchrow(
         "SELECT distribution_column, shard_count,"
         "  (SELECT count(DISTINCT (nodename, nodeport)) FROM citus_shards"
-        "   WHERE table_name = 'oncegate_keys'::regclass) AS workers"
+        "   WHERE table_name = 'oncegate_keys'::regclass) AS workers,"
+        "  (SELECT coalesce(max(held), 0) FROM"
+        "    (SELECT count(*) AS held FROM citus_shards"
+        "     WHERE table_name = 'oncegate_keys'::regclass GROUP BY nodename, nodeport) AS h)"
+        "   AS most"
         " FROM citus_tables WHERE table_name = 'oncegate_keys'::regclass"
     )
     if row is None:
         return None
-    return Distribution(row["workers"], row["shard_count"], row["distribution_column"])
+    return Distribution(row["workers"], row["shard_count"], row["distribution_column"], row["most"])
 
 
 @translated("describe", "cannot connect to PostgreSQL")
@@ -115,6 +158,9 @@ class ShardMap:
     @classmethod
     async def load(cls, pool: asyncpg.Pool) -> ShardMap:
         shards = cls(await _shards(pool))
+        warning = crowded(shards.most_on_a_worker())
+        if warning is not None:
+            log.warning("%s", warning)
         shards._pool = pool
         shards._refreshing = asyncio.create_task(shards._refresh_forever())
         return shards
@@ -128,6 +174,11 @@ class ShardMap:
     def node_of(self, shard: int) -> Node | None:
         """The worker that holds `shard` (as last read), if it can take statements directly."""
         return self._nodes.get(shard)
+
+    def most_on_a_worker(self) -> int:
+        """The most shards one worker holds (as last read)."""
+        held = Counter(holder for holder in self._nodes.values() if holder is not None)
+        return max(held.values(), default=0)
 
     def shards_on(self, node: Node) -> list[int]:
         """Every shard `node` holds (as last read), in ascending order."""

@@ -28,7 +28,8 @@ Functions the request path needs on Citus, created everywhere so the schema is o
   of the INSERT ... SELECT that Citus would pull through the coordinator.
 
 On a database where the `citus` extension is installed, this migration also distributes
-`oncegate_keys` by `key` (shard count: the database's `citus.shard_count`, 32 unless set),
+`oncegate_keys` by `key` (shard count: the database's `citus.shard_count` where the operator set
+one, else two per worker, oncegate's recommendation: store/citus.py),
 distributes the functions (colocated with it, so `oncegate_claim` runs beside its rows), and
 distributes the agent's `oncegate_checkpoints` by `run_id` in a colocation group of its own
 (nothing joins it with the keys).
@@ -42,6 +43,9 @@ from __future__ import annotations
 
 from alembic import op
 from sqlalchemy import text
+
+# Where the store says what it recommends (mypy reads app/ as a package of its own name).
+from oncegate.store.citus import recommended_shards  # type: ignore[import-not-found]
 
 revision = "0008"
 down_revision = "0007"
@@ -205,7 +209,15 @@ def _distribute() -> None:
         row[0] for row in bind.execute(text("SELECT logicalrelid::text FROM pg_dist_partition"))
     }
     if "oncegate_keys" not in distributed:
-        op.execute("SELECT create_distributed_table('oncegate_keys', 'key')")
+        # The operator's `citus.shard_count` if they set one (ALTER DATABASE, ALTER SYSTEM, the
+        # configuration file); left at Citus's default (32), the count oncegate recommends for
+        # the workers there are (store/citus.py, SHARDS_PER_WORKER; docs/operations.md, "Shard
+        # count").
+        chosen = bind.execute(
+            text("SELECT source = 'default' FROM pg_settings WHERE name = 'citus.shard_count'")
+        ).scalar()
+        count = f", shard_count => {recommended_shards(workers):d}" if chosen else ""
+        op.execute(f"SELECT create_distributed_table('oncegate_keys', 'key'{count})")
     if "oncegate_checkpoints" not in distributed:
         op.execute(
             "SELECT create_distributed_table('oncegate_checkpoints', 'run_id',"

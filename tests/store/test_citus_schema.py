@@ -136,3 +136,58 @@ async def test_migrate_on_citus_without_workers_says_to_add_them(
             await connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         finally:
             await connection.close()
+
+
+def _migrate(url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncegate.cli", "migrate"],
+        env={**os.environ, "ONCEGATE_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def _set_shard_count(url: str, setting: str) -> None:
+    """`ALTER DATABASE <url's> <setting>` on the coordinator, as an operator would."""
+    connection = await asyncpg.connect(url)
+    try:
+        name = await connection.fetchval("SELECT current_database()")
+        await connection.execute(f"ALTER DATABASE {name} {setting}")
+    finally:
+        await connection.close()
+
+
+def test_migrate_chooses_two_shards_per_worker_where_the_shard_count_was_left_at_its_default(
+    citus_database: str,
+) -> None:
+    asyncio.run(_set_shard_count(citus_database, "RESET citus.shard_count"))  # Citus's 32
+    result = _migrate(citus_database)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"oncegate_keys is distributed by key over {citus.WORKERS} Citus workers"
+        f" in {2 * citus.WORKERS} shards"
+    )
+    held = asyncio.run(
+        _fetch(
+            citus_database,
+            "SELECT nodeport, count(*) AS shards FROM citus_shards"
+            " WHERE table_name = 'oncegate_keys'::regclass GROUP BY nodeport",
+        )
+    )
+    assert sorted(row["shards"] for row in held) == [2] * citus.WORKERS
+    assert "more than the 2 oncegate recommends" not in result.stderr
+
+
+def test_migrate_honours_a_shard_count_the_operator_set_and_warns_of_its_cost(
+    citus_database: str,
+) -> None:
+    asyncio.run(_set_shard_count(citus_database, "SET citus.shard_count = 6"))
+    result = _migrate(citus_database)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].endswith(" in 6 shards")
+    # Three a worker: the operator's choice stands, and is named with its cost and remedy.
+    [warning] = [line for line in result.stderr.splitlines() if "oncegate recommends" in line]
+    assert "a Citus worker holds 3 shards of oncegate_keys, more than the 2" in warning
+    assert "add workers (citus_add_node, then citus_rebalance_start)" in warning
+    assert "leave citus.shard_count at Citus's default before `oncegate migrate`" in warning

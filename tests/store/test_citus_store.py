@@ -387,3 +387,26 @@ async def test_a_workers_connections_keep_its_statements_prepared_whatever_their
         assert kept == 1
     finally:
         await store.close()
+
+
+async def test_a_gateway_starting_on_workers_with_more_shards_than_recommended_says_so(
+    coordinator: asyncpg.Connection, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The tests' databases hold 8 shards over 2 workers (more after a split above): 4 or more a
+    # worker, more than the 2 recommended. The gateway's store says so once as it opens, with
+    # the cost and the remedy.
+    most = await coordinator.fetchval(
+        "SELECT max(held) FROM (SELECT count(*) AS held FROM citus_shards"
+        " WHERE table_name = 'oncegate_keys'::regclass GROUP BY nodeport) AS h"
+    )
+    assert most >= citus.SHARD_COUNT // citus.WORKERS
+    store = await PostgresStore.connect(database_url)
+    await store.close()
+    warnings = [
+        record.getMessage() for record in caplog.records
+        if record.name == "oncegate.store.citus" and record.levelname == "WARNING"
+    ]  # fmt: skip
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        f"a Citus worker holds {most} shards of oncegate_keys, more than the 2 oncegate recommends"
+    )

@@ -9,6 +9,10 @@ what building the kept request costs every keyed request (the claim carries it w
 or finds the key stored). Requests run one after another: the figure is the gateway's code, not
 its batching.
 
+The `edge` rows are the whole proxy port instead (`ProxyApp`, the ASGI call uvicorn makes, with
+the gateway's JSON log line, written to /dev/null, and its metrics): everything the gateway's
+process does for a request but the server stack, the upstream client and the store's driver.
+
 Run it in another checkout's environment to compare two builds of the same code (a compiled one,
 say) on this machine: `OTHER/.venv/bin/python bench/handle_cpu.py` imports OTHER's oncegate.
 
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import statistics
 import sys
 import time
@@ -28,10 +34,13 @@ from typing import Any
 
 import quick
 
+from oncegate.http.proxy import ProxyApp
 from oncegate.service.flow import Gateway
 from oncegate.service.messages import ProxyRequest
+from oncegate.service.routing import RouteTable
 from oncegate.settings import Route
 from oncegate.store.memory import MemoryStore
+from oncegate.telemetry import logs, metrics
 from oncegate.upstream import UpstreamResponse
 
 BODY = quick.BODY
@@ -64,19 +73,63 @@ def request(key: str) -> ProxyRequest:
     return ProxyRequest("POST", "/emails", "", headers, BODY)
 
 
+def scope(key: str) -> dict[str, Any]:
+    """What uvicorn hands the proxy port for the same request."""
+    return {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/emails",
+        "raw_path": b"/emails",
+        "query_string": b"",
+        "headers": [(name.encode(), value.encode()) for name, value in request(key).headers],
+    }
+
+
+async def receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": BODY, "more_body": False}
+
+
+class Sent:
+    """The proxy port's `send`: keeps the status it was given."""
+
+    status = 0
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+
+
 async def one_run(mode: str, keep: str, count: int) -> float:
-    """µs of this process's CPU per `handle`, over `count` requests after the pool is stored."""
+    """µs of this process's CPU per `handle` (or per proxy port call, `keep` "edge"), over
+    `count` requests after the pool is stored."""
     route = Route.model_validate(
-        {"name": "default", "match": "/", "upstream": "http://127.0.0.1:9", "keep_request": keep}
+        {
+            "name": "default",
+            "match": "/",
+            "upstream": "http://127.0.0.1:9",
+            "keep_request": "until_settled" if keep == "edge" else keep,
+        }
     )
     gateway = Gateway(MemoryStore(capacity=CAPACITY), AtOnce())
     run = uuid.uuid4().hex[:8]
-    for index in range(POOL):
-        await gateway.handle(route, request(f"{run}-pool-{index}"))
+    keys = [f"{run}-pool-{index}" for index in range(POOL)]
+    for key in keys:
+        await gateway.handle(route, request(key))
     if mode == "replay":
-        requests = [request(f"{run}-pool-{index % POOL}") for index in range(count)]
+        keys = [keys[index % POOL] for index in range(count)]
     else:
-        requests = [request(f"{run}-new-{index}") for index in range(count)]
+        keys = [f"{run}-new-{index}" for index in range(count)]
+    if keep == "edge":
+        application, sent = ProxyApp(gateway, RouteTable([route])), Sent()
+        scopes = [scope(key) for key in keys]
+        started = time.process_time()
+        for each in scopes:
+            await application(each, receive, sent)
+            if sent.status != 201:
+                raise RuntimeError(f"{mode}: the proxy port answered {sent.status}")
+        return (time.process_time() - started) / count * 1e6
+    requests = [request(key) for key in keys]
     started = time.process_time()
     for each in requests:
         answer = await gateway.handle(route, each)
@@ -90,14 +143,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=quick.positive(int), default=20_000, metavar="N")
     parser.add_argument("--repeats", type=quick.positive(int), default=5, metavar="N")
     arguments = parser.parse_args(argv)
-    rows = [(mode, keep) for mode in ("forward", "replay") for keep in ("until_settled", "never")]
+    # As the gateway logs and counts (`oncegate serve`), its lines written to /dev/null.
+    logs.configure("json", "info")
+    with open(os.devnull, "w") as devnull:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(devnull)
+        metrics.setup()
+        return _measure(arguments)
+
+
+def _measure(arguments: argparse.Namespace) -> int:
+    rows = [
+        (mode, keep)
+        for mode in ("forward", "replay")
+        for keep in ("until_settled", "never", "edge")
+    ]
     figures: dict[tuple[str, str], list[float]] = {row: [] for row in rows}
     for _ in range(arguments.repeats):
         for mode, keep in rows:
             figures[mode, keep].append(asyncio.run(one_run(mode, keep, arguments.requests)))
     print(f"$ {quick.command_line()}\n")
     print(f"Python {sys.version.split()[0]}; {arguments.repeats} interleaved runs per row\n")
-    print("| request | keep_request | µs CPU per handle, min | median |")
+    print("| request | keep_request (edge: the whole proxy port) | µs CPU per call, min | median |")
     print("|---|---|---:|---:|")
     for mode, keep in rows:
         values = figures[mode, keep]

@@ -23,7 +23,7 @@ from ..service import Answer, ClientGone, Gateway, ProxyRequest
 from ..service.routing import RouteTable
 from ..service.streaming import Broken, Relay
 from ..settings import Route
-from ..telemetry import metrics, tracing
+from ..telemetry import logs, metrics, tracing
 from . import problems
 
 log = logging.getLogger("oncegate.request")
@@ -222,10 +222,11 @@ def _account(
         )  # fmt: skip
     if log.isEnabledFor(logging.INFO):
         upstream = said.upstream_seconds if isinstance(said, Answer) else None
-        log.info(
+        logs.info_line(
+            log,
             "%s %s %s -> %d %s",
-            route_name, method, outcome, status, request_id,
-            extra={"fields": {
+            (route_name, method, outcome, status, request_id),
+            {
                 "route": route_name,
                 "method": method,
                 "outcome": outcome,
@@ -233,8 +234,8 @@ def _account(
                 "upstream_ms": None if upstream is None else round(upstream * 1000, 3),
                 "total_ms": round(elapsed * 1000, 3),
                 "request_id": request_id,
-            }},
-        )  # fmt: skip
+            },
+        )
 
 
 async def _hung_up(receive: Receive) -> None:
@@ -250,10 +251,9 @@ async def read_body(
     """The whole request body, refusing (413) as soon as it is known to exceed `limit` (`whose`
     limit, as the refusal names it): by its Content-Length before a byte is read, else as it
     arrives, so no more than `limit` bytes are ever held."""
-    too_large = errors.BodyTooLarge(f"the request body is larger than {whose} of {limit} bytes")
     for name, value in request_headers:
         if name == "content-length" and value.isdigit() and int(value) > limit:
-            raise too_large
+            raise _too_large(limit, whose)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -263,7 +263,11 @@ async def read_body(
         chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large(limit, whose)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _too_large(limit: int, whose: str) -> errors.BodyTooLarge:
+    return errors.BodyTooLarge(f"the request body is larger than {whose} of {limit} bytes")

@@ -194,11 +194,32 @@ def request_id(headers: list[tuple[str, str]]) -> str:
 
 def new_request_id() -> str:
     """A random (version 4) UUID as 32 hex digits, as `uuid.uuid4().hex` gives it, without
-    building a `UUID` on every request."""
-    raw = bytearray(os.urandom(16))
+    building a `UUID` or asking the kernel for 16 bytes on every request: its bytes come from
+    `os.urandom`, `_RANDOM_BATCH` at a time. Called on the event loop's thread (the proxy
+    port's), never from two threads at once."""
+    global _random, _taken
+    if _taken + 16 > len(_random):
+        _random, _taken = os.urandom(_RANDOM_BATCH), 0
+    raw = bytearray(_random[_taken : _taken + 16])
+    _taken += 16
     raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
     raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
     return raw.hex()
+
+
+# Random bytes for request ids: one `getrandom` system call per 256 ids instead of one each. A
+# forked worker must not hand out its parent's ids: the child starts with none taken.
+_RANDOM_BATCH = 16 * 256
+_random = b""
+_taken = 0
+
+
+def _forget_random() -> None:
+    global _random, _taken
+    _random, _taken = b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_random)
 
 
 def requested_wait(values: Sequence[str]) -> int | None:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..model import errors
+from ..model import errors, jsontext
 from ..model.answers import SealedAnswer, SealedRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
@@ -253,8 +253,12 @@ def _open_bytes(cipher: AESGCM, key_name: str, data: bytes, associated: bytes) -
         ) from None
 
 
+# `json.dumps` of the pairs, with the encoder made once (`model.jsontext`).
+_write_json = jsontext.writer()
+
+
 def _headers_json(headers: Sequence[tuple[str, str]]) -> bytes:
-    return json.dumps([list(pair) for pair in headers]).encode()
+    return _write_json(list(headers)).encode()
 
 
 def header_pairs(data: bytes) -> list[tuple[str, str]]:

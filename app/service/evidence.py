@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote_plus
 
 from ..kernel import headers
+from ..model import jsontext
 from ..settings import Route
 from ..upstream import AnswerLost
 from .messages import ProxyRequest
@@ -32,6 +33,8 @@ from .messages import ProxyRequest
 _CREDENTIAL = re.compile(r"auth|token|secret|passw|key|cookie|session|signature|credential", re.I)
 _NOT_A_CREDENTIAL = re.compile(r"idempotency|request-id", re.I)
 _LENGTH = 4  # bytes of the head's length before it
+# `json.dumps` of the head, with the encoder made once (`model.jsontext`).
+_write_json = jsontext.writer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class KeptRequest:
         return cls(request.method, request.path, request.query, forwarded, request.body)
 
     def encode(self) -> bytes:
-        head = json.dumps([self.method, self.path, self.query, self.headers]).encode()
+        head = _write_json([self.method, self.path, self.query, self.headers]).encode()
         return len(head).to_bytes(_LENGTH, "big") + head + self.body
 
     @classmethod

@@ -1,0 +1,178 @@
+"""What the request path writes on every request, written more cheaply and still the same bytes:
+JSON from encoders made once (`model.jsontext`), the request log line written straight to the
+JSON handler (`telemetry.logs.info_line`), request ids from batched randomness
+(`kernel.headers.new_request_id`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from oncegate.kernel import headers
+from oncegate.model import jsontext
+from oncegate.model.outcomes import Outcome
+from oncegate.telemetry import logs
+
+VALUES: list[object] = [
+    [],
+    {},
+    "plain",
+    'quote " backslash \\ control \x01 and é and \U0001f600',
+    [1, 2.5, -0.0, 1e300, None, True, False],
+    {"b": [1, {"z": "é", "a": None}], "a": 2, "": ""},
+    ["POST", "/emails", "a=1", [("content-type", "application/json"), ("x-k", "v")]],
+    [("set-cookie", "a=b"), ("x-é", "\u2603")],
+]
+OPTIONS: list[dict[str, object]] = [
+    {},
+    {"separators": (",", ":")},
+    {"sort_keys": True, "separators": (",", ":"), "ensure_ascii": False, "allow_nan": False},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("value", VALUES)
+def test_a_writer_writes_what_an_encoder_with_the_same_options_writes(
+    value: object, options: dict[str, object]
+) -> None:
+    assert jsontext.writer(**options)(value) == json.JSONEncoder(**options).encode(value)  # type: ignore[arg-type]
+
+
+def test_a_writer_refuses_what_the_encoder_refuses() -> None:
+    with pytest.raises(TypeError):
+        jsontext.writer()([object()])
+    with pytest.raises(ValueError):
+        jsontext.writer(allow_nan=False)([float("nan")])
+    assert jsontext.writer(default=str)([Outcome.FORWARDED, uuid.UUID(int=1)]) == json.dumps(
+        [Outcome.FORWARDED, uuid.UUID(int=1)], default=str
+    )
+
+
+@pytest.fixture
+def json_logs() -> Iterator[io.StringIO]:
+    """The gateway's JSON logging, its handler writing to a buffer; logging as it was after."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.configure("json", "info")
+    stream = io.StringIO()
+    handler = root.handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    handler.setStream(stream)
+    try:
+        yield stream
+    finally:
+        root.handlers[:], root.level = saved
+        logs._json_handler = None
+
+
+REQUEST_ID = 'a"quote\\d'
+FIELDS = {
+    "route": "default",
+    "method": "POST",
+    "outcome": Outcome.FORWARDED,
+    "status": 201,
+    "upstream_ms": 0.532,
+    "total_ms": 12.25,
+    "request_id": REQUEST_ID,
+}
+ARGUMENTS = ("default", "POST", Outcome.FORWARDED, 201, REQUEST_ID)
+
+
+def lines_of(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_the_request_line_written_straight_is_the_line_logging_writes(
+    json_logs: io.StringIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = logging.getLogger("oncegate.request")
+    monkeypatch.setattr(logs.time, "time", lambda: 1764892800.1234)
+    monkeypatch.setattr(logging.time, "time", lambda: 1764892800.1234)  # the record's clock
+    logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+    log.info("%s %s %s -> %d %s", *ARGUMENTS, extra={"fields": FIELDS})
+    straight, through_logging = json_logs.getvalue().splitlines()
+    assert straight == through_logging
+    assert json.loads(straight)["message"] == f"default POST forwarded -> 201 {REQUEST_ID}"
+
+
+def test_a_record_goes_through_logging_when_something_else_would_see_it(
+    json_logs: io.StringIO,
+) -> None:
+    """A filter on the way, another handler (a test's capture), a level: each sees the record
+    as before, and the line is still written once."""
+    log = logging.getLogger("oncegate.request")
+    seen: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    def mark(record: logging.LogRecord) -> bool:
+        seen.append(record)
+        return True
+
+    log.addFilter(mark)
+    try:
+        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+    finally:
+        log.removeFilter(mark)
+    capture = Capture()
+    logging.getLogger().addHandler(capture)
+    try:
+        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+    finally:
+        logging.getLogger().removeHandler(capture)
+    assert [record.fields for record in seen] == [FIELDS, FIELDS]  # type: ignore[attr-defined]
+    assert len(lines_of(json_logs)) == 2
+    log.setLevel(logging.WARNING)
+    try:
+        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+    finally:
+        log.setLevel(logging.NOTSET)
+    assert len(lines_of(json_logs)) == 2  # below the level: not written
+
+
+def test_a_text_log_gets_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.configure("text", "info")
+    stream = io.StringIO()
+    root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
+    try:
+        logs.info_line(logging.getLogger("oncegate.request"), "%s -> %d", ("x", 1), {"a": 1})
+    finally:
+        root.handlers[:], root.level = saved
+    assert stream.getvalue().endswith(" INFO oncegate.request: x -> 1\n")
+
+
+def test_request_ids_are_version_4_uuids_none_twice() -> None:
+    made = [headers.new_request_id() for _ in range(3 * 256 + 5)]  # past a few batches
+    assert len(set(made)) == len(made)
+    for text in made:
+        assert len(text) == 32
+        assert uuid.UUID(text).version == 4
+        assert uuid.UUID(text).variant == uuid.RFC_4122
+
+
+def test_a_forked_worker_does_not_hand_out_its_parents_next_ids() -> None:
+    headers.new_request_id()  # the parent holds a batch
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first ids, then out without the test session's cleanup
+        os.write(write, "".join(headers.new_request_id() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        child = pipe.read()
+    parent = "".join(headers.new_request_id() for _ in range(4))
+    assert len(child) == len(parent) == 128
+    assert not {child[i : i + 32] for i in range(0, 128, 32)} & {
+        parent[i : i + 32] for i in range(0, 128, 32)
+    }

@@ -116,8 +116,12 @@ def of_request(
 ) -> Fingerprint:
     """The request's `Fingerprint`: its digest, and the byte rule's for a form or multipart
     body."""
-    arguments = (method, path, query, content_type, body)
-    return Fingerprint(compute(*arguments), as_bytes(*arguments))
+    media = media_type(content_type)
+    form, canonical = _canonical_body(media, content_type or "", body)
+    digest = _digest(method, path, query, media, form, canonical)
+    if media not in (FORM, MULTIPART):
+        return Fingerprint(digest)
+    return Fingerprint(digest, _digest(method, path, query, media, b"bytes", (body,)))
 
 
 def compute(
@@ -163,7 +167,7 @@ def _canonical_body(media: str, content_type: str, body: bytes) -> tuple[bytes, 
 def _digest(
     method: str, path: str, query: bytes | str, media: str, form: bytes, body: Pieces
 ) -> bytes:
-    digest = hashlib.sha256()
+    head: list[bytes] = []  # each part after its length: one update for them all
     for part in (
         method.upper().encode(),
         path.encode("utf-8", "surrogateescape"),
@@ -171,9 +175,9 @@ def _digest(
         media.encode("latin-1", "replace"),
         form,
     ):
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    digest.update(sum(len(piece) for piece in body).to_bytes(8, "big"))
+        head += (len(part).to_bytes(8, "big"), part)
+    head.append(sum(len(piece) for piece in body).to_bytes(8, "big"))
+    digest = hashlib.sha256(b"".join(head))
     for piece in body:
         digest.update(piece)
     return digest.digest()

@@ -253,8 +253,10 @@ def _open_bytes(cipher: AESGCM, key_name: str, data: bytes, associated: bytes) -
         ) from None
 
 
-# `json.dumps` of the pairs, with the encoder made once (`model.jsontext`).
+# `json.dumps` of the pairs, with the encoder made once (`model.jsontext`); read back as UTF-8
+# (what the encoder writes is ASCII) by a decoder made once.
 _write_json = jsontext.writer()
+_DECODER = json.JSONDecoder()
 
 
 def _headers_json(headers: Sequence[tuple[str, str]]) -> bytes:
@@ -265,7 +267,8 @@ def header_pairs(data: bytes) -> list[tuple[str, str]]:
     """Header pairs from their stored JSON; `Unopenable` when it is not that (cut short or
     changed in the database: only a plaintext row can be, a sealed one does not open)."""
     try:
-        pairs = [(name, value) for name, value in json.loads(data)]
+        text = data.decode("utf-8", "surrogatepass")  # what json.loads reads in bytes
+        pairs = [(name, value) for name, value in _DECODER.decode(text)]
     except (ValueError, TypeError):
         raise Unopenable("its stored headers are not the JSON the gateway wrote", "") from None
     if not all(isinstance(name, str) and isinstance(value, str) for name, value in pairs):

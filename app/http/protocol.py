@@ -53,29 +53,47 @@ def _request_timeout() -> bytes:
 
 class _HeadTimeout:
     """A request's head arrives whole within HEAD_TIMEOUT, or the connection gets a 408 and is
-    closed; never while an answer is on its way."""
+    closed; never while an answer is on its way.
+
+    A head in progress is the time it began (`_head_began`); one timer per connection looks at
+    it when it could have run out, and is armed again only while a head is in progress. A
+    keep-alive connection's request costs a clock reading, not a timer armed and cancelled."""
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     cycle: Any  # both protocols' request cycle: `response_complete` once it is answered
     _head_timer: asyncio.TimerHandle | None = None
+    _head_began: float | None = None
 
     def _answering(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
 
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)
+    def _head_starts(self) -> None:
+        self._head_began = self.loop.time()
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_check)
+
+    def _head_done(self) -> None:
+        self._head_began = None  # the timer, when it fires, finds nothing to time
 
     def _cancel_head_timer(self) -> None:
+        self._head_began = None
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_timed_out(self) -> None:
+    def _head_check(self) -> None:
         self._head_timer = None
-        if self._answering():
-            self._arm_head_timer()  # an answer is on its way: closing now would cut it off
+        began = self._head_began
+        if began is None:
+            return
+        left = began + HEAD_TIMEOUT - self.loop.time()
+        if left > 0:
+            self._head_timer = self.loop.call_later(left, self._head_check)
+        elif self._answering():
+            # An answer is on its way: closing now would cut it off. A full timeout more.
+            self._head_began = self.loop.time()
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_check)
         elif not self.transport.is_closing():
             self.transport.write(_request_timeout())
             self.transport.close()
@@ -89,11 +107,11 @@ class IgnoringUpgradesH11(_HeadTimeout, H11Protocol):
         pass
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self._head_timer is None:
-            self._arm_head_timer()  # the first bytes of a request: its head has HEAD_TIMEOUT
+        if self.conn.their_state is h11.IDLE and self._head_began is None:
+            self._head_starts()  # the first bytes of a request: its head has HEAD_TIMEOUT
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
-            self._cancel_head_timer()  # its head is in
+            self._head_done()  # its head is in
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -111,7 +129,7 @@ class HttpProtocol(_HeadTimeout, HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()
+        self._head_starts()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -119,10 +137,10 @@ class HttpProtocol(_HeadTimeout, HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm_head_timer()
+        self._head_starts()
 
     def on_headers_complete(self) -> None:
-        self._cancel_head_timer()
+        self._head_done()
         if self.parser.should_upgrade():
             # Not served here: httptools would drop the body. `data_received` hands it over.
             self._offers_upgrade = True

@@ -410,3 +410,56 @@ async def test_a_gateway_starting_on_workers_with_more_shards_than_recommended_s
     assert warnings[0].startswith(
         f"a Citus worker holds {most} shards of oncegate_keys, more than the 2 oncegate recommends"
     )
+
+
+async def test_a_claim_given_up_while_its_workers_statement_waits_is_released_the_rest_kept(
+    database_url: str,
+) -> None:
+    # A worker's claims and completes in one statement, held inside PostgreSQL by an
+    # uncommitted row of one of its keys; one claim's caller gives up meanwhile. The others get
+    # their outcomes (the complete too), and the key won for nobody is released, so a retry is a
+    # new claim rather than `unknown` once the lease runs out.
+    store = await PostgresStore.connect(database_url)
+    holder = await asyncpg.connect(database_url)
+    try:
+        blocked, gone, answered, alone = keys_of_one_worker(store, 4)
+        claimed = await store.requests.claim("r", SCOPE, answered, FINGERPRINT, 600, 600)
+        assert isinstance(claimed, Claim)
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+            " lease_expires_at, expires_at) VALUES ('r', $1, $2, $3, 'in_progress', 1,"
+            " now() + interval '1 minute', now() + interval '1 hour')",
+            SCOPE, blocked, FINGERPRINT,
+        )  # fmt: skip
+        before = batch_sizes("claim_complete")
+        first = asyncio.create_task(store.requests.claim("r", SCOPE, alone, FINGERPRINT, 60, 60))
+        together = [
+            asyncio.create_task(store.requests.claim("r", SCOPE, blocked, FINGERPRINT, 60, 60)),
+            asyncio.create_task(store.requests.claim("r", SCOPE, gone, FINGERPRINT, 60, 60)),
+            asyncio.create_task(
+                store.requests.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
+            ),
+        ]
+        assert isinstance(await asyncio.wait_for(first, 10), Claim)
+        await asyncio.sleep(0.3)  # [blocked, gone, the complete]: one statement, on the lock
+        assert batch_sizes("claim_complete") == (before[0] + 4, before[1] + 2)
+        together[1].cancel()
+        await asyncio.sleep(0.1)
+        await lock.rollback()
+        assert isinstance(await asyncio.wait_for(together[0], 10), Claim)
+        assert await asyncio.wait_for(together[2], 10) is True
+        with pytest.raises(asyncio.CancelledError):
+            await together[1]
+        for _ in range(100):  # the release of the claim nobody received follows the batch
+            if await store.requests.get(SCOPE, gone) is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await store.requests.get(SCOPE, gone) is None
+        assert isinstance(await store.requests.claim("r", SCOPE, gone, FINGERPRINT, 60, 60), Claim)
+        record = await store.requests.get(SCOPE, answered)
+        assert record is not None and record.state == "completed"
+    finally:
+        await holder.close()
+        await store.close()

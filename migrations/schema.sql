@@ -28,7 +28,8 @@ CREATE TABLE oncegate_keys (
     lease_expires_at timestamptz,
     -- The stored answer (0001, 0007): its status in the clear; its headers in
     -- `response_headers`, or sealed in `sealed_headers` under the key named in `sealed_with`;
-    -- its body (sealed or not) in `response_body`. `response_stored` false: the status alone.
+    -- its body (sealed or not) in `response_body`. `response_stored` false: too large to store
+    -- whole, its status and headers only (an earlier release's such answer: its status alone).
     response_status smallint CHECK (response_status BETWEEN 100 AND 599),
     response_headers jsonb,
     response_body bytea,

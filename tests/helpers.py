@@ -98,14 +98,15 @@ def behind_a_dead_host(url: str) -> str:
 
 def stored(record: Record | KeyRecord | None) -> StoredParts:
     """A record's stored answer as (status, headers, body, stored), its plaintext opened:
-    (None, None, None, False) before it has one; a status alone when it was too large."""
+    (None, None, None, False) before it has one; its status and headers when it was too large
+    to store whole (its status alone when an earlier release completed it)."""
     if record is None or record.answer is None:
         return StoredParts(None, None, None, False)
     content = record.answer.content
     if content is None:
         return StoredParts(record.answer.status, None, None, False)
     headers, body = sealing.open_plain(content)
-    return StoredParts(record.answer.status, headers, body, True)
+    return StoredParts(record.answer.status, headers, body, record.answer.stored)
 
 
 class StoredParts(NamedTuple):

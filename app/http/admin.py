@@ -124,6 +124,11 @@ class KeyView(BaseModel):
     created_at: datetime
     completed_at: datetime | None
     expires_at: datetime
+    body_stored: bool | None = Field(
+        description="whether the answer was stored whole: false when it was larger than the "
+        "route's max_stored_response (its status and headers were stored, not its body: "
+        "retries get 409 response-not-stored); null before the key completes"
+    )
     headers: list[tuple[str, str]] | None = Field(None, description="only with ?body=1")
     body: str | None = Field(None, description="only with ?body=1, when it is UTF-8 text")
     body_base64: str | None = Field(None, description="only with ?body=1, when it is not text")
@@ -164,6 +169,7 @@ async def _view(
         key=record.key,
         state=record.state,
         status=None if record.answer is None else record.answer.status,
+        body_stored=None if record.answer is None else record.answer.stored,
         created_at=record.created_at,
         completed_at=record.completed_at,
         expires_at=record.expires_at,
@@ -171,8 +177,8 @@ async def _view(
     )
     if with_body:
         answer_headers, body = operator.opened(record)
+        view.headers = answer_headers
         if body is not None:
-            view.headers = list(answer_headers or [])
             try:
                 view.body = body.decode("utf-8")
             except UnicodeDecodeError:

@@ -100,19 +100,21 @@ class Keyring:
         return f"{self.current}:{CLAIM_BINDING}"
 
     def seal(self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]],
-             body: bytes) -> SealedAnswer:  # fmt: skip
+             body: bytes | None) -> SealedAnswer:  # fmt: skip
+        """`body` None: an answer too large to store, its headers alone (`SealedAnswer`)."""
         cipher = self._ciphers[self.current]
         return SealedAnswer(
             key_name=self.sealed_with,
             headers=_seal(cipher, _headers_json(headers), _bound(claim, scope, b"headers")),
-            body=_seal(cipher, body, _bound(claim, scope, b"body")),
+            body=None if body is None else _seal(cipher, body, _bound(claim, scope, b"body")),
         )
 
     def open(
         self, claim: Claimed, scope: bytes, stored: SealedAnswer, *, row_binding: bool = False
-    ) -> tuple[list[tuple[str, str]], bytes]:
-        """The headers and body of a stored answer, sealed or not. `row_binding`: also open an
-        answer sealed before answers were bound to their claim (`oncegate rekey` alone)."""
+    ) -> tuple[list[tuple[str, str]], bytes | None]:
+        """The headers and body of a stored answer, sealed or not (the body None when it was too
+        large to store). `row_binding`: also open an answer sealed before answers were bound to
+        their claim (`oncegate rekey` alone)."""
         if stored.key_name is None:
             return header_pairs(stored.headers), stored.body
         name, _, binding = stored.key_name.partition(":")
@@ -134,6 +136,8 @@ class Keyring:
         else:
             raise Unopenable(f"sealed under a binding this release does not know ({binding})", name)
         headers = _open(cipher, stored, stored.headers, bound(b"headers"))
+        if stored.body is None:
+            return header_pairs(headers), None
         return header_pairs(headers), _open(cipher, stored, stored.body, bound(b"body"))
 
     def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
@@ -173,7 +177,7 @@ class Sealer:
         self._keyring = keyring
 
     def seal(
-        self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes
+        self, claim: Claimed, scope: bytes, headers: Sequence[tuple[str, str]], body: bytes | None
     ) -> SealedAnswer:
         if self._keyring is None:
             return plaintext(headers, body)
@@ -181,7 +185,7 @@ class Sealer:
 
     def open(
         self, claim: Claimed, scope: bytes, stored: SealedAnswer
-    ) -> tuple[list[tuple[str, str]], bytes]:
+    ) -> tuple[list[tuple[str, str]], bytes | None]:
         if self._keyring is None:
             return open_plain(stored)
         return self._keyring.open(claim, scope, stored)
@@ -202,12 +206,12 @@ class Sealer:
         return stored.data
 
 
-def plaintext(headers: Sequence[tuple[str, str]], body: bytes) -> SealedAnswer:
+def plaintext(headers: Sequence[tuple[str, str]], body: bytes | None) -> SealedAnswer:
     """An answer stored as it is (no keyring)."""
     return SealedAnswer(key_name=None, headers=_headers_json(headers), body=body)
 
 
-def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes]:
+def open_plain(stored: SealedAnswer) -> tuple[list[tuple[str, str]], bytes | None]:
     """Open without a keyring: plaintext rows only."""
     if stored.key_name is not None:
         name = stored.key_name.partition(":")[0]

@@ -14,9 +14,10 @@ class SealedAnswer:
 
     key_name: str | None
     headers: bytes  # JSON of the header pairs, sealed or not
-    # Always there: `store: status_only` stores an empty one (a constraint of the key table says
-    # a stored answer has a body); an answer too large to store has no `SealedAnswer` at all.
-    body: bytes
+    # None when the answer was larger than the route's `max_stored_response`: its headers were
+    # stored, not its body. `store: status_only` stores an empty one (a constraint of the key
+    # table says an answer stored whole has a body).
+    body: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,16 +26,18 @@ class StoredAnswer:
     answer (or an operator's resolution) down to the key table's columns and back
     (`store.postgres.rows` maps it to and from them; `Sealer.open` opens it).
 
-    `content` is the headers and body, sealed or in plaintext; None when the answer was larger
-    than the route's `max_stored_response`: the key completed with its status alone, and a retry
-    gets 409 `response-not-stored`."""
+    `content` is the headers and body, sealed or in plaintext. An answer larger than the route's
+    `max_stored_response` has its headers and no body (`content.body` None): it is not `stored`
+    whole, and a retry gets 409 `response-not-stored`. `content` is None only for such an answer
+    completed by an earlier release, which kept its status alone."""
 
     status: int
     content: SealedAnswer | None
 
     @property
     def stored(self) -> bool:
-        return self.content is not None
+        """Stored whole, so it can be replayed."""
+        return self.content is not None and self.content.body is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,7 @@ def decide(
 def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
     stored = record.answer
     assert stored is not None  # a completed key has its answer
-    if stored.content is None:
+    if stored.content is None or not stored.stored:  # its status and headers only
         return Refuse(
             errors.ResponseNotStored(
                 f"the request with this idempotency key completed with status {stored.status}, "
@@ -124,11 +124,12 @@ def _replay(record: Record, sealer: Sealer, scope: bytes) -> Replay | Refuse:
                 reason=str(exc),
             )
         )
+    assert body is not None  # stored whole
     return Replay(
         Answer(
             status=stored.status,
             headers=[*answer_headers, headers.REPLAYED],
-            body=body or b"",
+            body=body,
             outcome=Outcome.REPLAYED,
             blocked="replayed",
         )

@@ -260,12 +260,12 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return _answer(response, Outcome.RELEASED)
-        content = None  # too large to store: the status alone
+        body: bytes | None = None  # too large to store: the status and headers only
         if len(response.body) <= route.max_stored_response:
             body = response.body if route.store == "full" else b""
-            content = self._sealer.seal(
-                (claim.id, claim.token), scope, headers.storable(response.headers), body
-            )
+        content = self._sealer.seal(
+            (claim.id, claim.token), scope, headers.storable(response.headers), body
+        )
         stored = StoredAnswer(response.status, content)
         await self._settle("complete", self._store.complete(claim, stored))
         return _answer(response, Outcome.FORWARDED)
@@ -442,12 +442,12 @@ class Gateway:
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return
-        content = None  # past max_stored_response: the status and headers only
+        body: bytes | None = None  # past max_stored_response: the status and headers only
         if kept is not None:
             body = b"".join(kept) if route.store == "full" else b""
-            content = self._sealer.seal(
-                (claim.id, claim.token), scope, headers.storable(response.headers), body
-            )
+        content = self._sealer.seal(
+            (claim.id, claim.token), scope, headers.storable(response.headers), body
+        )
         stored = StoredAnswer(response.status, content)
         await self._settle("complete", self._store.complete(claim, stored))
 

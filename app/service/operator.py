@@ -52,7 +52,7 @@ class Operator:
 
     def opened(self, record: KeyRecord) -> tuple[list[tuple[str, str]] | None, bytes | None]:
         """A record's stored headers and body, opened; (None, None) when it has none or they
-        cannot be opened."""
+        cannot be opened; (headers, None) for an answer too large to store whole."""
         if record.answer is None or record.answer.content is None:
             return None, None
         try:

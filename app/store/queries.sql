@@ -439,9 +439,11 @@ SELECT scope, fencing_token FROM oncegate_keys WHERE id = :id;
 -- `oncegate rekey`: the next batch (by id, after the last one) of stored answers not sealed
 -- under the newest key, locked until the caller has re-sealed them in the same transaction. It
 -- waits for a row another writer holds rather than skip it: a skipped row would keep the old key.
+-- A stored answer has its headers, plaintext or sealed (one too large to store whole has no body).
 SELECT id, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
 FROM oncegate_keys
-WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
+WHERE (response_headers IS NOT NULL OR sealed_headers IS NOT NULL)
+  AND sealed_with IS DISTINCT FROM :newest AND id > :after
 ORDER BY id
 LIMIT :batch_size
 FOR UPDATE;
@@ -462,7 +464,8 @@ WHERE row.id = resealed.id AND row.fencing_token = resealed.token;
 -- `rekey_rows` writes each row back only if it still holds what was read.
 SELECT id, key, scope, fencing_token, response_headers, response_body, sealed_with, sealed_headers
 FROM oncegate_keys
-WHERE response_stored AND sealed_with IS DISTINCT FROM :newest AND id > :after
+WHERE (response_headers IS NOT NULL OR sealed_headers IS NOT NULL)
+  AND sealed_with IS DISTINCT FROM :newest AND id > :after
 ORDER BY id
 LIMIT :batch_size;
 
@@ -479,13 +482,15 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :was::text[], :bod
      AS resealed(key, id, token, was, body, headers)
 WHERE row.key = ANY(:keys)
   AND row.key = resealed.key AND row.id = resealed.id AND row.fencing_token = resealed.token
-  AND row.response_stored AND row.sealed_with IS NOT DISTINCT FROM resealed.was;
+  AND (row.response_headers IS NOT NULL OR row.sealed_headers IS NOT NULL)
+  AND row.sealed_with IS NOT DISTINCT FROM resealed.was;
 
 -- name: rekey_remaining
 -- What is still not under the newest key, in the whole table: stored answers, and requests kept
 -- behind keys (their `request_sealed_with` names the key alone).
 SELECT count(*) FROM oncegate_keys
-WHERE (response_stored AND sealed_with IS DISTINCT FROM :newest)
+WHERE ((response_headers IS NOT NULL OR sealed_headers IS NOT NULL)
+       AND sealed_with IS DISTINCT FROM :newest)
    OR (request IS NOT NULL AND request_sealed_with IS DISTINCT FROM :newest_request);
 
 -- name: total_keys

@@ -10,8 +10,13 @@ last), never a wall time.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -92,7 +97,7 @@ class PacedUpstream:
             framing = "Transfer-Encoding: chunked\r\n"
         connection.sendall(
             f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n{framing}"
-            "Connection: close\r\n\r\n".encode()
+            f"X-Receipt: r-{size}\r\nConnection: close\r\n\r\n".encode()
         )
         for start in range(0, min(size, cut), chunk):
             piece = body[start : min(start + chunk, cut)]
@@ -169,8 +174,8 @@ async def row(database_url: str, key: str) -> asyncpg.Record:
     connection = await asyncpg.connect(database_url)
     try:
         found: asyncpg.Record = await connection.fetchrow(
-            "SELECT state, response_status, response_stored, response_body, request"
-            " FROM oncegate_keys WHERE key = $1",
+            "SELECT state, response_status, response_stored, response_body, request,"
+            " response_headers, sealed_with, sealed_headers FROM oncegate_keys WHERE key = $1",
             key,
         )
         return found
@@ -187,7 +192,7 @@ async def settled(database_url: str, key: str) -> asyncpg.Record:
     raise AssertionError(f"key {key} did not settle")
 
 
-async def test_a_50_mib_answer_streams_with_memory_flat_and_only_its_status_is_stored(
+async def test_a_50_mib_answer_streams_with_memory_flat_and_only_its_status_and_headers_are_stored(
     client: httpx.AsyncClient,
     gateway: GatewayProcess,
     paced: PacedUpstream,
@@ -222,6 +227,7 @@ async def test_a_50_mib_answer_streams_with_memory_flat_and_only_its_status_is_s
         False,
     )
     assert stored["response_body"] is None and stored["request"] is None
+    assert ["X-Receipt", f"r-{size}"] in json.loads(stored["response_headers"])
     retry = await client.post(target, headers={"Idempotency-Key": key})
     assert (retry.status_code, problem_name(retry)) == (409, "response-not-stored")
     assert paced.performed[key] == 1
@@ -345,3 +351,74 @@ async def test_server_sent_events_are_relayed_as_they_come_and_replayed_whole(
     replay = await client.post("/large/events?count=5", headers={"Idempotency-Key": key})
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == text and text.count(b"data: event") == 5
+
+
+# A gateway whose operator reads what it stored: the admin API on, answers in plaintext or sealed.
+ADMIN_TOKEN = "large-answers-admin-token"
+SEALING = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
+
+
+@pytest.fixture(scope="module", params=["plaintext", "sealed"])
+def operated(
+    request: pytest.FixtureRequest, module_dir: Path, database_url: str, paced: PacedUpstream
+) -> Iterator[tuple[GatewayProcess, bool]]:
+    """The gateway, and whether it seals what it stores."""
+    sealed = request.param == "sealed"
+    routes = [prefix_route("tiny", paced.url, timeout="30s", max_stored_response="1KiB")]
+    with GatewayProcess(
+        module_dir, database_url, routes, name=f"operated-{request.param}",
+        admin_token=ADMIN_TOKEN, env={"ONCEGATE_ENCRYPTION_KEYS": SEALING} if sealed else {},
+    ) as process:  # fmt: skip
+        yield process, sealed
+
+
+@pytest.mark.parametrize("framing", ["read whole", "streamed"])
+async def test_an_answer_too_large_to_store_keeps_its_headers_for_the_operator(
+    operated: tuple[GatewayProcess, bool], paced: PacedUpstream, database_url: str, framing: str
+) -> None:
+    gateway, sealed = operated
+    # 4 KiB past a max_stored_response of 1 KiB: announced with its length (read whole, under
+    # 64 KiB) or chunked without one (relayed as it comes).
+    key, size = str(uuid.uuid4()), 4096
+    length = "1" if framing == "read whole" else "0"
+    target = f"/tiny/paced?size={size}&chunk=1024&length={length}"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        first = await client.post(target, headers={"Idempotency-Key": key})
+        assert (first.status_code, first.content) == (200, pattern(size))
+        assert first.headers["x-receipt"] == f"r-{size}"
+        retry = await client.post(target, headers={"Idempotency-Key": key})
+    # The client: the whole answer once; a retry 409 naming the status, never performed again.
+    assert (retry.status_code, problem_name(retry)) == (409, "response-not-stored")
+    assert "completed with status 200" in retry.json()["detail"]
+    assert paced.performed[key] == 1
+
+    # The store: the status and the headers (sealed when a key is set), no body.
+    stored = await settled(database_url, key)
+    assert (stored["state"], stored["response_status"], stored["response_stored"]) == (
+        "completed", 200, False,
+    )  # fmt: skip
+    assert stored["response_body"] is None
+    if sealed:
+        assert stored["sealed_with"] == "k1:2" and stored["response_headers"] is None
+        assert b"r-4096" not in stored["sealed_headers"]
+    else:
+        assert stored["sealed_with"] is None and stored["sealed_headers"] is None
+        assert ["X-Receipt", f"r-{size}"] in json.loads(stored["response_headers"])
+
+    # The operator: the headers opened, no body, and why (admin API and `oncegate keys show`).
+    async with gateway.admin_client() as admin:
+        found = await admin.get("/admin/keys", params={"key": key, "body": "1"})
+    assert found.status_code == 200, found.text
+    (record,) = found.json()["records"]
+    assert (record["state"], record["status"], record["body_stored"]) == ("completed", 200, False)
+    assert ["X-Receipt", f"r-{size}"] in record["headers"]
+    assert record["body"] is None and record["body_base64"] is None
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "oncegate.cli", "keys", "show", "--key", key],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "ONCEGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+             "ONCEGATE_ADMIN_URL": gateway.admin_url},
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == found.json()

@@ -121,7 +121,19 @@ async def test_a_completed_key_holds_its_answer(store: Ports) -> None:
     assert stored(found) == (201, [("location", "/a/1")], b'{"id": 1}', True)
 
 
-async def test_an_answer_too_large_to_store_keeps_its_status_only(store: Ports) -> None:
+async def test_an_answer_too_large_to_store_keeps_its_status_and_headers(store: Ports) -> None:
+    key = new_key()
+    owner = await claim(store, key)
+    too_large = StoredAnswer(201, plaintext([("location", "/a/1")], None))
+    assert not too_large.stored
+    assert await store.requests.complete(owner, too_large)
+    found = await record(store, key)
+    assert (found.state, stored(found)) == ("completed", (201, [("location", "/a/1")], None, False))
+
+
+async def test_an_earlier_release_s_answer_too_large_to_store_keeps_its_status(
+    store: Ports,
+) -> None:
     key = new_key()
     owner = await claim(store, key)
     assert await store.requests.complete(owner, StoredAnswer(201, None))

@@ -95,13 +95,53 @@ async def test_complete_stores_the_answer_and_only_for_the_token_holder(
     assert not await store.requests.release(owner)
 
 
-async def test_an_answer_too_large_to_store_keeps_only_its_status(store: PostgresStore) -> None:
-    key = new_key()
-    owner = await claim(store, key)
-    assert await store.requests.complete(owner, StoredAnswer(201, None))
-    record = await store.requests.get(SCOPE, key)
-    assert record is not None
-    assert (record.state, stored(record)) == ("completed", (201, None, None, False))
+@pytest.mark.citus  # rekey reads and writes back a batch in each dialect's own statements
+async def test_an_answer_too_large_to_store_keeps_its_headers_sealed_and_rekeyed(
+    store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    old = Keyring([("k1", bytes(range(32)))])
+    newer = Keyring([("k2", bytes(range(1, 33))), ("k1", bytes(range(32)))])
+    sealed_key, plain_key = new_key(), new_key()
+    receipt = [("x-receipt", "r-1")]
+    sealed_owner, plain_owner = await claim(store, sealed_key), await claim(store, plain_key)
+    too_large = StoredAnswer(200, old.seal((sealed_owner.id, sealed_owner.token), SCOPE,
+                                           receipt, None))  # fmt: skip
+    assert await store.requests.complete(sealed_owner, too_large)
+    assert await store.requests.complete(plain_owner, StoredAnswer(200, plaintext(receipt, None)))
+
+    async def columns(key: str) -> asyncpg.Record:
+        return await db.fetchrow(
+            "SELECT response_status, response_stored, response_body, response_headers,"
+            " sealed_with, sealed_headers FROM oncegate_keys WHERE key = $1",
+            key,
+        )
+
+    # What the store holds: the status and the headers, sealed or plaintext; no body.
+    row = await columns(sealed_key)
+    assert (row["response_status"], row["response_stored"], row["response_body"]) == (
+        200, False, None,
+    )  # fmt: skip
+    assert (row["sealed_with"], row["response_headers"]) == ("k1:2", None)
+    assert b"r-1" not in row["sealed_headers"]
+    row = await columns(plain_key)
+    assert (row["response_stored"], row["response_body"], row["sealed_with"]) == (False, None, None)
+    assert row["response_headers"] == '[["x-receipt", "r-1"]]'
+
+    # `oncegate rekey` re-seals the headers of both under the newest key, the body still none.
+    after, done = 0, False
+    while not done:
+        batch = await store.rekeying.rekey(newer, 100, after)
+        after, done = batch.last, batch.done
+    for key in (sealed_key, plain_key):
+        row = await columns(key)
+        assert (row["sealed_with"], row["response_headers"], row["response_body"]) == (
+            "k2:2", None, None,
+        )  # fmt: skip
+        (record,) = await store.operator.find(key, None)
+        assert record.answer is not None and not record.answer.stored
+        assert record.answer.content is not None
+        claim_of = (record.id, record.token)
+        assert newer.open(claim_of, SCOPE, record.answer.content) == (receipt, None)
 
 
 async def test_release_deletes_the_row_and_the_key_can_be_claimed_again(

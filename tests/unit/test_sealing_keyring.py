@@ -35,6 +35,21 @@ def test_a_sealed_answer_opens_to_what_was_sealed_and_holds_no_plaintext() -> No
     assert ring.open((7, 1), SCOPE, sealed) == (HEADERS, BODY)
 
 
+def test_the_headers_of_an_answer_too_large_to_store_are_sealed_alone() -> None:
+    old_text, new_text = f"k1:{key()}", f"k2:{key()}"
+    ring, both = Keyring.parse(old_text), Keyring.parse(f"{new_text},{old_text}")
+    sealed = ring.seal((7, 1), SCOPE, HEADERS, None)
+    assert sealed.body is None and b"location" not in sealed.headers
+    assert ring.open((7, 1), SCOPE, sealed) == (HEADERS, None)
+    with pytest.raises(Unopenable):
+        ring.open((7, 2), SCOPE, sealed)  # written back after its key was claimed again
+    resealed = both.reseal((7, 1), SCOPE, sealed)  # `oncegate rekey`
+    assert (resealed.key_name, resealed.body) == ("k2:2", None)
+    assert both.open((7, 1), SCOPE, resealed) == (HEADERS, None)
+    plain = sealing.plaintext(HEADERS, None)
+    assert sealing.open_plain(plain) == (HEADERS, None)
+
+
 def test_the_first_key_seals_and_every_key_opens() -> None:
     old_text, new_text = f"k1:{key()}", f"k2:{key()}"
     old = Keyring.parse(old_text)

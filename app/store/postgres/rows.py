@@ -2,10 +2,12 @@
 and the store's values: a row to a `Record`, a stored answer to its columns and back.
 
 A stored answer (`model.answers.StoredAnswer`) lives in six columns: `response_status`;
-`response_stored` (false when it was too large to store: the status alone); its headers as JSON,
-in `response_headers` (jsonb) when plaintext or sealed in `sealed_headers`; its body, sealed or
-not, in `response_body`; and the name and binding of the key that sealed it in `sealed_with`.
-Nothing else reads or writes those columns one by one.
+`response_stored` (false when it was too large to store whole: its body is NULL); its headers as
+JSON, in `response_headers` (jsonb) when plaintext or sealed in `sealed_headers`; its body,
+sealed or not, in `response_body`; and the name and binding of the key that sealed it in
+`sealed_with`. A row with neither kind of headers and `response_stored` false is an answer too
+large to store completed by an earlier release, which kept its status alone. Nothing else reads
+or writes those columns one by one.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def answer_of(row: asyncpg.Record) -> StoredAnswer | None:
     status = row["response_status"]
     if status is None:
         return None
-    return StoredAnswer(status, content_of(row) if row["response_stored"] else None)
+    has_headers = row["sealed_with"] is not None or row["response_headers"] is not None
+    return StoredAnswer(status, content_of(row) if has_headers else None)
 
 
 def content_of(row: asyncpg.Record) -> SealedAnswer:
@@ -54,8 +57,7 @@ def content_of(row: asyncpg.Record) -> SealedAnswer:
     if sealed_with is not None:
         return SealedAnswer(sealed_with, row["sealed_headers"], row["response_body"])
     # jsonb comes as the text PostgreSQL printed: the bytes `sealing.header_pairs` parses.
-    headers = row["response_headers"]
-    return SealedAnswer(None, (headers or "[]").encode(), row["response_body"])
+    return SealedAnswer(None, row["response_headers"].encode(), row["response_body"])
 
 
 def key_record_of(row: asyncpg.Record) -> KeyRecord:
@@ -80,14 +82,14 @@ def key_record_of(row: asyncpg.Record) -> KeyRecord:
 
 def answer_columns(answer: StoredAnswer) -> dict[str, object]:
     """The columns of a stored answer, as the statements that write one name them."""
-    content = answer.content
+    content, stored = answer.content, answer.stored
     if content is None:
         return {"status": answer.status, "stored": False, "headers": None, "body": None,
                 "sealed_with": None, "sealed_headers": None}  # fmt: skip
     if content.key_name is None:
-        return {"status": answer.status, "stored": True, "headers": content.headers.decode(),
+        return {"status": answer.status, "stored": stored, "headers": content.headers.decode(),
                 "body": content.body, "sealed_with": None, "sealed_headers": None}  # fmt: skip
-    return {"status": answer.status, "stored": True, "headers": None, "body": content.body,
+    return {"status": answer.status, "stored": stored, "headers": None, "body": content.body,
             "sealed_with": content.key_name, "sealed_headers": content.headers}  # fmt: skip
 
 

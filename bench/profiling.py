@@ -30,18 +30,24 @@ PY_SPY_GRACE = 15.0
 
 # (part, module prefixes), in the order a frame is tested against them.
 PARTS: Sequence[tuple[str, tuple[str, ...]]] = (
-    ("key, scope, fingerprint", ("oncegate/fingerprint.py", "oncegate/keys.py")),
-    ("request log line", ("logging/", "oncegate/logs.py")),
-    ("metrics", ("prometheus_client/", "oncegate/metrics.py")),
-    ("tracing hooks", ("oncegate/tracing.py",)),
+    (
+        "key, scope, fingerprint",
+        ("oncegate/kernel/fingerprint.py", "oncegate/kernel/keys.py", "oncegate/model/jsontext.py"),
+    ),
+    ("request log line", ("logging/", "oncegate/telemetry/logs.py")),
+    ("metrics", ("prometheus_client/", "oncegate/telemetry/metrics.py")),
+    ("tracing hooks", ("oncegate/telemetry/tracing.py",)),
     ("store: asyncpg", ("asyncpg/",)),
     ("store: batching, rows", ("oncegate/store/",)),
     (
         "upstream client (aiohttp)",
         ("aiohttp/", "yarl/", "multidict/", "aiohappyeyeballs/", "oncegate/upstream/"),
     ),
-    ("sealing", ("oncegate/sealing.py", "cryptography/")),
-    ("headers, path, route", ("oncegate/headers.py", "oncegate/paths.py", "oncegate/routing.py")),
+    ("sealing", ("oncegate/kernel/sealing.py", "cryptography/")),
+    (
+        "headers, path, route",
+        ("oncegate/kernel/headers.py", "oncegate/kernel/paths.py", "oncegate/service/routing.py"),
+    ),
     ("service flow", ("oncegate/service/",)),
     ("idemkit", ("idemkit/",)),
     ("proxy edge (ASGI app)", ("oncegate/http/proxy.py", "bare_proxy.py", "idemkit_proxy.py")),

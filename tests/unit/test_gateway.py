@@ -10,13 +10,16 @@ promises). Every outcome a client can see is in tests/unit/test_outcomes.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Iterator
 
+import psutil
 import pytest
 
 from oncegate import service, settings
 from oncegate.kernel import fingerprint, headers, keys
+from oncegate.kernel.key_workers import KeyWorkers
 from oncegate.kernel.sealing import Sealer, plaintext
 from oncegate.model import errors
 from oncegate.model.answers import StoredAnswer
@@ -475,10 +478,31 @@ async def test_a_body_key_route_takes_the_key_from_the_body(upstream: FakeUpstre
     assert (await gateway.handle(optional, keyed_request([], b"[]"))).outcome == "unprotected"
 
 
+def key_worker_processes() -> list[psutil.Process]:
+    """This process's children that are key workers (`python -m oncegate.kernel.key_workers`)."""
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if KeyWorkers.__module__ in child.cmdline():
+                found.append(child)
+    return found
+
+
 async def test_a_large_body_key_is_found_off_the_event_loop(upstream: FakeUpstream) -> None:
     store = MemoryStore()
     route = served_route(key_from_body="/k")
     body = b'{"k": "kb3", "pad": "' + b"x" * (2 * service.flow.OFF_LOOP_JSON) + b'"}'
-    answer = await Gateway(store, upstream).handle(route, keyed_request([], body))
-    assert answer.outcome == "forwarded"
-    assert [found.key for found in await store.find("kb3", None)] == ["kb3"]
+    before = {process.pid for process in key_worker_processes()}
+    workers = KeyWorkers()  # the gateway's owner closes them, as the runtime does
+    try:
+        answer = await Gateway(store, upstream, key_workers=workers).handle(
+            route, keyed_request([], body)
+        )
+        assert answer.outcome == "forwarded"
+        assert [found.key for found in await store.find("kb3", None)] == ["kb3"]
+        started = [process for process in key_worker_processes() if process.pid not in before]
+        assert len(started) == 1  # the key was read in a worker process
+    finally:
+        await workers.close()
+    # Closed, the worker has exited: no idle process outlives the gateway until the session ends.
+    assert not psutil.wait_procs(started, timeout=10)[1]

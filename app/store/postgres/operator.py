@@ -10,35 +10,15 @@ on the row's shard alone). The delete takes the dialect's shape of work (`dialec
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
-
-import asyncpg
 
 from ...model.answers import StoredAnswer
 from ...model.records import KeyRecord, Listed, QueuedKey
-from ...settings import StoreOptions
-from ..errors import Outage, translated
-from .dialect import Dialect
-from .rows import answer_columns, fetchrow, key_record_of
+from ..errors import translated
+from .room import OperatorRoom
+from .rows import answer_columns, key_record_of
 
 
-class OperatorQueries:
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        options: StoreOptions,
-        outage: Outage,
-        dialect: Dialect,
-    ) -> None:
-        self._pool = pool
-        self._options = options
-        self.outage = outage
-        self._dialect = dialect
-        self._statements = dialect.statements
-
-    async def _fetchrow(self, name: str, **parameters: object) -> Any:
-        return await fetchrow(self._pool, self._statements, name, **parameters)
-
+class OperatorQueries(OperatorRoom):
     async def _key_of(self, record_id: int) -> str | None:
         row = await self._fetchrow("key_of", id=record_id)
         return None if row is None else str(row["key"])

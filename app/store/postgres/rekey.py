@@ -6,26 +6,16 @@ every row written back is guarded by its fencing token.
 
 from __future__ import annotations
 
-import asyncpg
-
 from ...kernel import sealing
 from ...kernel.sealing import Keyring
 from ...model.answers import SealedRequest
-from ...settings import StoreOptions
-from ..errors import Outage, translated
-from .dialect import Dialect, RekeyBatch
+from ..errors import translated
+from .dialect import RekeyBatch
+from .room import OperatorRoom
 from .rows import touched
 
 
-class Rekeying:
-    def __init__(
-        self, pool: asyncpg.Pool, options: StoreOptions, outage: Outage, dialect: Dialect
-    ) -> None:
-        self._pool = pool
-        self._options = options
-        self.outage = outage
-        self._dialect = dialect
-
+class Rekeying(OperatorRoom):
     @translated("rekey")
     async def rekey(self, keyring: Keyring, batch_size: int, after: int) -> RekeyBatch:
         """Re-seal the next batch of stored answers (ids above `after`) under the keyring's
@@ -39,7 +29,7 @@ class Rekeying:
         """Re-seal the next batch of kept requests (ids above `after`) under the newest key,
         each written back only if unchanged since it was read; one that does not open is left
         as it is and reported."""
-        statements = self._dialect.statements
+        statements = self._statements
         batch, update = statements["rekey_request_batch"], statements["rekey_request"]
         resealed, unopenable = 0, []
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
@@ -71,7 +61,7 @@ class Rekeying:
     async def rekey_remaining(self, keyring: Keyring) -> int:
         """Stored answers and kept requests anywhere in the table not sealed under the newest
         key."""
-        query = self._dialect.statements["rekey_remaining"]
+        query = self._statements["rekey_remaining"]
         remaining: int = await self._pool.fetchval(
             query.sql,
             *query.arguments({"newest": keyring.sealed_with, "newest_request": keyring.current}),

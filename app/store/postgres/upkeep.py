@@ -6,39 +6,17 @@ each; the purge takes the dialect's shape of work (`dialect.Dialect`).
 
 from __future__ import annotations
 
-from typing import Any
-
-import asyncpg
-
 from ...model.records import KeyCount, Replication
-from ...settings import StoreOptions
 from ...telemetry import metrics
-from ..errors import Outage, translated
-from .dialect import Dialect
-from .rows import fetchrow
+from ..errors import translated
+from .room import OperatorRoom
 
 
-class Upkeep:
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        options: StoreOptions,
-        outage: Outage,
-        dialect: Dialect,
-    ) -> None:
-        self._pool = pool
-        self._options = options
-        self.outage = outage
-        self._dialect = dialect
-        self._statements = dialect.statements
-
+class Upkeep(OperatorRoom):
     @translated("purge")
     async def purge(self, batch_size: int) -> int:
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             return await self._dialect.purge(connection, batch_size)
-
-    async def _fetchrow(self, name: str, **parameters: object) -> Any:
-        return await fetchrow(self._pool, self._statements, name, **parameters)
 
     @translated("total_keys")
     async def total_keys(self) -> int:

@@ -12,8 +12,13 @@ completing it, over and over, for `--duration` seconds after `--warmup`.
 Printed per target: pairs/s; PostgreSQL's CPU per pair (every postmaster of the target, its
 children and the children it reaped, from /proc: on the cluster the coordinator and both
 workers); how Citus executed the statements (`citus_stat_counters`: single-shard and
-multi-shard executions, and two-phase commits recorded in `pg_dist_transaction`); and the mean
-operations per statement of the store's batches (`oncegate_store_batch_size`).
+multi-shard executions, and the two-phase commits the coordinator recorded in
+`pg_dist_transaction` during the run); and the mean operations per statement of the store's
+batches (`oncegate_store_batch_size`). Citus's recovery of two-phase commits, which deletes
+their records from `pg_dist_transaction` once they are settled, is paused on every node for the
+whole run (`citus.recover_2pc_interval = -1`): a count read before and after could otherwise
+lose the records it cleared meanwhile, and read fewer commits than were made, or fewer than
+none.
 
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
         [--shards 32,8,2] [--apart]
@@ -194,6 +199,7 @@ def servers(
     try:
         cluster = citus.Cluster.start(work / "citus")
         try:
+            asyncio.run(pause_2pc_recovery(cluster))
             single.create_database(DATABASE)
             targets = {"PostgreSQL 15, one server": (single.url(DATABASE), single.postmasters())}
             for shards in shard_counts:
@@ -208,6 +214,25 @@ def servers(
             cluster.stop()
     finally:
         single.stop()
+
+
+async def pause_2pc_recovery(cluster: citus.Cluster) -> None:
+    """Keep every two-phase commit's record in `pg_dist_transaction` until the servers stop, so
+    the count of those made during a run is the difference of two reads (the module's rules)."""
+    for node in cluster.nodes:
+        connection = await asyncpg.connect(node.url())
+        try:
+            await connection.execute("ALTER SYSTEM SET citus.recover_2pc_interval = -1")
+            await connection.execute("SELECT pg_reload_conf()")
+            # A reload is taken by each process at its next command: wait for this one's.
+            for _ in range(100):
+                if await connection.fetchval("SHOW citus.recover_2pc_interval") == "-1":
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError(f"{node.name}: citus.recover_2pc_interval is not -1")
+        finally:
+            await connection.close()
 
 
 async def set_shard_count(url: str, shards: int) -> None:

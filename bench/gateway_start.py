@@ -224,14 +224,18 @@ def main() -> int:
     work = quick.work_directory("oncegate-bench-start-logs-")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop by `finally`, not abruptly
     before = load_average()
-    with targets(arguments, work) as found:
-        for target in found:
-            for number in range(WARM_UP):
-                start_once(target, work, -1 - number, counted=False)
-        for number in range(arguments.starts):
+    try:
+        with targets(arguments, work) as found:
             for target in found:
-                start_once(target, work, number)
-            print(f"start {number + 1} of {arguments.starts} done", file=sys.stderr)
+                for number in range(WARM_UP):
+                    start_once(target, work, -1 - number, counted=False)
+            for number in range(arguments.starts):
+                for target in found:
+                    start_once(target, work, number)
+                print(f"start {number + 1} of {arguments.starts} done", file=sys.stderr)
+    except BaseException:
+        print(f"logs kept: {work}", file=sys.stderr)  # what the failed start said
+        raise
     print(report(found, arguments, (before, load_average())))
     if not arguments.keep:
         shutil.rmtree(work, ignore_errors=True)

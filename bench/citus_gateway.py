@@ -11,7 +11,7 @@ CPU per forward of the gateway process and of every PostgreSQL node (postmasters
 children and the children they reaped; on the cluster the coordinator apart).
 
     .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
-        [--shards 4,32]
+        [--shards default,32]
 
 Needs Citus installed (as the tests do). Every process and server is stopped, and the directory
 removed, in a `finally`; the run is under SIGALRM.
@@ -123,10 +123,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--shards",
-        type=lambda text: [int(part) for part in text.split(",")],
-        default=[4, 32],
+        type=citus_pairs.shard_counts,
+        default=[citus_pairs.DEFAULT, 32],
         metavar="N,N,...",
-        help="the key table's shard counts on the cluster (default 4: two per worker; and 32)",
+        help="the key table's shard counts on the cluster (default: `default`, migrate's"
+        " choice, two per worker; and 32)",
     )
     arguments = parser.parse_args()
     why = citus.unavailable()

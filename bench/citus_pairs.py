@@ -3,8 +3,9 @@ claim+complete pair costs PostgreSQL on a shard beside what it costs on a single
 
 Both are Debian's PostgreSQL 15 started here with the same settings (tests/citus.py: a
 temporary directory, free ports on 127.0.0.1, fsync off on both): a single server, and a Citus
-coordinator with two workers, its key table in `--shards` shards (a database per shard count,
-32 by default: Citus's). Each gets oncegate's migrations (`oncegate.store.migrate`: on the cluster
+coordinator with two workers, its key table in `--shards` shards (a database per shard count;
+`default` leaves `citus.shard_count` alone, so `migrate` chooses, two per worker: the cluster's
+default, and the bench's). Each gets oncegate's migrations (`oncegate.store.migrate`: on the cluster
 the key table is distributed by key), then the real store (`PostgresStore`, its
 batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
 completing it, over and over, for `--duration` seconds after `--warmup`.
@@ -21,7 +22,7 @@ lose the records it cleared meanwhile, and read fewer commits than were made, or
 none.
 
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
-        [--shards 32,8,2] [--apart]
+        [--shards default,32,8,2] [--apart]
 
 `--apart` adds, per shard count, the cluster again with each worker's claims and completes in
 statements of their own (as the store sent them before it carried both in one): the two side by
@@ -61,6 +62,7 @@ from oncegate.kernel.sealing import plaintext  # noqa: E402
 from oncegate.model.answers import StoredAnswer  # noqa: E402
 from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store import migrate  # noqa: E402
+from oncegate.store.citus import recommended_shards  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 from oncegate.store.postgres.dialect import OnCitus  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
@@ -71,6 +73,7 @@ FINGERPRINT = bytes(32)
 ANSWER = plaintext([("content-type", "application/json")], b'{"id":"em_000001"}')
 DATABASE = "oncegate_bench"
 APART = ", claims and completes apart"
+DEFAULT = 0  # a `--shards` of `default`: citus.shard_count left alone, migrate chooses
 STARTUP_TIMEOUT = 120.0
 
 
@@ -205,7 +208,11 @@ def servers(
             for shards in shard_counts:
                 url = cluster.create_database(f"{DATABASE}_{shards}")
                 asyncio.run(set_shard_count(url, shards))
-                name = f"Citus, coordinator + {citus.WORKERS} workers, {shards} shards"
+                if shards == DEFAULT:
+                    shards_named = f"{recommended_shards(citus.WORKERS)} shards (migrate's choice)"
+                else:
+                    shards_named = f"{shards} shards"
+                name = f"Citus, coordinator + {citus.WORKERS} workers, {shards_named}"
                 targets[name] = (url, cluster.postmasters())
                 if apart:
                     targets[name + APART] = targets[name]
@@ -235,12 +242,23 @@ async def pause_2pc_recovery(cluster: citus.Cluster) -> None:
             await connection.close()
 
 
+def shard_counts(text: str) -> list[int]:
+    """`--shards`: counts, or `default` (DEFAULT: `migrate` chooses)."""
+    return [DEFAULT if part == "default" else int(part) for part in text.split(",")]
+
+
 async def set_shard_count(url: str, shards: int) -> None:
-    """`migrate` distributes the key table into the database's `citus.shard_count` shards."""
+    """`migrate` distributes the key table into the database's `citus.shard_count` shards;
+    DEFAULT leaves it at Citus's default (the tests' cluster sets its own per database)."""
     connection = await asyncpg.connect(url)
     try:
         database = await connection.fetchval("SELECT current_database()")
-        await connection.execute(f"ALTER DATABASE {database} SET citus.shard_count = {shards:d}")
+        setting = (
+            "RESET citus.shard_count"
+            if shards == DEFAULT
+            else f"SET citus.shard_count = {shards:d}"
+        )
+        await connection.execute(f"ALTER DATABASE {database} {setting}")
     finally:
         await connection.close()
 
@@ -280,10 +298,11 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--shards",
-        type=lambda text: [int(part) for part in text.split(",")],
-        default=[32],
+        type=shard_counts,
+        default=[DEFAULT],
         metavar="N,N,...",
-        help="the key table's shard counts on the cluster, one target each (default 32, Citus's)",
+        help="the key table's shard counts on the cluster, one target each; `default` leaves"
+        " citus.shard_count at Citus's default, and migrate chooses (the default)",
     )
     parser.add_argument(
         "--apart",

@@ -14,8 +14,10 @@
 -- shape of is an error there, never another server's statement. What the shared form asks:
 -- - every request-path write names the keys it touches (`k.key = ANY(:keys)`): on Citus the
 --   store batches per shard, so a batch's keys share one shard and Citus sends the statement
---   there alone (router executor, no two-phase commit); on plain PostgreSQL it is one more
---   test of each row the primary key found (tests/store/test_plans.py reads the plans);
+--   there alone (router executor, no two-phase commit); a write by row also names its ids
+--   (`k.id = ANY(:ids)`), the primary key's first column, so that a plan made on an empty table
+--   still descends the index rather than reading it whole for `key`, its second column
+--   (tests/store/test_plans.py reads the plans);
 -- - a write tests a state with `oncegate_key_is(wanted, ..., now())` and computes a lease's
 --   end with `oncegate_after(now(), seconds)`, both IMMUTABLE SQL functions PostgreSQL inlines:
 --   Citus refuses a CASE around now(), or a STABLE function of a column, in a write, and
@@ -136,7 +138,7 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :routes::text[],
             :requests_sealed_with::text[], :claimants::text[])
      AS given(key, id, token, route, fingerprint, lease, ttl, request, request_sealed_with,
               claimant)
-WHERE k.key = ANY(:keys)
+WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND oncegate_key_is('expired', k.state, k.lease_expires_at, k.expires_at, now())
 RETURNING k.id, k.fencing_token;
@@ -156,7 +158,7 @@ SET state = 'in_progress',
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :leases::float8[],
             :claimants::text[])
      AS given(key, id, token, lease, claimant)
-WHERE k.key = ANY(:keys)
+WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND oncegate_key_is('unknown', k.state, k.lease_expires_at, k.expires_at, now())
 RETURNING k.id, k.fencing_token;
@@ -190,7 +192,7 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallin
             :headers::text[], :bodies::bytea[], :stored::boolean[], :sealed_with::text[],
             :sealed_headers::bytea[])
      AS given(key, id, token, status, headers, body, stored, sealed_with, sealed_headers)
-WHERE k.key = ANY(:keys)
+WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state IN ('in_progress', 'unknown')
 RETURNING k.id, k.fencing_token, k.waited;
@@ -198,7 +200,7 @@ RETURNING k.id, k.fencing_token, k.waited;
 -- name: release
 DELETE FROM oncegate_keys AS k
 USING unnest(:keys::text[], :ids::bigint[], :tokens::bigint[]) AS given(key, id, token)
-WHERE k.key = ANY(:keys)
+WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state = 'in_progress'
 RETURNING k.id, k.fencing_token, k.waited;
@@ -210,7 +212,7 @@ SET state = 'unknown',
     failure = given.failure::jsonb  -- what the gateway saw (service.evidence)
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :failures::text[])
      AS given(key, id, token, failure)
-WHERE k.key = ANY(:keys)
+WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state = 'in_progress'
 RETURNING k.id, k.fencing_token, k.waited;

@@ -10,6 +10,7 @@ The store's sessions read the catalog without Citus's shard hiding (its cost, no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
@@ -462,4 +463,86 @@ async def test_a_claim_given_up_while_its_workers_statement_waits_is_released_th
         assert record is not None and record.state == "completed"
     finally:
         await holder.close()
+        await store.close()
+
+
+async def test_through_the_coordinator_a_failed_complete_neither_resends_nor_fails_won_claims(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where a key's worker takes no statements itself (its metadata not synced), claims and
+    # completes go through the coordinator in statements of their own. A complete's failure
+    # after the claims' statement committed must leave the claims their outcomes: a won claim
+    # sent again would read its own row `in_progress` (409 for the client's own first request),
+    # and one failed would be forwarded by nobody.
+    store = await PostgresStore.connect(database_url)
+    try:
+        shards = store.requests._dialect.shards  # type: ignore[attr-defined]
+        keys = [str(uuid.uuid4())]
+        while len(keys) < 6:  # through the coordinator a batch is one shard's
+            key = str(uuid.uuid4())
+            if shards.shard_of(key) == shards.shard_of(keys[0]):
+                keys.append(key)
+        held = [await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+                for key in keys[:3]]  # fmt: skip
+        assert all(isinstance(claim, Claim) for claim in held)
+        workers = store.requests._dialect.workers  # type: ignore[attr-defined]
+        monkeypatch.setattr(workers, "route", lambda key: None)  # every shard: the coordinator's
+        good = StoredAnswer(201, plaintext([("content-type", "application/json")], b"{}"))
+        bad = StoredAnswer(201, plaintext([("x-note", "a\x00b")], b"{}"))
+        outcomes = await asyncio.gather(
+            # The first goes alone (nothing in flight); the others queue behind it: one batch.
+            store.requests.complete(held[2], good),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[3], FINGERPRINT, 600, 600),
+            store.requests.complete(held[0], bad),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[4], FINGERPRINT, 600, 600),
+            store.requests.complete(held[1], good),  # type: ignore[arg-type]
+            store.requests.claim("r", SCOPE, keys[5], FINGERPRINT, 600, 600),
+            return_exceptions=True,
+        )
+        assert outcomes[0] is True and outcomes[4] is True
+        assert isinstance(outcomes[2], errors.StoreRefusedValue)
+        assert all(isinstance(outcomes[index], Claim) for index in (1, 3, 5)), outcomes
+        for key, state in (
+            (keys[0], "in_progress"),  # the refused answer was not stored
+            (keys[1], "completed"),
+            (keys[2], "completed"),
+            (keys[3], "in_progress"),
+        ):
+            record = await store.requests.get(SCOPE, key)
+            assert record is not None and record.state == state, key
+    finally:
+        await store.close()
+
+
+async def test_a_notification_that_fails_after_a_workers_statement_fails_none_of_its_operations(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Waiters are woken on the coordinator after the worker's statement committed. If that
+    # fails (here the coordinator refuses the statement), the claims and answers it committed
+    # keep their outcomes; the waiter finds the row at its next poll.
+    store = await PostgresStore.connect(database_url)
+    try:
+        keys = keys_of_one_worker(store, 3)
+        held = await store.requests.claim("r", SCOPE, keys[0], FINGERPRINT, 600, 600)
+        assert isinstance(held, Claim)
+        record = await store.requests.get(SCOPE, keys[0])
+        assert record is not None and await store.requests.mark_waited(record)
+        statements = dict(store.requests._statements)
+        refused = dataclasses.replace(
+            statements["notify"], sql="SELECT 1 / 0 FROM unnest($1::bigint[])"
+        )
+        monkeypatch.setattr(store.requests, "_statements", {**statements, "notify": refused})
+        good = StoredAnswer(201, plaintext([("content-type", "application/json")], b"{}"))
+        outcomes = await asyncio.gather(
+            store.requests.claim("r", SCOPE, keys[1], FINGERPRINT, 600, 600),
+            store.requests.complete(held, good),
+            store.requests.claim("r", SCOPE, keys[2], FINGERPRINT, 600, 600),
+            return_exceptions=True,
+        )
+        assert isinstance(outcomes[0], Claim) and isinstance(outcomes[2], Claim), outcomes
+        assert outcomes[1] is True
+        answered = await store.requests.get(SCOPE, keys[0])
+        assert answered is not None and answered.state == "completed"
+        assert any("not announced to their waiters" in r.getMessage() for r in caplog.records)
+    finally:
         await store.close()

@@ -73,11 +73,14 @@ class Dialect(Protocol):
         operation (Citus: its shards moved)."""
 
     async def fetch_both(
-        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+        self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """A batch of claims and one of completes whose keys go to one place (`together`):
-        their rows, from one statement where the dialect can (else a statement each, on
-        `pools`: the claims', the completes')."""
+        """A batch of claims and one of completes whose keys go to one place that takes them
+        in one statement (`in_one_statement`): their rows, from that one statement."""
+
+    def in_one_statement(self, key: str) -> bool:
+        """Whether claims and completes of `key`'s place (`together`) can share one statement
+        (`fetch_both`): on Citus, those of a worker that takes statements itself."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -117,12 +120,13 @@ class _Server:
     ) -> list[asyncpg.Record]:
         raise NotImplementedError
 
+    def in_one_statement(self, key: str) -> bool:
+        return False
+
     async def fetch_both(
-        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+        self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """A statement each, the claims' first."""
-        claimed = await self.fetch("claim", pools[0], claims)
-        return claimed, await self.fetch("complete", pools[1], completes)
+        raise TypeError("this server takes claims and completes in statements of their own")
 
     async def _fetch_on(
         self, pool: Pool, operation: str, values: dict[str, object]
@@ -230,16 +234,19 @@ class OnCitus(_Server):
             raise Rerouted("the batch spans shards since the map changed")
         return await self._fetch_on(pool, operation, values)
 
+    def in_one_statement(self, key: str) -> bool:
+        return self.workers.route(key) is not None
+
     async def fetch_both(
-        self, pools: tuple[Pool, Pool], claims: dict[str, object], completes: dict[str, object]
+        self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """On the worker of their keys, one statement; through the coordinator (a shard whose
-        worker cannot take statements itself), a statement each."""
+        """On the worker of their keys, one statement. A shard whose worker can no longer take
+        statements itself is refused before anything is sent: each operation goes again."""
         keys: Sequence[str] = claims["keys"]  # type: ignore[assignment]  # the batch's keys
         node = self.workers.route(keys[0])
-        if node is not None:
-            return await self.workers.fetch_both(node, claims, completes)
-        return await super().fetch_both(pools, claims, completes)
+        if node is None:
+            raise Rerouted("the batch's worker takes no statements of its own any more")
+        return await self.workers.fetch_both(node, claims, completes)
 
     def _route(self, key: str) -> object:
         node = self.workers.route(key)

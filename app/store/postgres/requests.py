@@ -214,12 +214,22 @@ class RequestPath:
         return rows
 
     async def _wake(self, settled: Sequence[asyncpg.Record]) -> None:
-        """Notify the rows a committed settle returned as waited on, where gateways LISTEN."""
+        """Notify the rows a committed settle returned as waited on, where gateways LISTEN.
+        Best effort: the settle has committed, so a notification that fails (the coordinator
+        restarting) must not fail it, or a batch's committed claims would be resent or lost
+        with it; a waiter that misses it finds the row at its next poll (`notify.Watch`)."""
         waited = [row["id"] for row in settled if row["waited"]]
-        if waited:
-            notify = self._statements["notify"]
+        if not waited:
+            return
+        notify = self._statements["notify"]
+        try:
             async with self._pool.acquire() as connection:
                 await connection.execute(notify.sql, *notify.arguments({"ids": waited}))
+        except DRIVER_ERRORS as exc:
+            log.warning(
+                "%d settled keys were not announced to their waiters (%s: %s); they poll",
+                len(waited), type(exc).__name__, exc,
+            )  # fmt: skip
 
     @translated("claim")
     async def claim(
@@ -265,19 +275,21 @@ class RequestPath:
 
     async def _claim_complete_batch(
         self, batch: Sequence[Claiming | Completing]
-    ) -> list[Claim | Record | bool | None]:
+    ) -> list[Claim | Record | bool | Exception | None]:
         """Claims and completes of one place (`Dialect.together`), in one statement when the
-        batch has both; each operation keeps its own outcome, in the batch's order."""
+        batch has both; each operation keeps its own outcome (or failure), in the batch's
+        order."""
         claims = [each for each in batch if isinstance(each, Claiming)]
         completes = [each for each in batch if isinstance(each, Completing)]
         if not completes:
             return list(await self._claim_batch(claims))
         if not claims:
             return list(await self._complete_batch(completes))
+        if not self._dialect.in_one_statement(claims[0].key):
+            return await self._each_kind_alone(batch, claims, completes)
         claimed, claim_arrays = self._claim_arrays(claims)
         completed, complete_arrays = self._complete_arrays(completes)
         claim_rows, complete_rows = await self._dialect.fetch_both(
-            (self._pool, self._answer_pool),
             {**claim_arrays, "keys": [each.key for each in claimed]},
             {**complete_arrays, "keys": [each.key for each in completed]},
         )
@@ -286,6 +298,44 @@ class RequestPath:
         stored = iter(settled_by_rows(completes, completed, complete_rows))
         return [next(claim_outcomes) if isinstance(each, Claiming) else next(stored)
                 for each in batch]  # fmt: skip
+
+    async def _each_kind_alone(
+        self,
+        batch: Sequence[Claiming | Completing],
+        claims: Sequence[Claiming],
+        completes: Sequence[Completing],
+    ) -> list[Claim | Record | bool | Exception | None]:
+        """Claims and completes where they cannot share a statement (through the Citus
+        coordinator): a statement each, and each kind's failure its own. Once the claims'
+        statement committed, nothing the completes' does may send those claims again (a claim
+        won, sent again, reads its own row `in_progress`: the client would get 409 for its own
+        first request) or fail them (a won claim nobody forwards ends `unknown`)."""
+        claimed = iter(await self._own_outcomes(self._claim_batch, claims))
+        stored = iter(await self._own_outcomes(self._complete_batch, completes))
+        return [next(claimed) if isinstance(each, Claiming) else next(stored) for each in batch]
+
+    async def _own_outcomes(
+        self,
+        send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
+        batch: Sequence[Keyed],
+    ) -> list[Outcome | Exception]:
+        """`send`'s outcomes, one per operation, never raising: what the batcher does for a
+        batch (`batching.Batcher._carry`, and the reroute of `_batcher`), for one kind of it."""
+        try:
+            return list(await send(batch))
+        except Rerouted as exc:
+            log.info("a batch of %d is sent again: %s", len(batch), exc)
+            again = await asyncio.gather(
+                *(self._claims.run(each) for each in batch), return_exceptions=True
+            )
+            return [_failure(found) if isinstance(found, BaseException) else found
+                    for found in again]  # fmt: skip
+        except Exception as exc:
+            if len(batch) > 1 and isolable(exc):
+                return [
+                    outcome for each in batch for outcome in await self._own_outcomes(send, [each])
+                ]
+            return [exc] * len(batch)
 
     def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
         """A request stopped waiting for its claim (or its reclaim of an expired key) after the

@@ -32,12 +32,6 @@ log = logging.getLogger("oncegate.store.citus")
 SHARDS_PER_WORKER = 2
 
 
-def recommended_shards(workers: int) -> int:
-    """The key table's shard count oncegate chooses for `workers` workers (`oncegate migrate`,
-    when the operator left `citus.shard_count` at Citus's default)."""
-    return SHARDS_PER_WORKER * max(workers, 1)
-
-
 def crowded(most: int) -> str | None:
     """What to tell the operator when a worker holds `most` shards of the key table, more than
     recommended; None when it holds no more."""

@@ -44,8 +44,11 @@ from __future__ import annotations
 from alembic import op
 from sqlalchemy import text
 
-# Where the store says what it recommends (mypy reads app/ as a package of its own name).
-from oncegate.store.citus import recommended_shards  # type: ignore[import-not-found]
+# Shards of the key table per worker where the operator left `citus.shard_count` at Citus's
+# default: oncegate's recommendation (store/citus.py's SHARDS_PER_WORKER, which warns above it;
+# docs/operations.md, "Shard count"). Written here, not imported: a migration does what it did
+# when it was written (tests/store/test_migrations.py holds the two equal).
+SHARDS_PER_WORKER = 2
 
 revision = "0008"
 down_revision = "0007"
@@ -216,7 +219,7 @@ def _distribute() -> None:
         chosen = bind.execute(
             text("SELECT source = 'default' FROM pg_settings WHERE name = 'citus.shard_count'")
         ).scalar()
-        count = f", shard_count => {recommended_shards(workers):d}" if chosen else ""
+        count = f", shard_count => {SHARDS_PER_WORKER * workers:d}" if chosen else ""
         op.execute(f"SELECT create_distributed_table('oncegate_keys', 'key'{count})")
     if "oncegate_checkpoints" not in distributed:
         op.execute(

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from oncegate.model.records import Claim
-from oncegate.store import migrate
+from oncegate.store import citus, migrate
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import stored
 
@@ -225,6 +225,24 @@ def test_the_head_a_gateway_needs_is_alembic_s_head() -> None:
     config = Config()
     config.set_main_option("script_location", str(migrate.LOCATION))
     assert migrate.head() == ScriptDirectory.from_config(config).get_current_head()
+
+
+def test_the_shard_count_migrate_chooses_is_the_one_the_store_recommends() -> None:
+    # Migration 0008 writes its own copy of the recommendation (a migration does what it did
+    # when written); a gateway warns above the store's. The two must not drift apart silently.
+    import ast
+
+    script = migrate.LOCATION / "versions" / "0008_distributable.py"
+    assigned = {
+        target.id: node.value
+        for node in ast.parse(script.read_text()).body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    written = assigned["SHARDS_PER_WORKER"]
+    assert isinstance(written, ast.Constant)
+    assert written.value == citus.SHARDS_PER_WORKER
 
 
 def _script(directory: Path, revision: str, down: str | None) -> None:

@@ -38,8 +38,9 @@ _json_handler: logging.StreamHandler[Any] | None = None
 class JsonFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
-        self._second = -1
-        self._second_text = ""
+        # (second, its text), replaced as one value: the request line's fast path formats
+        # outside the handler's lock, so two threads may read and write it at once.
+        self._second: tuple[int, str] = (-1, "")
 
     def _time(self, created: float) -> str:
         """`created` as `datetime.fromtimestamp(created, UTC).isoformat(timespec=
@@ -48,10 +49,11 @@ class JsonFormatter(logging.Formatter):
         micros = round((created - second) * 1_000_000)
         if micros >= 1_000_000:
             second, micros = second + 1, 0
-        if second != self._second:
-            self._second = second
-            self._second_text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-        return f"{self._second_text}.{micros // 1000:03d}+00:00"
+        cached, text = self._second
+        if second != cached:
+            text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+            self._second = (second, text)
+        return f"{text}.{micros // 1000:03d}+00:00"
 
     def format(self, record: logging.LogRecord) -> str:
         line = self.line(record.created, record.levelname, record.name, record.getMessage())

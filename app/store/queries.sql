@@ -49,6 +49,20 @@
 -- (postgres/requests.py) sends each key, or each (id, token), once per batch and answers its
 -- copies itself.
 
+-- fragment: claim_outcome
+-- What a claim returns for each key it was sent (`wanted`: the batch, `n` its position;
+-- `claimed`: the rows it inserted; `held`: the row that held the key), for `claim` below and
+-- for the claim a Citus worker runs on its own shard tables (postgres/workers.py): written
+-- once, so the two cannot differ.
+wanted.n,
+claimed.id IS NOT NULL AS claimed,
+coalesce(claimed.id, held.id) AS id,
+coalesce(claimed.fencing_token, held.fencing_token) AS fencing_token,
+held.fingerprint,
+oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
+held.response_status, held.response_headers, held.response_body, held.response_stored,
+held.sealed_with, held.sealed_headers;
+
 -- name: claim [postgres]
 -- Take new keys, or read the rows that already hold them: one round trip either way.
 -- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
@@ -76,14 +90,7 @@ claimed AS (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token, scope, key
 )
-SELECT wanted.n,
-       claimed.id IS NOT NULL AS claimed,
-       coalesce(claimed.id, held.id) AS id,
-       coalesce(claimed.fencing_token, held.fencing_token) AS fencing_token,
-       held.fingerprint,
-       oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
-       held.response_status, held.response_headers, held.response_body, held.response_stored,
-       held.sealed_with, held.sealed_headers
+SELECT {claim_outcome}
 FROM wanted
 LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
 LEFT JOIN oncegate_keys AS held

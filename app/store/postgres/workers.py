@@ -272,14 +272,7 @@ _CLAIMED = """wanted
 LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
 LEFT JOIN held ON held.n = wanted.n"""
 
-_CLAIMS = """SELECT wanted.n,
-       claimed.id IS NOT NULL AS claimed,
-       coalesce(claimed.id, held.id) AS id,
-       coalesce(claimed.fencing_token, held.fencing_token) AS fencing_token,
-       held.fingerprint,
-       oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
-       held.response_status, held.response_headers, held.response_body, held.response_stored,
-       held.sealed_with, held.sealed_headers"""
+_CLAIMS = f"SELECT {FRAGMENTS['claim_outcome']}"  # queries.sql's, as `claim` returns it
 
 
 def _claiming(shards: Sequence[int]) -> str:

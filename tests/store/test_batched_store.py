@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
-from oncegate.model.answers import StoredAnswer
+from oncegate.model.answers import SealedRequest, StoredAnswer
 from oncegate.model.records import Claim, Record
 from oncegate.settings import StoreOptions
 from oncegate.store.postgres import PostgresStore
@@ -252,6 +252,32 @@ async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
             assert record is not None and record.id == claimed.id
     finally:
         await store.close()
+
+
+async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_of_them(
+    store: PostgresStore,
+) -> None:
+    # A claim keeps its request (up to a route's max_body, 10 MiB by default): a batch of 64 of
+    # them would be one parameter of 640 MiB, and past 1 GiB PostgreSQL refuses the message and
+    # fails every claim of the batch. A batch weighs what it keeps, as completes weigh answers.
+    kept = SealedRequest(None, b"r" * (3 * 1024 * 1024))
+    keys = [new_key() for _ in range(3)]
+    before = batches("claim")
+    claims = await answered(
+        asyncio.gather(
+            *(
+                store.requests.claim(ROUTE, SCOPE, key, digest("a"), LONG, LONG, kept)
+                for key in keys
+            )
+        )
+    )
+    sent, carried = batches("claim")
+    # The first alone (nothing in flight), then each of the others alone: two would be 6 MiB.
+    assert (sent - before[0], carried - before[1]) == (3, 3)
+    assert all(isinstance(claimed, Claim) for claimed in claims)
+    for key in keys:
+        record = await store.requests.get(SCOPE, key)
+        assert record is not None and record.state == "in_progress"
 
 
 async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_nothing(

@@ -121,6 +121,11 @@ def taken_by_rows(
     return outcomes
 
 
+def request_size(claiming: Claiming) -> int:
+    """What a claim weighs in a batch: the request it keeps (up to a route's `max_body`)."""
+    return 0 if claiming.request is None else len(claiming.request.data)
+
+
 def answer_size(completing: Completing) -> int:
     content = completing.answer.content
     if content is None:

@@ -55,6 +55,7 @@ from .operations import (
     TakingOver,
     answer_size,
     claimed_row,
+    request_size,
     settled_by_rows,
     taken_by_rows,
     to_send,
@@ -70,9 +71,11 @@ Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
 # The statements that settle a row, and so may have to wake whoever waits on it.
 
-# Answers are sent to PostgreSQL as one array per batch: a batch holds at most this many bytes
-# of them (one larger answer goes alone), so 64 large answers never make one huge parameter.
-COMPLETE_BATCH_BYTES = 4 * 1024 * 1024
+# Answers, and the requests claims keep, are sent to PostgreSQL as one array per batch: a batch
+# holds at most this many bytes of them (one larger goes alone), so 64 large answers or kept
+# requests never make one huge parameter (PostgreSQL refuses a message past 1 GiB, and would
+# fail every operation of the batch with it).
+BATCH_BYTES = 4 * 1024 * 1024
 
 
 class RequestPath:
@@ -107,18 +110,22 @@ class RequestPath:
                 "claim_complete",
                 self._claim_complete_batch,
                 on_abandoned=self._claimed_for_nobody,  # a complete's outcome is no claim
-                weight=_answer_weight,
-                max_weight=COMPLETE_BATCH_BYTES,
+                weight=_weight,
+                max_weight=BATCH_BYTES,
             )
         else:
             self._claims = self._batcher(
-                "claim", self._claim_batch, on_abandoned=self._claimed_for_nobody
+                "claim",
+                self._claim_batch,
+                on_abandoned=self._claimed_for_nobody,
+                weight=request_size,
+                max_weight=BATCH_BYTES,
             )
             self._completes = self._batcher(
                 "complete",
                 self._complete_batch,
                 weight=answer_size,
-                max_weight=COMPLETE_BATCH_BYTES,
+                max_weight=BATCH_BYTES,
             )
         self._reclaims = self._batcher(
             "reclaim_expired", self._reclaim_batch, on_abandoned=self._claimed_for_nobody
@@ -514,9 +521,10 @@ def _claims_found(
     return outcomes
 
 
-def _answer_weight(operation: Claiming | Completing) -> int:
-    """What an operation weighs in a batch of claims and completes: an answer's bytes."""
-    return answer_size(operation) if isinstance(operation, Completing) else 0
+def _weight(operation: Claiming | Completing) -> int:
+    """What an operation weighs in a batch of claims and completes: its answer's bytes, or
+    those of the request it keeps."""
+    return answer_size(operation) if isinstance(operation, Completing) else request_size(operation)
 
 
 def _failure(found: BaseException) -> Exception:

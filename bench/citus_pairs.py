@@ -62,7 +62,7 @@ from oncegate.kernel.sealing import plaintext  # noqa: E402
 from oncegate.model.answers import StoredAnswer  # noqa: E402
 from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store import migrate  # noqa: E402
-from oncegate.store.citus import recommended_shards  # noqa: E402
+from oncegate.store.citus import SHARDS_PER_WORKER  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
 from oncegate.store.postgres.dialect import OnCitus  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
@@ -209,7 +209,7 @@ def servers(
                 url = cluster.create_database(f"{DATABASE}_{shards}")
                 asyncio.run(set_shard_count(url, shards))
                 if shards == DEFAULT:
-                    shards_named = f"{recommended_shards(citus.WORKERS)} shards (migrate's choice)"
+                    shards_named = f"{SHARDS_PER_WORKER * citus.WORKERS} shards (migrate's choice)"
                 else:
                     shards_named = f"{shards} shards"
                 name = f"Citus, coordinator + {citus.WORKERS} workers, {shards_named}"

@@ -110,15 +110,12 @@ async def for_pools(pools: Pools, url: str, options: StoreOptions) -> Dialect:
 
 
 class _Server:
+    """What both servers share; each sends the request path's statements its own way (`fetch`)."""
+
     statements: Statements
 
     async def close(self) -> None:
         pass
-
-    async def fetch(
-        self, operation: str, pool: Pool, values: dict[str, object]
-    ) -> list[asyncpg.Record]:
-        raise NotImplementedError
 
     def in_one_statement(self, key: str) -> bool:
         return False

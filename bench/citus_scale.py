@@ -8,14 +8,22 @@ quota, and again with the coordinator unlimited (what the workers carry when the
 not the limit). The load is the real store (`PostgresStore`, as bench/citus_pairs.py drives
 it: `--tasks` asyncio tasks, each claiming a new key and completing it) in this process.
 
-Printed per run: pairs/s and its ratio to the plain server; each node's CPU as a share of its
-quota and the share of its cgroup's periods that were throttled (a node at its quota is the
-bound it stands for: `bound` when it used 85% or more); and the load side's CPU (this process:
-it must not be the limit, `load-bound` when it used 85% of one core). The targets: 4 workers
->= 3x the plain server, 2 workers >= 1.7x.
+Every target is started first and stays up; then `--rounds` rounds each drive every target in
+turn (the one server, then each cluster), so a slow minute of the shared machine falls on every
+target of a round rather than on one, and each cluster's ratio is taken against the one server
+of the same round; the summary gives each target's median and range. (At a tenth of a core, the
+one server's pairs/s at its quota differed by 2x between runs minutes apart.)
+
+Printed per run: pairs/s and its ratio to the round's plain server; PostgreSQL's CPU per pair
+(the one server's, or the workers' together); each node's CPU as a share of its quota and the
+share of its cgroup's periods that were throttled (a node at its quota is the bound it stands
+for: `bound` when it used 85% or more); the store's operations per statement (claims / completes
+/ a worker's claims and completes together); and the load side's CPU (this process: it must not
+be the limit, `load-bound` when it used 85% of one core). The targets: 4 workers >= 3x the plain
+server, 2 workers >= 1.7x, judged on the median of the rounds' ratios.
 
     .venv/bin/python bench/citus_scale.py [--quota 0.25] [--duration 5] [--warmup 3]
-        [--tasks 64] [--workers 1,2,4] [--shards-per-worker 2]
+        [--tasks 64] [--workers 1,2,4] [--shards-per-worker 2] [--rounds 3]
 
 Needs root and a writable cgroup hierarchy with the cpu controller (it says `skipped` and exits
 0 where there is none), and Citus (as the tests do). Cgroups are made under the hierarchy's root
@@ -29,6 +37,7 @@ import asyncio
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -139,14 +148,30 @@ class Node:
 @dataclass
 class Result:
     target: str
+    round: int
     pairs_per_second: float
     nodes: list[tuple[str, float | None, float, float]]  # name, quota, cores used, throttled
     load_cores: float
     failures: int
+    batch: dict[str, float]  # operation -> mean operations per statement, during the run
 
 
-async def drive(url: str, nodes: list[Node], arguments: argparse.Namespace, target: str) -> Result:
-    store = await PostgresStore.connect(url)
+@dataclass
+class Target:
+    """One plain server, or a cluster with its coordinator at the quota or unlimited: the
+    servers stay up for every round, so the rounds can alternate between the targets."""
+
+    name: str
+    url: str
+    nodes: list[Node]
+    coordinator_quota: float | None
+
+
+async def drive(target: Target, arguments: argparse.Namespace, round_: int) -> Result:
+    nodes = target.nodes
+    nodes[0].cgroup.limit(target.coordinator_quota)
+    nodes[0].quota = target.coordinator_quota
+    store = await PostgresStore.connect(target.url)
     stop = asyncio.Event()
     measuring = False
     pairs = failures = 0
@@ -168,12 +193,14 @@ async def drive(url: str, nodes: list[Node], arguments: argparse.Namespace, targ
         groups = {node.name: [node.pid] for node in nodes}
         cpu_before = run.cpu_seconds(groups)
         throttling_before = {node.name: node.cgroup.throttling() for node in nodes}
+        batches_before = citus_pairs.batch_means()
         load_before = time.process_time()
         measuring, started = True, time.monotonic()
         await asyncio.sleep(arguments.duration)
         measuring, elapsed = False, time.monotonic() - started
         load = (time.process_time() - load_before) / elapsed
         cpu_after = run.cpu_seconds(groups)
+        batches_after = citus_pairs.batch_means()
         throttled = {}
         for node in nodes:
             periods, count = node.cgroup.throttling()
@@ -188,7 +215,13 @@ async def drive(url: str, nodes: list[Node], arguments: argparse.Namespace, targ
          throttled[node.name])
         for node in nodes
     ]  # fmt: skip
-    return Result(target, pairs / elapsed, used, load, failures)
+    batch = {}
+    for operation in citus_pairs.OPERATIONS:
+        total, count = batches_after.get(operation, (0.0, 0.0))
+        total_before, count_before = batches_before.get(operation, (0.0, 0.0))
+        if count > count_before:
+            batch[operation] = (total - total_before) / (count - count_before)
+    return Result(target.name, round_, pairs / elapsed, used, load, failures, batch)
 
 
 def nodes_of(cluster: citus.Cluster, quota: float, prefix: str) -> list[Node]:
@@ -203,68 +236,124 @@ def nodes_of(cluster: citus.Cluster, quota: float, prefix: str) -> list[Node]:
     return found
 
 
-def measure_target(
-    work: Path, workers: int, arguments: argparse.Namespace, results: list[Result]
-) -> None:
-    """One plain server (workers 0), or a cluster measured with its coordinator at the quota and
-    again unlimited."""
+def start_targets(
+    work: Path, workers: int, arguments: argparse.Namespace, clusters: list[citus.Cluster],
+    cgroups: list[Cgroup],
+) -> list[Target]:  # fmt: skip
+    """One plain server (workers 0), or a cluster twice: its coordinator at the quota, and
+    unlimited. Started, migrated and put in their cgroups; stopped by the caller."""
     with_citus = workers > 0
     cluster = citus.Cluster.start(work / f"nodes{workers}", workers=workers, with_citus=with_citus)
-    nodes: list[Node] = []
-    try:
-        url = cluster.create_database(citus_pairs.DATABASE)
-        if with_citus:
-            shards = max(1, arguments.shards_per_worker * workers)
-            asyncio.run(citus_pairs.set_shard_count(url, shards))
-        migrate.upgrade(url)
-        nodes = nodes_of(cluster, arguments.quota, f"oncegate-scale-{os.getpid()}-{workers}")
-        if not with_citus:
-            results.append(asyncio.run(drive(url, nodes, arguments, "PostgreSQL 15, one server")))
-            return
-        name = f"Citus, {workers} worker{'s' if workers > 1 else ''} ({shards} shards)"
-        results.append(asyncio.run(drive(url, nodes, arguments, f"{name}, coordinator at quota")))
-        nodes[0].cgroup.limit(None)
-        nodes[0].quota = None
-        results.append(asyncio.run(drive(url, nodes, arguments, f"{name}, coordinator unlimited")))
-    finally:
-        cluster.stop()
-        for node in nodes:
-            node.cgroup.remove()
-    run.progress(f"{results[-1].target}: {results[-1].pairs_per_second:,.0f} pairs/s")
-
-
-def table(results: list[Result], quota: float) -> str:
-    single = results[0].pairs_per_second if results else 0.0
-    lines = [
-        "| target | pairs/s | x one server | each node: CPU used of its quota, throttled periods"
-        " | load side (cores) | failures |",
-        "|---|---:|---:|---|---:|---:|",
+    clusters.append(cluster)
+    url = cluster.create_database(citus_pairs.DATABASE)
+    if with_citus:
+        shards = max(1, arguments.shards_per_worker * workers)
+        asyncio.run(citus_pairs.set_shard_count(url, shards))
+    migrate.upgrade(url)
+    nodes = nodes_of(cluster, arguments.quota, f"oncegate-scale-{os.getpid()}-{workers}")
+    cgroups.extend(node.cgroup for node in nodes)
+    if not with_citus:
+        return [Target(SINGLE, url, nodes, arguments.quota)]
+    name = f"Citus, {workers} worker{'s' if workers > 1 else ''} ({shards} shards)"
+    return [
+        Target(f"{name}, coordinator at quota", url, nodes, arguments.quota),
+        Target(f"{name}, coordinator unlimited", url, nodes, None),
     ]
+
+
+SINGLE = "PostgreSQL 15, one server"
+
+
+def _nodes_shown(result: Result) -> str:
+    shown = []
+    for name, node_quota, cores, throttled in result.nodes:
+        share = cores / node_quota if node_quota else None
+        bound = share is not None and share >= BOUND
+        used = f"{cores:.2f} cores" if share is None else f"{share:.0%}"
+        shown.append(f"{name} {used}, {throttled:.0%} throttled{' (bound)' if bound else ''}")
+    return "; ".join(shown)
+
+
+def _batch_shown(result: Result) -> str:
+    return " / ".join(
+        f"{result.batch[operation]:.1f}" if operation in result.batch else "-"
+        for operation in citus_pairs.OPERATIONS
+    )
+
+
+def _per_pair(result: Result) -> str:
+    """PostgreSQL CPU per pair in ms: the one server's, or the workers' together (the
+    coordinator's share is in the nodes column), to read beside the one server's."""
+    used = [cores for name, _, cores, _ in result.nodes if name != "coordinator"]
+    cores = sum(used) if used else result.nodes[0][2]
+    return f"{cores * 1000 / max(result.pairs_per_second, 1e-9):.3f}"
+
+
+def ratios(results: list[Result]) -> dict[str, list[float]]:
+    """Per target, each round's pairs/s over the same round's one server."""
+    single = {
+        result.round: result.pairs_per_second for result in results if result.target == SINGLE
+    }
+    found: dict[str, list[float]] = {}
     for result in results:
-        shown = []
-        for name, node_quota, cores, throttled in result.nodes:
-            share = cores / node_quota if node_quota else None
-            bound = share is not None and share >= BOUND
-            used = f"{cores:.2f} cores" if share is None else f"{share:.0%}"
-            shown.append(f"{name} {used}, {throttled:.0%} throttled{' (bound)' if bound else ''}")
+        if single.get(result.round):
+            found.setdefault(result.target, []).append(
+                result.pairs_per_second / single[result.round]
+            )
+    return found
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| round | target | pairs/s | x the round's one server | PostgreSQL CPU ms per pair (the"
+        " one server, or the workers together) | each node: CPU used of its quota, throttled"
+        " periods | operations per statement (claim / complete / both) | load side (cores)"
+        " | failures |",
+        "|---:|---|---:|---:|---:|---|---|---:|---:|",
+    ]
+    single = {
+        result.round: result.pairs_per_second for result in results if result.target == SINGLE
+    }
+    for result in results:
+        ratio = result.pairs_per_second / single[result.round] if single.get(result.round) else 0.0
         load = f"{result.load_cores:.2f}{' (load-bound)' if result.load_cores >= BOUND else ''}"
-        ratio = result.pairs_per_second / single if single else 0.0
         lines.append(
-            f"| {result.target} | {result.pairs_per_second:,.0f} | {ratio:.2f}x |"
-            f" {'; '.join(shown)} | {load} | {result.failures} |"
+            f"| {result.round} | {result.target} | {result.pairs_per_second:,.0f} | {ratio:.2f}x |"
+            f" {_per_pair(result)} | {_nodes_shown(result)} | {_batch_shown(result)} | {load} |"
+            f" {result.failures} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(results: list[Result]) -> str:
+    """Per target: the median of its rounds (pairs/s, and its ratio to the same round's one
+    server), with the range."""
+    lines = [
+        "| target | pairs/s, median (range) | x one server, median of the rounds (range) |",
+        "|---|---:|---:|",
+    ]
+    found = ratios(results)
+    for target in dict.fromkeys(result.target for result in results):
+        rates = [r.pairs_per_second for r in results if r.target == target]
+        each = found.get(target, [0.0])
+        lines.append(
+            f"| {target} | {statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"
+            f" | {statistics.median(each):.2f}x ({min(each):.2f}-{max(each):.2f}) |"
         )
     return "\n".join(lines)
 
 
 def verdicts(results: list[Result]) -> list[str]:
-    single = results[0].pairs_per_second
     found = []
     for workers, target in ((4, 3.0), (2, 1.7)):
-        for result in results[1:]:
-            if result.target.startswith(f"Citus, {workers} workers"):
-                ratio = result.pairs_per_second / single
+        for name, each in ratios(results).items():
+            if name.startswith(f"Citus, {workers} workers"):
+                ratio = statistics.median(each)
                 verdict = "PASS" if ratio >= target else "FAIL"
-                found.append(f"{verdict} {result.target} >= {target}x one server: {ratio:.2f}x")
+                found.append(
+                    f"{verdict} {name} >= {target}x one server: {ratio:.2f}x"
+                    f" (median of {len(each)} rounds)"
+                )
     return found
 
 
@@ -281,6 +370,12 @@ def parse_arguments() -> argparse.Namespace:
         metavar="N,N,...",
     )
     parser.add_argument("--shards-per-worker", type=int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs of every target, one after the other in each round (the servers stay up)",
+    )
     return parser.parse_args()
 
 
@@ -290,7 +385,8 @@ def main() -> int:
     if why is not None:
         print(f"citus_scale: skipped: {why}")
         return 0
-    budget = 300 + (1 + 2 * len(arguments.workers)) * (arguments.warmup + arguments.duration + 60)
+    runs = arguments.rounds * (1 + 2 * len(arguments.workers))
+    budget = 300 + 60 * len(arguments.workers) + runs * (arguments.warmup + arguments.duration + 20)
 
     def out_of_time(signum: int, frame: object) -> None:
         raise TimeoutError(f"the benchmark ran out of its {budget:.0f}s budget")
@@ -300,24 +396,41 @@ def main() -> int:
     metrics.setup()
     work = citus.temporary_directory("oncegate-citus-scale-")
     results: list[Result] = []
+    clusters: list[citus.Cluster] = []
+    cgroups: list[Cgroup] = []
     try:
-        for workers in [0, *arguments.workers]:
-            measure_target(work, workers, arguments, results)
+        targets = [
+            target
+            for workers in [0, *arguments.workers]
+            for target in start_targets(work, workers, arguments, clusters, cgroups)
+        ]
+        for round_ in range(1, arguments.rounds + 1):
+            for target in targets:
+                result = asyncio.run(drive(target, arguments, round_))
+                results.append(result)
+                run.progress(f"{round_} {target.name}: {result.pairs_per_second:,.0f} pairs/s")
         print(
             f"every PostgreSQL node in its own cgroup at {arguments.quota:g} cores;"
             f" {arguments.tasks} asyncio tasks on PostgresStore in this process, each a claim"
             f" then a complete of a new key; {arguments.warmup:g} s warm-up +"
-            f" {arguments.duration:g} s per run; {arguments.shards_per_worker} shards per worker;"
-            f" a node is `bound` at {BOUND:.0%} of its quota"
+            f" {arguments.duration:g} s per run, {arguments.rounds} rounds, every target in"
+            f" each; {arguments.shards_per_worker} shards per worker; a node is `bound` at"
+            f" {BOUND:.0%} of its quota"
         )
         print(f"\n$ {quick.command_line()}\n")
-        print(table(results, arguments.quota))
+        print(table(results))
+        print()
+        print(summary(results))
         print()
         for line in verdicts(results):
             print(line)
         return 1 if any(result.failures for result in results) else 0
     finally:
         signal.alarm(0)
+        for cluster in clusters:
+            cluster.stop()
+        for cgroup in cgroups:
+            cgroup.remove()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import StoredAnswer
 from oncegate.model.records import Claim
+from oncegate.settings import StoreOptions
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
 from oncegate.store.postgres import PostgresStore
@@ -363,6 +364,33 @@ async def test_a_workers_claims_and_completes_share_one_statement_and_a_bad_row_
         ):
             record = await store.requests.get(SCOPE, key)
             assert record is not None and record.state == state, key
+    finally:
+        await store.close()
+
+
+async def test_a_workers_statement_carries_a_full_batch_of_each_kind(database_url: str) -> None:
+    # A worker's claims and completes share a statement, which carries what the two statements
+    # it replaces would: `store_batch_size` of each kind, twice that in all. With the one cap
+    # for both, 256 requests in flight over two workers made statements of half the one
+    # server's batch of each kind.
+    store = await PostgresStore.connect(database_url, StoreOptions(batch_size=4))
+    try:
+        keys = keys_of_one_worker(store, 9)
+        held = [await store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600)
+                for key in keys[:4]]  # fmt: skip
+        assert all(isinstance(claim, Claim) for claim in held)
+        answer = StoredAnswer(201, plaintext([], b"{}"))
+        before = batch_sizes("claim_complete")
+        outcomes = await asyncio.gather(
+            # The first goes alone (nothing in flight); the other eight queue behind it.
+            store.requests.claim("r", SCOPE, keys[4], FINGERPRINT, 600, 600),
+            *(store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in keys[5:]),
+            *(store.requests.complete(claim, answer) for claim in held),  # type: ignore[arg-type]
+        )
+        after = batch_sizes("claim_complete")
+        assert after == (before[0] + 9, before[1] + 2)  # 1, then 4 claims and 4 completes
+        assert all(isinstance(outcome, Claim) for outcome in outcomes[:5])
+        assert outcomes[5:] == [True] * 4
     finally:
         await store.close()
 

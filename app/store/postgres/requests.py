@@ -106,12 +106,17 @@ class RequestPath:
             # claims and completes: about twice the operations per statement, one fence and one
             # commit for both). It closes with the claims (`close`); the gateway has drained
             # its requests by then, so no complete comes after.
+            # It carries what the two statements it replaces would: `store_batch_size` of
+            # each kind (twice that in all), or the two kinds' bytes. With one cap for both, 256
+            # requests in flight over two workers made statements of 36-58 operations against
+            # the one server's 51-53 claims and 50-53 completes (docs/scaling.md).
             self._claims = self._completes = self._batcher(
                 "claim_complete",
                 self._claim_complete_batch,
+                size=2 * options.batch_size,
                 on_abandoned=self._claimed_for_nobody,  # a complete's outcome is no claim
                 weight=_weight,
-                max_weight=BATCH_BYTES,
+                max_weight=2 * BATCH_BYTES,
             )
         else:
             self._claims = self._batcher(
@@ -154,6 +159,7 @@ class RequestPath:
         self,
         operation: str,
         send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
+        size: int | None = None,
         **options: Any,
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
         """The operation's batcher, as the dialect batches (on Citus, per worker or per shard).
@@ -173,8 +179,8 @@ class RequestPath:
                         for found in again]  # fmt: skip
 
         def make() -> Batcher[Keyed, Outcome]:
-            size = self._options.batch_size
-            return Batcher(operation, send_or_reroute, size, isolate=isolable, **options)
+            most = self._options.batch_size if size is None else size
+            return Batcher(operation, send_or_reroute, most, isolate=isolable, **options)
 
         batcher = self._dialect.batcher(operation, make)
         return batcher

@@ -59,6 +59,7 @@ class Batcher(Generic[Item, Outcome]):
         if max_size < 1:
             raise ValueError("a batch holds at least one operation")
         self.operation = operation
+        self._task_name = f"store {operation} batch"
         self._send = send
         self._max_size = max_size
         self._on_abandoned = on_abandoned
@@ -150,9 +151,7 @@ class Batcher(Generic[Item, Outcome]):
         batch = self._queued[:taken]
         del self._queued[:taken]
         self._queued_weight -= weight
-        task = self._running_loop().create_task(
-            self._carry(batch), name=f"store {self.operation} batch"
-        )
+        task = self._running_loop().create_task(self._carry(batch), name=self._task_name)
         self._in_flight.add(task)
         task.add_done_callback(self._landed)
 

@@ -41,14 +41,18 @@ class Query:
     parameters: tuple[str, ...]
 
     def arguments(self, values: Mapping[str, object]) -> tuple[object, ...]:
-        """`values` in the query's parameter order."""
-        if len(values) != len(self.parameters) or not all(
-            name in values for name in self.parameters
-        ):
+        """`values` in the query's parameter order: exactly the query's parameters, or
+        TypeError. One pass, no generator: every statement of the request path calls it (two
+        generators over the names were 6% of a lone claim's CPU in the store)."""
+        try:
+            found = tuple([values[name] for name in self.parameters])
+        except KeyError:
+            found = None
+        if found is None or len(values) != len(found):
             raise TypeError(
                 f"query {self.name} takes {sorted(self.parameters)}, was given {sorted(values)}"
             )
-        return tuple(values[name] for name in self.parameters)
+        return found
 
 
 class Statements(Mapping[str, Query]):

@@ -110,9 +110,8 @@ class Pool:
         async with self.acquire() as connection:
             return await connection.fetchrow(sql, *arguments)
 
-    async def take(self, within: float | None) -> asyncpg.Connection:
-        """A connection: an idle one, a new one in a free place, or the next given back (waiting
-        at most `within` seconds for it: TimeoutError)."""
+    def take_idle(self) -> asyncpg.Connection | None:
+        """An idle connection, or None: taken without a coroutine, as most statements are."""
         if self._closed:
             raise asyncpg.InterfaceError("the store's connections are closed")
         idle = self._idle
@@ -121,6 +120,14 @@ class Pool:
             if not connection.is_closed():
                 return connection
             self._size -= 1  # broken while idle (PostgreSQL restarted): its place is free
+        return None
+
+    async def take(self, within: float | None) -> asyncpg.Connection:
+        """A connection: an idle one, a new one in a free place, or the next given back (waiting
+        at most `within` seconds for it: TimeoutError)."""
+        connection = self.take_idle()
+        if connection is not None:
+            return connection
         if self._size < self._max_size:
             self._size += 1
             return await self._open()
@@ -244,8 +251,11 @@ class Lease:
     async def __aenter__(self) -> asyncpg.Connection:
         if self._connection is not None:
             raise asyncpg.InterfaceError("a lease holds one connection at a time")
-        self._connection = await self._pool.take(self._timeout)
-        return self._connection
+        connection = self._pool.take_idle()
+        if connection is None:
+            connection = await self._pool.take(self._timeout)
+        self._connection = connection
+        return connection
 
     async def __aexit__(
         self,

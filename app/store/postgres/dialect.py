@@ -21,7 +21,7 @@ dialect and never which server they are on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -76,11 +76,8 @@ class Dialect(Protocol):
         self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
         """A batch of claims and one of completes whose keys go to one place that takes them
-        in one statement (`in_one_statement`): their rows, from that one statement."""
-
-    def in_one_statement(self, key: str) -> bool:
-        """Whether claims and completes of `key`'s place (`together`) can share one statement
-        (`fetch_both`): on Citus, those of a worker that takes statements itself."""
+        in one statement (a batcher of both kinds, `batcher`): their rows, from that one
+        statement."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -116,9 +113,6 @@ class _Server:
 
     async def close(self) -> None:
         pass
-
-    def in_one_statement(self, key: str) -> bool:
-        return False
 
     async def fetch_both(
         self, claims: dict[str, object], completes: dict[str, object]
@@ -217,8 +211,7 @@ class OnCitus(_Server):
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
         shards = self.shards
         if operation in ON_WORKERS:
-            # Per worker; a shard whose worker cannot take statements itself, per shard.
-            return PerShard(lambda each: self._route(each.key), make)
+            return PerShard(self._route, make)
         return PerShard(lambda each: shards.shard_of(each.key), make)
 
     async def fetch(
@@ -233,9 +226,6 @@ class OnCitus(_Server):
             raise Rerouted("the batch spans shards since the map changed")
         return await self._fetch_on(pool, operation, values)
 
-    def in_one_statement(self, key: str) -> bool:
-        return self.workers.route(key) is not None
-
     async def fetch_both(
         self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
@@ -247,9 +237,15 @@ class OnCitus(_Server):
             raise Rerouted("the batch's worker takes no statements of its own any more")
         return await self.workers.fetch_both(node, claims, completes)
 
-    def _route(self, key: str) -> object:
-        node = self.workers.route(key)
-        return node if node is not None else self.shards.shard_of(key)
+    def _route(self, each: OnKey) -> Hashable:
+        """The batch a claim or complete joins: its worker's (both kinds, one statement), or,
+        where the worker cannot take statements itself, its shard's through the coordinator,
+        one kind a batch (a statement each there: the completes' failure must not touch claims
+        the other committed, and the batcher isolates and reroutes each kind on its own)."""
+        node = self.workers.route(each.key)
+        if node is not None:
+            return node
+        return "claim" if isinstance(each, Claiming) else "complete", self.shards.shard_of(each.key)
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {"anchor": sent[0].key}  # the batch's keys share its shard

@@ -5,7 +5,8 @@ Design rules:
 - Concurrent claims share one statement and one commit, as do concurrent completes, releases,
   take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
   the SQL is in queries.sql. Where the dialect says so (`Dialect.together`: on Citus, a
-  worker's), claims and completes share one batcher and one statement.
+  worker's), claims and completes share one batcher and one statement; where it batches them
+  apart (a Citus shard reached through the coordinator), a batch holds one kind.
 - Storing an answer (`complete`) commits with `synchronous_commit` = `store_answer_commit` (the
   `answers` pool): `off` by default, without waiting for the WAL flush, one fsync fewer on every
   forward. The claim stays synchronous, because a claim lost in a PostgreSQL crash could let a
@@ -289,17 +290,17 @@ class RequestPath:
     async def _claim_complete_batch(
         self, batch: Sequence[Claiming | Completing]
     ) -> list[Claim | Record | bool | Exception | None]:
-        """Claims and completes of one place (`Dialect.together`), in one statement when the
-        batch has both; each operation keeps its own outcome (or failure), in the batch's
-        order."""
+        """Claims and completes of one place (`Dialect.together`: on Citus, one worker's), in
+        one statement when the batch has both; each operation keeps its own outcome (or
+        failure), in the batch's order. Where they cannot share a statement (through the Citus
+        coordinator) the dialect batches each kind apart, so a batch holds one kind: a failure
+        of the completes' statement never touches claims that committed in another."""
         claims = [each for each in batch if isinstance(each, Claiming)]
         completes = [each for each in batch if isinstance(each, Completing)]
         if not completes:
             return list(await self._claim_batch(claims))
         if not claims:
             return list(await self._complete_batch(completes))
-        if not self._dialect.in_one_statement(claims[0].key):
-            return await self._each_kind_alone(batch, claims, completes)
         claimed, claim_arrays = self._claim_arrays(claims)
         completed, complete_arrays = self._complete_arrays(completes)
         claim_rows, complete_rows = await self._dialect.fetch_both(
@@ -311,44 +312,6 @@ class RequestPath:
         stored = iter(settled_by_rows(completes, completed, complete_rows))
         return [next(claim_outcomes) if isinstance(each, Claiming) else next(stored)
                 for each in batch]  # fmt: skip
-
-    async def _each_kind_alone(
-        self,
-        batch: Sequence[Claiming | Completing],
-        claims: Sequence[Claiming],
-        completes: Sequence[Completing],
-    ) -> list[Claim | Record | bool | Exception | None]:
-        """Claims and completes where they cannot share a statement (through the Citus
-        coordinator): a statement each, and each kind's failure its own. Once the claims'
-        statement committed, nothing the completes' does may send those claims again (a claim
-        won, sent again, reads its own row `in_progress`: the client would get 409 for its own
-        first request) or fail them (a won claim nobody forwards ends `unknown`)."""
-        claimed = iter(await self._own_outcomes(self._claim_batch, claims))
-        stored = iter(await self._own_outcomes(self._complete_batch, completes))
-        return [next(claimed) if isinstance(each, Claiming) else next(stored) for each in batch]
-
-    async def _own_outcomes(
-        self,
-        send: Callable[[Sequence[Keyed]], Awaitable[Sequence[Outcome]]],
-        batch: Sequence[Keyed],
-    ) -> list[Outcome | Exception]:
-        """`send`'s outcomes, one per operation, never raising: what the batcher does for a
-        batch (`batching.Batcher._carry`, and the reroute of `_batcher`), for one kind of it."""
-        try:
-            return list(await send(batch))
-        except Rerouted as exc:
-            log.info("a batch of %d is sent again: %s", len(batch), exc)
-            again = await asyncio.gather(
-                *(self._claims.run(each) for each in batch), return_exceptions=True
-            )
-            return [_failure(found) if isinstance(found, BaseException) else found
-                    for found in again]  # fmt: skip
-        except Exception as exc:
-            if len(batch) > 1 and isolable(exc):
-                return [
-                    outcome for each in batch for outcome in await self._own_outcomes(send, [each])
-                ]
-            return [exc] * len(batch)
 
     def _claimed_for_nobody(self, _: object, outcome: Claim | Record | None) -> None:
         """A request stopped waiting for its claim (or its reclaim of an expired key) after the

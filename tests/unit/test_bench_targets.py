@@ -4,8 +4,10 @@ are what docs/performance.md quotes, so their verdicts must follow the figures."
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,3 +78,25 @@ def test_what_a_core_carries_is_one_second_over_each_cpu_per_forward() -> None:
 def test_what_a_core_carries_needs_both_figures(postgres: float) -> None:
     line = bench.capacity_line(results(0.4, 0.15, 5.9, postgres=postgres), 64)
     assert line == "what a core carries: not measured"
+
+
+def test_every_other_round_runs_the_plan_in_reverse(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What one row leaves behind (the key table's autovacuum after a forward row's inserts) must
+    # not always fall on the row after it: the route-wait row, after the forward's, read dearer.
+    measured: list[bench.Configuration] = []
+
+    def measure(
+        servers: object, configuration: bench.Configuration, connections: int, *rest: object
+    ) -> bench.Sample:
+        measured.append(configuration)
+        return sample(0.3)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "progress", lambda message: None)
+    forward, waited, replay = bench.FORWARD, bench.WAIT_FORWARD, bench.REPLAY
+    plan = [(forward, 64), (waited, 64), (replay, 64)]
+    results = bench.Results()
+    no_servers: Any = None  # `measure` is replaced: nothing is started
+    bench.run_plan(no_servers, plan, argparse.Namespace(repeats=3), results)
+    assert measured == [forward, waited, replay, replay, waited, forward, forward, waited, replay]
+    assert len(results.get(waited, 64)) == 3

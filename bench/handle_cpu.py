@@ -6,8 +6,9 @@ It prints, per row, the CPU time of this process per `handle` (µs), the minimum
 one of 100 stored keys (`replay`), each on a route that keeps the request behind its key (the
 default) and on one that does not (`keep_request: never`). The difference between the two is
 what building the kept request costs every keyed request (the claim carries it whether it inserts
-or finds the key stored). Requests run one after another: the figure is the gateway's code, not
-its batching.
+or finds the key stored). The `wait` row is the forward on a route with `wait` (a retry of a key
+in flight waits for its answer): nobody waits on a new key, so it should cost what the first row
+costs. Requests run one after another: the figure is the gateway's code, not its batching.
 
 The `edge` rows are the whole proxy port instead (`ProxyApp`, the ASGI call uvicorn makes, with
 the gateway's JSON log line, written to /dev/null, and its metrics): everything the gateway's
@@ -108,7 +109,10 @@ async def one_run(mode: str, keep: str, count: int) -> float:
             "name": "default",
             "match": "/",
             "upstream": "http://127.0.0.1:9",
-            "keep_request": "until_settled" if keep == "edge" else keep,
+            "keep_request": "until_settled" if keep in ("edge", "wait") else keep,
+            # A route whose retries wait (`wait`): nobody waits on a new key, so it should
+            # cost what the route without it costs.
+            **({"wait": "10s"} if keep == "wait" else {}),
         }
     )
     gateway = Gateway(MemoryStore(capacity=CAPACITY), AtOnce())
@@ -159,13 +163,17 @@ def _measure(arguments: argparse.Namespace) -> int:
         for mode in ("forward", "replay")
         for keep in ("until_settled", "never", "edge")
     ]
+    rows.insert(1, ("forward", "wait"))
     figures: dict[tuple[str, str], list[float]] = {row: [] for row in rows}
     for _ in range(arguments.repeats):
         for mode, keep in rows:
             figures[mode, keep].append(asyncio.run(one_run(mode, keep, arguments.requests)))
     print(f"$ {quick.command_line()}\n")
     print(f"Python {sys.version.split()[0]}; {arguments.repeats} interleaved runs per row\n")
-    print("| request | keep_request (edge: the whole proxy port) | µs CPU per call, min | median |")
+    print(
+        "| request | keep_request (edge: the whole proxy port; wait: until_settled on a route "
+        "with `wait`) | µs CPU per call, min | median |"
+    )
     print("|---|---|---:|---:|")
     for mode, keep in rows:
         values = figures[mode, keep]
@@ -174,7 +182,9 @@ def _measure(arguments: argparse.Namespace) -> int:
         kept = statistics.median(figures[mode, "until_settled"])
         kept -= statistics.median(figures[mode, "never"])
         print(f"\nthe kept request, {mode}: {kept:+.1f} µs per request (medians)", end="")
-    print()
+    waited = statistics.median(figures["forward", "wait"])
+    waited -= statistics.median(figures["forward", "until_settled"])
+    print(f"\nthe route's wait, a forward nobody waits for: {waited:+.1f} µs per request (medians)")
     return 0
 
 

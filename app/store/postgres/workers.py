@@ -29,8 +29,8 @@ Design rules:
   together per worker): 64 requests in flight over two workers make statements of about 25
   operations again, with one fence and one commit, instead of two statements of 10-11; such a
   statement carries up to twice `store_batch_size` operations of the two kinds together
-  (`requests`), as the two it replaces would, so 256 in flight over two workers make statements of 84-93 operations, not 48-60. It
-  commits synchronously, as a claim must; a worker's answers commit with its own
+  (`requests`), as the two it replaces would, so 256 in flight over two workers make statements
+  of 84-93 operations, not 48-60. It commits synchronously, as a claim must; a worker's answers commit with its own
   `synchronous_commit` anyway (`_open`), on by default, so a complete waits for no flush it
   would not have waited for. A pair cost the cluster 0.061-0.062 ms of PostgreSQL CPU at one
   shard per worker against 0.103-0.113 in statements of their own (docs/scaling.md).

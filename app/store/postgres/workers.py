@@ -25,15 +25,15 @@ Design rules:
   parts of the statement find no rows).
 - A worker down costs only its keys: its pools fail (503 `store-unavailable` above) while the
   other workers' pools go on; a pool opens connections again as its worker comes back.
-- A worker's claims and completes share one statement (`fetch_both`; the store batches them
-  together per worker): 64 requests in flight over two workers make statements of about 25
-  operations again, with one fence and one commit, instead of two statements of 10-11; such a
-  statement carries up to twice `store_batch_size` operations of the two kinds together
-  (`requests`), as the two it replaces would, so 256 in flight over two workers make statements
-  of 84-93 operations, not 48-60. It commits synchronously, as a claim must; a worker's answers commit with its own
-  `synchronous_commit` anyway (`_open`), on by default, so a complete waits for no flush it
-  would not have waited for. A pair cost the cluster 0.061-0.062 ms of PostgreSQL CPU at one
-  shard per worker against 0.103-0.113 in statements of their own (docs/scaling.md).
+- A worker's claims and completes share one statement (`fetch_both`; the store batches them together
+  per worker): 64 requests in flight over two workers make statements of about 25 operations again,
+  with one fence and one commit, instead of two statements of 10-11; such a statement carries up to
+  twice `store_batch_size` operations of the two kinds together (`requests`), as the two it replaces
+  would, so 256 in flight over two workers make statements of 84-93 operations, not 48-60. It
+  commits synchronously, as a claim must; a worker's answers commit with its own
+  `synchronous_commit` anyway (`_open`), on by default, so a complete waits for no flush it would
+  not have waited for. A pair cost the cluster 0.061-0.062 ms of PostgreSQL CPU at one shard per
+  worker against 0.103-0.113 in statements of their own (docs/scaling.md).
 - The statements are written here, not in queries.sql: they name shard tables that exist only at
   run time, one part per shard the worker holds. Each part is the plain shape of queries.sql's
   `claim` or `complete` on one shard table (the columns a complete writes are queries.sql's

@@ -12,7 +12,8 @@ completing it, over and over, for `--duration` seconds after `--warmup`.
 
 Printed per target: pairs/s; PostgreSQL's CPU per pair (every postmaster of the target, its
 children and the children it reaped, from /proc: on the cluster the coordinator and both
-workers); how Citus executed the statements (`citus_stat_counters`: single-shard and
+workers); this process's CPU per pair (the store's side: batching, pools, asyncpg, and the
+tasks that drive it); how Citus executed the statements (`citus_stat_counters`: single-shard and
 multi-shard executions, and the two-phase commits the coordinator recorded in
 `pg_dist_transaction` during the run); and the mean operations per statement of the store's
 batches (`oncegate_store_batch_size`). Citus's recovery of two-phase commits, which deletes
@@ -24,9 +25,9 @@ none.
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
         [--shards default,32,8,2] [--apart]
 
-`--apart` adds, per shard count, the cluster again with each worker's claims and completes in
-statements of their own (as the store sent them before it carried both in one): the two side by
-side in one run.
+`--apart` adds the one server, and the cluster per shard count, again with claims and completes
+in statements of their own (as the store sent them before it carried both in one): the two side
+by side in one run.
 
 On one machine the cluster cannot be faster than the single server (three servers share its
 cores with the client); what the figures show is the cost of a pair on the cluster: docs/
@@ -64,7 +65,7 @@ from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store import migrate  # noqa: E402
 from oncegate.store.citus import SHARDS_PER_WORKER  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
-from oncegate.store.postgres.dialect import OnCitus  # noqa: E402
+from oncegate.store.postgres.dialect import OnCitus, Plain  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402
 
@@ -87,6 +88,7 @@ class Sample:
     pairs_per_second: float
     postgres_ms_per_pair: float
     coordinator_ms_per_pair: float | None  # on the cluster: the coordinator's share
+    client_ms_per_pair: float  # this process: the store's side (and the tasks that drive it)
     single_shard: int | None
     multi_shard: int | None
     two_phase: int | None
@@ -127,12 +129,12 @@ async def citus_counters(url: str) -> tuple[int, int, int] | None:
 async def measure(
     target: str, url: str, postmasters: list[int], arguments: argparse.Namespace
 ) -> Sample:
-    together = OnCitus.together
-    OnCitus.together = not target.endswith(APART)  # read as the store opens
+    together = OnCitus.together, Plain.together
+    OnCitus.together = Plain.together = not target.endswith(APART)  # read as the store opens
     try:
         store = await PostgresStore.connect(url)
     finally:
-        OnCitus.together = together
+        OnCitus.together, Plain.together = together
     failures = 0
     measuring = False
     pairs = 0
@@ -155,12 +157,14 @@ async def measure(
         await asyncio.sleep(arguments.warmup)
         groups = {f"node{index}": [pid] for index, pid in enumerate(postmasters)}
         before_cpu = run.cpu_seconds(groups)
+        before_client = time.process_time()
         before_counters = await citus_counters(url)
         before_batches = batch_means()
         measuring, started = True, time.monotonic()
         await asyncio.sleep(arguments.duration)
         measuring, elapsed = False, time.monotonic() - started
         after_cpu = run.cpu_seconds(groups)
+        client = time.process_time() - before_client
         after_batches = batch_means()
         stop.set()
         await asyncio.gather(*tasks)
@@ -184,6 +188,7 @@ async def measure(
         pairs / elapsed,
         sum(used.values()) * 1000 / max(pairs, 1),
         used["node0"] * 1000 / max(pairs, 1) if len(groups) > 1 else None,
+        client * 1000 / max(pairs, 1),
         single,
         multi,
         two_phase,
@@ -204,7 +209,10 @@ def servers(
         try:
             asyncio.run(pause_2pc_recovery(cluster))
             single.create_database(DATABASE)
-            targets = {"PostgreSQL 15, one server": (single.url(DATABASE), single.postmasters())}
+            one_server = "PostgreSQL 15, one server"
+            targets = {one_server: (single.url(DATABASE), single.postmasters())}
+            if apart:
+                targets[one_server + APART] = targets[one_server]
             for shards in shard_counts:
                 url = cluster.create_database(f"{DATABASE}_{shards}")
                 asyncio.run(set_shard_count(url, shards))
@@ -266,9 +274,9 @@ async def set_shard_count(url: str, shards: int) -> None:
 def table(samples: list[Sample]) -> str:
     lines = [
         "| target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
-        " | single-shard / multi-shard executions"
+        " | the store's process, CPU per pair | single-shard / multi-shard executions"
         " | two-phase commits | operations per statement (claim / complete / both) | failures |",
-        "|---|---:|---:|---|---:|---|---:|",
+        "|---|---:|---:|---:|---|---:|---|---:|",
     ]
     for sample in samples:
         executions = (
@@ -284,7 +292,7 @@ def table(samples: list[Sample]) -> str:
             cpu += f" ({sample.coordinator_ms_per_pair:.3f} + {workers:.3f})"
         lines.append(
             f"| {sample.target} | {sample.pairs_per_second:,.0f} |"
-            f" {cpu} | {executions} | {two_phase} | {batch} |"
+            f" {cpu} | {sample.client_ms_per_pair:.3f} ms | {executions} | {two_phase} | {batch} |"
             f" {sample.failures} |"
         )
     return "\n".join(lines)
@@ -307,7 +315,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--apart",
         action="store_true",
-        help="each cluster again with claims and completes in statements of their own",
+        help="each target again with claims and completes in statements of their own",
     )
     return parser.parse_args()
 
@@ -318,7 +326,7 @@ def main() -> int:
     if why is not None:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
-    runs = (1 + len(arguments.shards) * (2 if arguments.apart else 1)) * arguments.repeats
+    runs = (1 + len(arguments.shards)) * (2 if arguments.apart else 1) * arguments.repeats
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:

@@ -11,8 +11,11 @@ the two must differ, once per server (`-- name: NAME [postgres]`, `-- name: NAME
 raises, it never hands over another server's.
 
 A part that statements share is written once as a fragment (`-- fragment: NAME`) and named in a
-statement as `{NAME}`: the statement holds the fragment's text there. `FRAGMENTS` holds them for
-the statements written at run time (store/postgres/workers.py), so both say the same thing.
+statement, or in a fragment written after it, as `{NAME}`: the statement holds the fragment's
+text there. `{NAME:prefix_}` holds it with each of its parameters named with the prefix
+(`:keys` becomes `:prefix_keys`), so one statement can hold two parts that each take a `:keys`
+of their own. `FRAGMENTS` holds them for the statements written at run time
+(store/postgres/workers.py), so both say the same thing.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ Server = Literal["postgres", "citus"]
 SERVERS: tuple[Server, ...] = ("postgres", "citus")
 
 _NAME = re.compile(r"^-- (name|fragment): (\w+)(?: \[(\w+)\])?\s*$", re.MULTILINE)
-# `{name}`: a fragment, in a statement whose comments are gone.
-_FRAGMENT = re.compile(r"\{(\w+)\}")
+# `{name}` or `{name:prefix_}`: a fragment, in a statement whose comments are gone.
+_FRAGMENT = re.compile(r"\{(\w+)(?::([a-z_]+))?\}")
 # `:name`, but not the second colon of a `::type` cast.
 _PARAMETER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
 _COMMENT = re.compile(r"--[^\n]*")
@@ -129,7 +132,9 @@ def _read(text: str) -> tuple[dict[str, str], list[tuple[str, str | None, str]]]
             raise ValueError(f"fragment {name} is shaped for {server}: fragments are shared")
         if name in fragments:
             raise ValueError(f"fragment {name} is written twice")
-        fragments[name] = _uncommented(body).rstrip(";").strip()
+        fragments[name] = _expanded(
+            f"fragment {name}", _uncommented(body).rstrip(";").strip(), fragments
+        )
     return fragments, statements
 
 
@@ -143,20 +148,29 @@ def _uncommented(sql: str) -> str:
     return _COMMENT.sub("", sql.strip()).strip()
 
 
+def _expanded(where: str, sql: str, fragments: Mapping[str, str]) -> str:
+    """`sql` (`where`'s) with the fragments it names in place, their parameters prefixed where
+    it says so."""
+
+    def fragment(match: re.Match[str]) -> str:
+        try:
+            text = fragments[match.group(1)]
+        except KeyError:
+            raise ValueError(f"{where} names no fragment of the file: {match[0]}") from None
+        prefix = match.group(2)
+        if prefix is None:
+            return text
+        return _PARAMETER.sub(lambda parameter: f":{prefix}{parameter.group(1)}", text)
+
+    return _FRAGMENT.sub(fragment, sql)
+
+
 def _numbered(name: str, sql: str, fragments: Mapping[str, str] | None) -> Query:
     """`sql` with asyncpg's numbered parameters; a file's statement (`fragments` given) with its
     fragments in place, the text of one written at run time as it is."""
-
-    def fragment(match: re.Match[str]) -> str:
-        assert fragments is not None, "only a file's statements name fragments"
-        try:
-            return fragments[match.group(1)]
-        except KeyError:
-            raise ValueError(f"query {name} names no fragment of the file: {match[0]}") from None
-
     sql = _uncommented(sql)
     if fragments is not None:
-        sql = _FRAGMENT.sub(fragment, sql)
+        sql = _expanded(f"query {name}", sql, fragments)
     parameters: list[str] = []
 
     def number(match: re.Match[str]) -> str:

@@ -63,14 +63,17 @@ oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
 held.response_status, held.response_headers, held.response_body, held.response_stored,
 held.sealed_with, held.sealed_headers;
 
--- name: claim [postgres]
+-- fragment: claims
+-- The plain server's claim, as the parts of a WITH: `wanted` (the batch), `claimed` (the keys it
+-- inserted) and `claims`, what each claim got ({claim_outcome}). For `claim` below and for
+-- `claim_complete`, which holds it beside a complete: written once, so the two cannot differ.
 -- Take new keys, or read the rows that already hold them: one round trip either way.
 -- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
 -- the statement's snapshot, so a row committed by a concurrent claim after this statement began
 -- is not seen; then neither branch returns a row (id is NULL) and the caller reads it with `get`.
 -- Every decision that writes is a compare-and-set on the fencing token, so a read a moment old
 -- is safe.
-WITH wanted AS (
+wanted AS (
     SELECT *
     FROM unnest(:routes::text[], :scopes::bytea[], :keys::text[], :fingerprints::bytea[],
                 :leases::float8[], :ttls::float8[], :requests::bytea[],
@@ -89,12 +92,18 @@ claimed AS (
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token, scope, key
+),
+claims AS (
+    SELECT {claim_outcome}
+    FROM wanted
+    LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
+    LEFT JOIN oncegate_keys AS held
+           ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key
 )
-SELECT {claim_outcome}
-FROM wanted
-LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
-LEFT JOIN oncegate_keys AS held
-       ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key;
+
+-- name: claim [postgres]
+WITH {claims}
+SELECT * FROM claims;
 
 -- name: claim [citus]
 -- The same, as a function Citus runs on the worker that holds the shard of `anchor` (one of
@@ -189,10 +198,11 @@ request = NULL,
 request_sealed_with = NULL,
 claimed_by = NULL
 
--- name: complete
+-- fragment: completing
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
 -- better than `unknown`); a take-over changed the token and refuses it. `waited`: someone waits
--- on the row (`mark_waited`), and the store sends `notify` for it.
+-- on the row (`mark_waited`), and the store sends `notify` for it. For `complete` below and
+-- `claim_complete`.
 UPDATE oncegate_keys AS k
 SET {completed}
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
@@ -202,7 +212,33 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallin
 WHERE k.key = ANY(:keys) AND k.id = ANY(:ids)
   AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token
   AND k.state IN ('in_progress', 'unknown')
-RETURNING k.id, k.fencing_token, k.waited;
+RETURNING k.id, k.fencing_token, k.waited
+
+-- name: complete
+{completing};
+
+-- name: claim_complete [postgres]
+-- A batch's claims and completes in one statement and one commit, synchronous as a claim's must
+-- be (postgres/requests.py sends it on the claims' pool): the claims' rows (`n`, the claim's
+-- position, set), then the completes' (`n` NULL; their arrays are named `answer_...`).
+-- The claims are written first, the completes after: the first branch of the UNION reads
+-- `claimed` to its end before the second reads `completed`, and a part of a WITH that writes
+-- runs as it is read. So a claim that waits on another transaction (the same new key claimed
+-- there, or a row it holds) holds no row of this statement's completes meanwhile; a claim's
+-- insert never locks a row that exists, so nothing waits on the claims of a statement in its
+-- completes; and the completes lock their rows by id as every settle does: two such statements,
+-- or one and a settle or take-over, wait for each other and never deadlock.
+-- A claim reads the rows that hold its key on the statement's snapshot, before its completes:
+-- a key whose complete is in the same statement reads in flight here; the caller reads it
+-- again once committed (postgres/requests.py).
+WITH {claims},
+completed AS (
+    {completing:answer_}
+)
+SELECT *, NULL::boolean AS waited FROM claims
+UNION ALL
+SELECT NULL, NULL, id, fencing_token, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, waited
+FROM completed;
 
 -- name: release
 DELETE FROM oncegate_keys AS k

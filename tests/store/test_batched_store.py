@@ -20,13 +20,17 @@ import pytest
 from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
+from oncegate import settings
+from oncegate.kernel import fingerprint, keys
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import SealedRequest, StoredAnswer
 from oncegate.model.records import Claim, Record
+from oncegate.service import Gateway, ProxyRequest
 from oncegate.settings import StoreOptions
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import digest, new_key, stored
 
 __all__ = ["server"]  # the fixture: a PostgreSQL of this module's own, to stop
@@ -35,6 +39,8 @@ ROUTE = "batched"
 SCOPE = hashlib.sha256(b"batched scope").digest()
 LONG = 600.0  # a lease or TTL that cannot run out during a test
 HANG = 60.0  # a waiter that has no answer by then hangs: the test fails instead of hanging
+# Claims and completes share one batcher, and its label (`oncegate_store_batch_size`).
+CLAIMS = "claim_complete"
 
 T = TypeVar("T")
 
@@ -85,7 +91,7 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
     store: PostgresStore,
 ) -> None:
     key = new_key()
-    before = batches("claim")
+    before = batches(CLAIMS)
     first, *copies = await answered(
         asyncio.gather(
             claim(store, new_key()),  # alone; the copies queue behind it
@@ -95,7 +101,7 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
             claim(store, key, digest("one")),
         )
     )
-    assert batches("claim") == (before[0] + 2, before[1] + 5)  # [first], [the four copies]
+    assert batches(CLAIMS) == (before[0] + 2, before[1] + 5)  # [first], [the four copies]
     assert isinstance(first, Claim)
     winners = [copy for copy in copies if isinstance(copy, Claim)]
     assert len(winners) == 1 and isinstance(copies[0], Claim)  # the first copy sent wins
@@ -143,7 +149,7 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
     assert taken is not None and taken.token == claims[2].token + 1
 
     answer = plaintext([], b"{}")
-    before = batches("complete")
+    before = batches(CLAIMS)
     settled = await answered(
         asyncio.gather(
             store.requests.complete(
@@ -155,7 +161,7 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
             ),
         )
     )
-    assert batches("complete") == (before[0] + 2, before[1] + 5)
+    assert batches(CLAIMS) == (before[0] + 2, before[1] + 5)
     assert settled == [True, True, False, True, True]
     for index, key in enumerate(keys):
         record = await store.requests.get(SCOPE, key)
@@ -233,16 +239,18 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
 
 
 async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
+    # Claims and completes share a batcher, which carries what their two statements would:
+    # twice store_batch_size operations.
     store = await PostgresStore.connect(database_url, StoreOptions(batch_size=8))
     try:
-        keys = [new_key() for _ in range(1 + 8 + 8 + 4)]
-        before = batches("claim")
+        keys = [new_key() for _ in range(1 + 16 + 16 + 4)]
+        before = batches(CLAIMS)
         claims = await answered(asyncio.gather(*(claim(store, key) for key in keys)))
-        sent, carried = batches("claim")
-        # [1], then a full [8] starts beside it, and another, and the last 4 when one returns.
-        assert (sent - before[0], carried - before[1]) == (4, 21)
+        sent, carried = batches(CLAIMS)
+        # [1], then a full [16] starts beside it, and another, and the last 4 when one returns.
+        assert (sent - before[0], carried - before[1]) == (4, 37)
         bucket = REGISTRY.get_sample_value(
-            "oncegate_store_batch_size_bucket", {"operation": "claim", "le": "4.0"}
+            "oncegate_store_batch_size_bucket", {"operation": CLAIMS, "le": "4.0"}
         )
         assert bucket is not None
         assert all(isinstance(claimed, Claim) for claimed in claims)
@@ -254,15 +262,16 @@ async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
         await store.close()
 
 
-async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_of_them(
+async def test_claims_keeping_large_requests_go_in_statements_of_at_most_8_mib_of_them(
     store: PostgresStore,
 ) -> None:
     # A claim keeps its request (up to a route's max_body, 10 MiB by default): a batch of 64 of
     # them would be one parameter of 640 MiB, and past 1 GiB PostgreSQL refuses the message and
-    # fails every claim of the batch. A batch weighs what it keeps, as completes weigh answers.
-    kept = SealedRequest(None, b"r" * (3 * 1024 * 1024))
+    # fails every claim of the batch. A batch weighs what it keeps, as completes weigh answers:
+    # at most 4 MiB of each kind's worth, 8 MiB a statement of claims and completes.
+    kept = SealedRequest(None, b"r" * (5 * 1024 * 1024))
     keys = [new_key() for _ in range(3)]
-    before = batches("claim")
+    before = batches(CLAIMS)
     claims = await answered(
         asyncio.gather(
             *(
@@ -271,8 +280,8 @@ async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_o
             )
         )
     )
-    sent, carried = batches("claim")
-    # The first alone (nothing in flight), then each of the others alone: two would be 6 MiB.
+    sent, carried = batches(CLAIMS)
+    # The first alone (nothing in flight), then each of the others alone: two would be 10 MiB.
     assert (sent - before[0], carried - before[1]) == (3, 3)
     assert all(isinstance(claimed, Claim) for claimed in claims)
     for key in keys:
@@ -332,17 +341,29 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
 
 async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
     """Every waiter of the batch gets `StoreUnavailable` (503, never forwarded), none hangs, no
-    claim of it survives, and once PostgreSQL is back the next batch works, with no restart."""
+    claim of it survives, an answer of it is not stored (its key still held by its claim, which
+    the lease turns `unknown`: a retry is never forwarded again), and once PostgreSQL is back the
+    next batch works, with no restart."""
     url = server.get_uri()
     store = await PostgresStore.connect(url, StoreOptions(batch_size=8))
     holder = await asyncpg.connect(url)
     keys = [new_key() for _ in range(5)]
+    completing = await claim(store, new_key())
+    assert isinstance(completing, Claim)
     try:
         await hold(holder, keys[0])  # ended by the stop below
+        before = batches(CLAIMS)
         alone = asyncio.create_task(claim(store, new_key()))
         waiting = [asyncio.create_task(claim(store, key)) for key in keys]
+        # ... and an answer, in the same statement as the claims (`claim_complete`)
+        waiting.append(
+            asyncio.create_task(
+                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
+            )
+        )
         await answered(alone)
-        await asyncio.sleep(0.2)  # [keys] is in PostgreSQL, waiting on the lock
+        assert batches(CLAIMS) == (before[0] + 2, before[1] + 7)  # [alone], [keys and answer]
+        await asyncio.sleep(0.2)  # [keys and answer] is in PostgreSQL, waiting on the lock
         await asyncio.to_thread(stop, server, "immediate")
         results = await answered(asyncio.gather(*waiting, return_exceptions=True))
         assert all(isinstance(result, errors.StoreUnavailable) for result in results), results
@@ -360,6 +381,13 @@ async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
             pytest.fail("the store did not come back after PostgreSQL did")
         # Nothing of the failed batch was kept: every key is claimed anew, token 1.
         assert all(isinstance(claimed, Claim) and claimed.token == 1 for claimed in claims)
+        record = await store.requests.get(SCOPE, completing.key)
+        assert record is not None
+        assert (record.state, record.token, record.answer) == (
+            "in_progress",
+            completing.token,
+            None,
+        )
     finally:
         await store.close()
 
@@ -422,3 +450,206 @@ async def test_a_take_over_nobody_waits_for_puts_the_key_back_to_unknown(
         await asyncio.sleep(0.05)
     assert found is not None
     assert (found.token, found.state) == (unknown.token + 1, "unknown")  # kept, not deleted
+
+
+# Claims and completes share one batcher, and a batch that holds both is one statement
+# (`claim_complete`): one commit, synchronous as a claim's must be.
+
+
+async def test_a_batch_of_claims_and_completes_is_one_statement_and_each_keeps_its_outcome(
+    store: PostgresStore,
+) -> None:
+    done, held, superseded = [await claim(store, new_key()) for _ in range(3)]
+    won = [await claim(store, new_key()) for _ in range(2)]
+    assert all(isinstance(each, Claim) for each in (done, held, superseded, *won))
+    answer = StoredAnswer(201, plaintext([("content-type", "text/plain")], b"done"))
+    assert await store.requests.complete(done, answer)
+    # The superseded claim's key was taken over by another gateway: its token is stale.
+    assert await store.requests.mark_unknown(superseded)
+    unknown = await store.requests.get(SCOPE, superseded.key)
+    assert unknown is not None and await store.requests.take_over(unknown, LONG) is not None
+    new = [new_key() for _ in range(2)]
+    before = batches(CLAIMS)
+    results = await answered(
+        asyncio.gather(
+            claim(store, new_key()),  # alone; the rest go in one statement
+            claim(store, new[0]),
+            store.requests.complete(won[0], StoredAnswer(201, plaintext([], b"first"))),
+            claim(store, done.key),  # a stored answer: its row
+            claim(store, new[0]),  # a copy: the row its first made
+            store.requests.complete(superseded, StoredAnswer(201, plaintext([], b"late"))),
+            claim(store, held.key),  # in flight: its row
+            store.requests.complete(won[1], StoredAnswer(202, plaintext([], b"second"))),
+            claim(store, new[1]),
+        )
+    )
+    assert batches(CLAIMS) == (before[0] + 2, before[1] + 9)
+    alone, first, stored_first, replay, copy, late, in_flight, stored_second, second = results
+    assert isinstance(alone, Claim) and isinstance(first, Claim) and isinstance(second, Claim)
+    assert (stored_first, late, stored_second) == (True, False, True)
+    assert isinstance(replay, Record) and (replay.id, replay.state) == (done.id, "completed")
+    assert stored(replay)[::2] == (201, b"done")
+    assert isinstance(copy, Record) and (copy.id, copy.state) == (first.id, "in_progress")
+    assert isinstance(in_flight, Record) and (in_flight.id, in_flight.state) == (
+        held.id,
+        "in_progress",
+    )
+    for key, status, body in ((won[0].key, 201, b"first"), (won[1].key, 202, b"second")):
+        record = await store.requests.get(SCOPE, key)
+        assert record is not None and record.state == "completed"
+        assert stored(record)[::2] == (status, body)
+    for claimed in (first, second):
+        record = await store.requests.get(SCOPE, claimed.key)
+        assert record is not None and (record.id, record.state) == (claimed.id, "in_progress")
+    taken = await store.requests.get(SCOPE, superseded.key)
+    assert taken is not None and (taken.state, taken.token, taken.answer) == (
+        "in_progress",
+        superseded.token + 1,
+        None,
+    )
+
+
+async def prepared(pool: Any) -> str:
+    """The statements the pool's one connection has prepared, as one text."""
+    async with pool.acquire() as connection:
+        rows = await connection.fetch("SELECT statement FROM pg_prepared_statements")
+    return "\n".join(row["statement"] for row in rows)
+
+
+async def test_claims_and_completes_together_commit_on_the_claims_pool_and_alone_where_they_did(
+    database_url: str,
+) -> None:
+    """A complete sent without claims goes on the answers pool (`store_answer_commit`, `off` by
+    default: no WAL flush to wait for); with claims, in their statement on the claims' pool,
+    synchronous, as a claim's commit must be."""
+    store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1, batch_size=8))
+    try:
+        claimed = await claim(store, new_key())
+        assert isinstance(claimed, Claim)
+        assert await store.requests.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
+        assert "FROM completed" not in await prepared(store._pools.requests)
+        assert "SET state = 'completed'" in await prepared(store._pools.answers)
+        completing = await claim(store, new_key())
+        assert isinstance(completing, Claim)
+        _, claimed, stored_now = await answered(
+            asyncio.gather(
+                claim(store, new_key()),  # alone; the next two go in one statement
+                claim(store, new_key()),
+                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}"))),
+            )
+        )
+        assert isinstance(claimed, Claim) and stored_now is True
+        assert "FROM completed" in await prepared(store._pools.requests)
+        assert "FROM completed" not in await prepared(store._pools.answers)
+        async with store._pools.requests.acquire() as connection:
+            assert await connection.fetchval("SHOW synchronous_commit") == "on"
+    finally:
+        await store.close()
+
+
+async def test_a_retry_that_meets_its_own_answer_in_one_statement_replays_it(
+    store: PostgresStore,
+) -> None:
+    """The first request's complete and its retry's claim in one statement: the claim read the
+    row before the complete wrote it (in flight), but both commit together, so the retry is
+    answered from the row as committed: the stored answer, replayed, not 409
+    `request-in-progress` for a request that is no longer in flight."""
+    route = settings.Route(name=ROUTE, match="/", upstream="http://upstream.test")
+    retry = ProxyRequest(
+        method="POST", path="/emails", query="", body=b"{}",
+        headers=[("idempotency-key", new_key()), ("content-type", "application/json")],
+    )  # fmt: skip
+    key = retry.headers[0][1]
+    scope = keys.scope(route.name, [[] for _ in route.scope_headers])
+    digest_of = fingerprint.compute("POST", "/emails", "", "application/json", b"{}")
+    first = await store.requests.claim(route.name, scope, key, digest_of, LONG, LONG)
+    assert isinstance(first, Claim)
+    upstream = FakeUpstream()
+    before = batches(CLAIMS)
+    _, stored_first, answer = await answered(
+        asyncio.gather(
+            claim(store, new_key()),  # alone; the complete and the retry's claim queue behind
+            store.requests.complete(
+                first, StoredAnswer(201, plaintext([("content-type", "text/plain")], b"first"))
+            ),
+            Gateway(store.requests, upstream).handle(route, retry),
+        )
+    )
+    assert batches(CLAIMS) == (before[0] + 2, before[1] + 3)  # the two in one statement
+    assert stored_first is True
+    assert (answer.status, answer.outcome, answer.body) == (201, "replayed", b"first")
+    assert upstream.requests(key) == []
+
+
+async def test_a_row_postgresql_refuses_among_claims_and_completes_fails_alone(
+    store: PostgresStore,
+) -> None:
+    completing = [await claim(store, new_key()) for _ in range(2)]
+    new = [new_key() for _ in range(2)]
+    answer = plaintext([], b"{}")
+    results = await answered(
+        asyncio.gather(
+            claim(store, new_key()),  # alone
+            claim(store, new[0]),
+            store.requests.complete(completing[0], StoredAnswer(201, answer)),
+            store.requests.complete(completing[1], StoredAnswer(42, answer)),  # refused
+            claim(store, new[1]),
+            return_exceptions=True,
+        )
+    )
+    assert isinstance(results[0], Claim) and isinstance(results[1], Claim)
+    assert results[2] is True and isinstance(results[4], Claim)
+    assert isinstance(results[3], errors.StoreUnavailable)
+    for key, expected in (
+        (new[0], "in_progress"), (new[1], "in_progress"),
+        (completing[0].key, "completed"), (completing[1].key, "in_progress"),
+    ):  # fmt: skip
+        record = await store.requests.get(SCOPE, key)
+        assert record is not None and record.state == expected, key
+    refused = await store.requests.get(SCOPE, completing[1].key)
+    assert refused is not None and refused.answer is None
+
+
+async def test_claims_that_wait_in_a_statement_hold_none_of_its_completes_rows(
+    store: PostgresStore, database_url: str
+) -> None:
+    """The lock order of `claim_complete` (queries.sql): the claims are written first. While a
+    claim waits on another transaction inside PostgreSQL, the rows the statement completes are
+    not locked yet, so nothing that waits on them (another statement's claims, a settle, a
+    take-over) can close a cycle with what the claim waits for: no deadlock."""
+    completing = await claim(store, new_key())
+    assert isinstance(completing, Claim)
+    blocked = new_key()
+    holder = await asyncpg.connect(database_url)
+    looker = await asyncpg.connect(database_url)
+    try:
+        lock = await hold(holder, blocked)
+        before = batches(CLAIMS)
+        alone = asyncio.create_task(claim(store, new_key()))
+        together = [
+            asyncio.create_task(claim(store, blocked)),
+            asyncio.create_task(
+                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
+            ),
+        ]
+        assert isinstance(await answered(alone), Claim)
+        for _ in range(200):  # until the statement waits on the held key, inside PostgreSQL
+            waiting = await looker.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                holder.get_server_pid(),
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.05)
+        assert waiting == 1 and batches(CLAIMS) == (before[0] + 2, before[1] + 3)
+        async with looker.transaction():  # the completed row is free: not locked by the claims
+            free = await looker.fetchval(
+                "SELECT id FROM oncegate_keys WHERE id = $1 FOR UPDATE NOWAIT", completing.id
+            )
+        assert free == completing.id
+        await lock.rollback()
+        claimed, stored_now = await answered(asyncio.gather(*together))
+        assert isinstance(claimed, Claim) and stored_now is True
+    finally:
+        await looker.close()
+        await holder.close()

@@ -39,6 +39,7 @@ GROWN = 20_000  # rows: a scan of them costs many times a batch's index lookups
 # planned for the test to mean anything.
 STATEMENTS = {
     "claim": "INSERT INTO oncegate_keys",
+    "claim_complete": "FROM completed",
     "get": "FROM oncegate_keys\nWHERE scope",
     "reclaim_expired": "completed_at = NULL",
     "take_over": "greatest(k.expires_at",
@@ -148,6 +149,15 @@ async def test_plans_made_on_an_empty_table_still_use_the_indexes_when_it_has_gr
         assert (
             await store.requests.reclaim_expired(expired, ROUTE, digest("body"), LONG, LONG)
             is not None
+        )
+        # Claims and a complete in one statement: a lone claim, and the next two behind it.
+        completing = await claimed(store)
+        assert all(
+            await asyncio.gather(
+                claimed(store),
+                claimed(store),
+                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}"))),
+            )
         )
         # The claim's read of a row that holds the key.
         assert isinstance(

@@ -7,7 +7,8 @@ request path batches (one batcher per operation, or one per shard), the claim's 
 the three operator paths that take a different shape of work. The rooms of the store ask their
 dialect and never which server they are on.
 
-- Plain PostgreSQL: one batcher per operation; the purge deletes a locked batch in one statement;
+- Plain PostgreSQL: one batcher per operation, claims and completes sharing one (and one statement
+  when a batch holds both: `claim_complete`); the purge deletes a locked batch in one statement;
   a delete says in the same statement whether the row exists; rekey locks a batch and writes it
   back in one transaction.
 - Citus (the key table distributed by `key`): claims and completes batched per worker and sent
@@ -57,7 +58,8 @@ class Dialect(Protocol):
     server: Server
     statements: Statements
     # Claims and completes share one batcher and, where the dialect can, one statement
-    # (`fetch_both`): on Citus, one statement per worker carrying both.
+    # (`fetch_both`): on plain PostgreSQL `claim_complete`; on Citus, one statement per worker
+    # carrying both.
     together: bool
 
     def batcher(
@@ -73,11 +75,11 @@ class Dialect(Protocol):
         operation (Citus: its shards moved)."""
 
     async def fetch_both(
-        self, claims: dict[str, object], completes: dict[str, object]
+        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
         """A batch of claims and one of completes whose keys go to one place that takes them
         in one statement (a batcher of both kinds, `batcher`): their rows, from that one
-        statement."""
+        statement, on `pool` (the claims') or where the dialect sends it."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -114,11 +116,6 @@ class _Server:
     async def close(self) -> None:
         pass
 
-    async def fetch_both(
-        self, claims: dict[str, object], completes: dict[str, object]
-    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        raise TypeError("this server takes claims and completes in statements of their own")
-
     async def _fetch_on(
         self, pool: Pool, operation: str, values: dict[str, object]
     ) -> list[asyncpg.Record]:
@@ -140,7 +137,7 @@ class _Server:
 class Plain(_Server):
     server: Server = "postgres"
     statements = DIALECTS["postgres"]
-    together = False
+    together = True
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -153,6 +150,16 @@ class Plain(_Server):
         # The statement's own coroutine, not one that awaits it: one frame fewer for every
         # statement to pass through twice (sent, and resumed with its rows).
         return self._fetch_on(pool, operation, values)
+
+    async def fetch_both(
+        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
+    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+        """`claim_complete`: the claims' rows (`n` set), then the completes'."""
+        answers = {f"answer_{name}": value for name, value in completes.items()}
+        rows = await self._fetch_on(pool, "claim_complete", {**claims, **answers})
+        return [row for row in rows if row["n"] is not None], [
+            row for row in rows if row["n"] is None
+        ]
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {}
@@ -227,10 +234,11 @@ class OnCitus(_Server):
         return await self._fetch_on(pool, operation, values)
 
     async def fetch_both(
-        self, claims: dict[str, object], completes: dict[str, object]
+        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """On the worker of their keys, one statement. A shard whose worker can no longer take
-        statements itself is refused before anything is sent: each operation goes again."""
+        """On the worker of their keys, one statement (on the worker's pools, not `pool`). A
+        shard whose worker can no longer take statements itself is refused before anything is
+        sent: each operation goes again."""
         keys: Sequence[str] = claims["keys"]  # type: ignore[assignment]  # the batch's keys
         node = self.workers.route(keys[0])
         if node is None:

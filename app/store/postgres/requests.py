@@ -4,15 +4,20 @@ Design rules:
 - Every statement is autocommitted: one round trip, no transaction held open.
 - Concurrent claims share one statement and one commit, as do concurrent completes, releases,
   take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
-  the SQL is in queries.sql. Where the dialect says so (`Dialect.together`: on Citus, a
-  worker's), claims and completes share one batcher and one statement; where it batches them
-  apart (a Citus shard reached through the coordinator), a batch holds one kind.
-- Storing an answer (`complete`) commits with `synchronous_commit` = `store_answer_commit` (the
-  `answers` pool): `off` by default, without waiting for the WAL flush, one fsync fewer on every
-  forward. The claim stays synchronous, because a claim lost in a PostgreSQL crash could let a
-  retry forward twice. A lost `complete` cannot: the row falls back to its durable in-flight
-  claim, whose lease runs out into `unknown`, and nothing is forwarded again. What a failover
-  lost that way is counted and logged (`failover.RecentAnswers`).
+  the SQL is in queries.sql. Claims and completes share one batcher (`Dialect.together`), and a
+  batch that holds both is one statement (`claim_complete`; on Citus, a worker's): one pool
+  acquire, one round trip and one commit for a forward's complete and the next forwards'
+  claims. Where the dialect batches them apart (a Citus shard reached through the
+  coordinator), a batch holds one kind.
+- A claim commits synchronously, because a claim lost in a PostgreSQL crash could let a retry
+  forward twice. Completes sent without a claim beside them commit with `synchronous_commit` =
+  `store_answer_commit` (the `answers` pool): `off` by default, without waiting for the WAL
+  flush. That is every complete at 1 connection (a forward's complete comes after its claim
+  returned) and whenever no claim queued while a statement was in flight. Completes that share
+  a statement with claims commit with them, synchronously: the flush is one the claims wait for
+  anyway. A lost `complete` cannot forward twice: the row falls back to its durable in-flight
+  claim, whose lease runs out into `unknown`. What a failover lost that way is counted and
+  logged (`failover.RecentAnswers`).
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
@@ -103,14 +108,15 @@ class RequestPath:
         self._claims: Batcher[Any, Any] | PerShard[Any, Any]
         self._completes: Batcher[Any, Any] | PerShard[Any, Any]
         if dialect.together:
-            # One batcher, one statement for both where the dialect can (on Citus, a worker's
-            # claims and completes: about twice the operations per statement, one fence and one
-            # commit for both). It closes with the claims (`close`); the gateway has drained
-            # its requests by then, so no complete comes after.
-            # It carries what the two statements it replaces would: `store_batch_size` of
-            # each kind (twice that in all), or the two kinds' bytes. With one cap for both, 256
-            # requests in flight over two workers made statements of 36-58 operations against
-            # the one server's 51-53 claims and 50-53 completes (docs/scaling.md).
+            # One batcher, one statement for both where the dialect can (`claim_complete`; on
+            # Citus, a worker's claims and completes: one fence too): about twice the
+            # operations per statement, one commit for both. It closes with the claims
+            # (`close`); the gateway has drained its requests by then, so no complete comes
+            # after. It carries what the two statements it replaces would: twice
+            # `store_batch_size` operations and twice `BATCH_BYTES`, whatever the mix. With one
+            # cap for both, 256 requests in flight over two Citus workers made statements of
+            # 36-58 operations against the one server's 51-53 claims and 50-53 completes
+            # (docs/scaling.md).
             self._claims = self._completes = self._batcher(
                 "claim_complete",
                 self._claim_complete_batch,
@@ -304,11 +310,20 @@ class RequestPath:
         claimed, claim_arrays = self._claim_arrays(claims)
         completed, complete_arrays = self._complete_arrays(completes)
         claim_rows, complete_rows = await self._dialect.fetch_both(
+            self._pool,  # synchronous, as a claim's commit must be
             {**claim_arrays, "keys": [each.key for each in claimed]},
             {**complete_arrays, "keys": [each.key for each in completed]},
         )
         await self._wake(complete_rows)
-        claim_outcomes = iter(_claims_found(claims, claimed, claim_rows))
+        # A claim read the rows holding its key before its statement's completes wrote them: a
+        # row one of them completed is read again, committed (None: `claim`), so a retry that
+        # met its own request's answer in one statement replays it rather than hear 409
+        # `request-in-progress` for a request no longer in flight.
+        now_completed = {row["id"] for row in complete_rows}
+        claim_outcomes = iter(
+            None if isinstance(found, Record) and found.id in now_completed else found
+            for found in _claims_found(claims, claimed, claim_rows)
+        )
         stored = iter(settled_by_rows(completes, completed, complete_rows))
         return [next(claim_outcomes) if isinstance(each, Claiming) else next(stored)
                 for each in batch]  # fmt: skip

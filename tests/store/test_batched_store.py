@@ -653,3 +653,41 @@ async def test_claims_that_wait_in_a_statement_hold_none_of_its_completes_rows(
     finally:
         await looker.close()
         await holder.close()
+
+
+async def test_settles_nobody_waits_on_send_no_notification_and_a_waited_one_sends_its_own(
+    store: PostgresStore, database_url: str
+) -> None:
+    # A forward on a route with `wait` (bench/run.py's route-wait row) settles a key nobody
+    # waits on: nothing may go to the channel the gateways LISTEN on, whatever the settle.
+    heard: list[str] = []
+    first_heard = asyncio.Event()
+
+    def notified(connection: object, pid: int, channel: str, payload: str) -> None:
+        heard.append(payload)
+        first_heard.set()
+
+    listener = await asyncpg.connect(database_url)
+    try:
+        await listener.add_listener("oncegate_settled", notified)
+        keys = [new_key() for _ in range(6)]
+        claims = [await claim(store, key) for key in keys]
+        assert all(isinstance(claimed, Claim) for claimed in claims)
+        answer = StoredAnswer(201, plaintext([], b"done"))
+        settled = await answered(
+            asyncio.gather(  # the first complete alone, the other two queued behind it
+                *(store.requests.complete(claimed, answer) for claimed in claims[:3]),
+                store.requests.release(claims[3]),
+                store.requests.mark_unknown(claims[4]),
+            )
+        )
+        assert settled == [True] * 5
+        waited = await store.requests.get(SCOPE, keys[5])
+        assert waited is not None and await store.requests.mark_waited(waited)
+        assert await store.requests.complete(claims[5], answer)
+        # Notifications arrive in the order their transactions committed: one sent for a
+        # settle before the waited row's would be heard first.
+        await answered(first_heard.wait())
+        assert heard == [str(waited.id)]
+    finally:
+        await listener.close()

@@ -655,6 +655,69 @@ async def test_claims_that_wait_in_a_statement_hold_none_of_its_completes_rows(
         await holder.close()
 
 
+async def test_two_statements_of_claims_and_completes_that_cross_never_deadlock(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two gateways (two stores), each with a statement that completes its own key and claims
+    the other's (a retry meeting the first request's answer): were the completes written first,
+    each would hold its completed row while its claim waited on the other's, a deadlock
+    PostgreSQL breaks by failing one statement. Claims first, they wait for each other at most.
+    Both statements are held inside PostgreSQL on a key each claims (one open transaction), so
+    they run side by side once it ends."""
+    gateways = [
+        await PostgresStore.connect(database_url, StoreOptions(batch_size=8)) for _ in range(2)
+    ]
+    holder = await asyncpg.connect(database_url)
+    looker = await asyncpg.connect(database_url)
+    try:
+        # The held keys sort before the crossed ones: each statement's claims wait on them first.
+        held = [f"a-{new_key()}" for _ in gateways]
+        own = [await claim(gateway, f"b-{new_key()}") for gateway in gateways]
+        assert all(isinstance(each, Claim) for each in own)
+        lock = holder.transaction()
+        await lock.start()
+        for key in held:
+            await holder.execute(
+                "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, "
+                "fencing_token, lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, "
+                "'in_progress', 1, now() + interval '1 minute', now() + interval '1 hour')",
+                ROUTE, SCOPE, key, digest("held"),
+            )  # fmt: skip
+        alone = [asyncio.create_task(claim(gateway, new_key())) for gateway in gateways]
+        crossed = [
+            asyncio.gather(
+                claim(gateway, held[index]),
+                claim(gateway, own[1 - index].key),  # the other gateway's key
+                gateway.requests.complete(own[index], StoredAnswer(201, plaintext([], b"{}"))),
+            )
+            for index, gateway in enumerate(gateways)
+        ]
+        await answered(asyncio.gather(*alone))
+        for _ in range(200):  # until both statements wait on the held keys
+            waiting = await looker.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                holder.get_server_pid(),
+            )
+            if waiting == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert waiting == 2
+        await lock.rollback()
+        for index, (claimed, retried, stored_now) in enumerate(
+            await answered(asyncio.gather(*crossed))
+        ):
+            assert isinstance(claimed, Claim) and claimed.key == held[index]
+            assert stored_now is True
+            assert retried is None or isinstance(retried, Record)
+        failed = [record for record in caplog.records if "sending each operation" in record.msg]
+        assert failed == []  # no statement failed (a deadlock) and was sent again piecemeal
+    finally:
+        await looker.close()
+        await holder.close()
+        for gateway in gateways:
+            await gateway.close()
+
+
 async def test_settles_nobody_waits_on_send_no_notification_and_a_waited_one_sends_its_own(
     store: PostgresStore, database_url: str
 ) -> None:

@@ -13,9 +13,13 @@ Design rules:
   forward twice. Completes sent without a claim beside them commit with `synchronous_commit` =
   `store_answer_commit` (the `answers` pool): `off` by default, without waiting for the WAL
   flush. That is every complete at 1 connection (a forward's complete comes after its claim
-  returned) and whenever no claim queued while a statement was in flight. Completes that share
-  a statement with claims commit with them, synchronously: the flush is one the claims wait for
-  anyway. A lost `complete` cannot forward twice: the row falls back to its durable in-flight
+  returned) and whenever no claim queued while a statement was in flight. A statement of
+  claims and completes commits once for both, with the stronger of the two settings
+  (`Pools.claims_and_answers`): by default the claims', synchronously (the flush is one the
+  claims wait for anyway); with a `store_answer_commit` stronger than the server's
+  `synchronous_commit` (`remote_apply`), the answers'. No answer commits with less than
+  `store_answer_commit`, no claim with less than the server's setting. A lost `complete` cannot
+  forward twice: the row falls back to its durable in-flight
   claim, whose lease runs out into `unknown`. What a failover lost that way is counted and
   logged (`failover.RecentAnswers`).
 - A request that stops waiting after its claim was sent may still win it: the claim is then
@@ -99,6 +103,7 @@ class RequestPath:
         self._listener = listener  # closed by the store, after this room
         self._pool = pools.requests
         self._answer_pool = pools.answers
+        self._claims_and_answers_pool = pools.claims_and_answers
         self._options = options
         self.outage = outage
         self._dialect = dialect
@@ -310,7 +315,7 @@ class RequestPath:
         claimed, claim_arrays = self._claim_arrays(claims)
         completed, complete_arrays = self._complete_arrays(completes)
         claim_rows, complete_rows = await self._dialect.fetch_both(
-            self._pool,  # synchronous, as a claim's commit must be
+            self._claims_and_answers_pool,  # the stronger of the claims' and answers' commits
             {**claim_arrays, "keys": [each.key for each in claimed]},
             {**complete_arrays, "keys": [each.key for each in completed]},
         )

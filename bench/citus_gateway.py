@@ -148,8 +148,8 @@ def main() -> int:
     upstream: list[subprocess.Popen[bytes]] = []
     try:
         with citus_pairs.servers(work, arguments.shards) as targets:
-            for url, _ in targets.values():
-                migrate.upgrade(url)
+            for endpoint in targets.values():
+                migrate.upgrade(endpoint.url)
             upstream_port = quick.free_port()
             quick.start(
                 quick.oncegate("demo-upstream", "--host", quick.HOST, "--port", str(upstream_port)),
@@ -157,8 +157,10 @@ def main() -> int:
             )  # fmt: skip
             quick.wait_listening(upstream[0], upstream_port, work / "upstream.log", STARTUP_TIMEOUT)
             for _ in range(arguments.repeats):
-                for target, (url, postmasters) in targets.items():
-                    row = measure(target, url, postmasters, upstream_port, work, arguments)
+                for target, endpoint in targets.items():
+                    row = measure(
+                        target, endpoint.url, endpoint.postmasters, upstream_port, work, arguments
+                    )
                     rows.append(row)
                     run.progress(f"{target}: {row.forwards_per_second:,.0f} forwards/s")
         print(

@@ -8,7 +8,11 @@ coordinator with two workers, its key table in `--shards` shards (a database per
 default, and the bench's). Each gets oncegate's migrations (`oncegate.store.migrate`: on the cluster
 the key table is distributed by key), then the real store (`PostgresStore`, its
 batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
-completing it, over and over, for `--duration` seconds after `--warmup`.
+completing it, over and over, for `--duration` seconds after `--warmup`. Before the measured
+repeats, each database is driven once so, unmeasured, and `ANALYZE` runs on every node of it: no
+repeat runs on a fresh key table planned without statistics (the one server's first repeat used
+to read high). Each repeat runs every target in turn, the order rotated by one target a repeat,
+and each row's ratio is to the same repeat's one server.
 
 Printed per target: pairs/s; PostgreSQL's CPU per pair (every postmaster of the target, its
 children and the children it reaped, from /proc: on the cluster the coordinator and both
@@ -49,6 +53,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import asyncpg
 
@@ -76,6 +81,7 @@ DATABASE = "oncegate_bench"
 APART = ", claims and completes apart"
 DEFAULT = 0  # a `--shards` of `default`: citus.shard_count left alone, migrate chooses
 STARTUP_TIMEOUT = 120.0
+Target = TypeVar("Target")
 
 
 # The store's batchers: claims, completes, and on Citus a worker's claims and completes together.
@@ -85,6 +91,7 @@ OPERATIONS = ("claim", "complete", "claim_complete")
 @dataclass
 class Sample:
     target: str
+    repeat: int
     pairs_per_second: float
     postgres_ms_per_pair: float
     coordinator_ms_per_pair: float | None  # on the cluster: the coordinator's share
@@ -127,7 +134,7 @@ async def citus_counters(url: str) -> tuple[int, int, int] | None:
 
 
 async def measure(
-    target: str, url: str, postmasters: list[int], arguments: argparse.Namespace
+    target: str, url: str, postmasters: list[int], arguments: argparse.Namespace, repeat: int = 0
 ) -> Sample:
     together = OnCitus.together, Plain.together
     OnCitus.together = Plain.together = not target.endswith(APART)  # read as the store opens
@@ -185,6 +192,7 @@ async def measure(
     used = {name: after_cpu[name] - before_cpu[name] for name in groups}
     return Sample(
         target,
+        repeat,
         pairs / elapsed,
         sum(used.values()) * 1000 / max(pairs, 1),
         used["node0"] * 1000 / max(pairs, 1) if len(groups) > 1 else None,
@@ -197,12 +205,19 @@ async def measure(
     )
 
 
+@dataclass
+class Endpoint:
+    url: str  # the database the store connects to (a cluster's coordinator)
+    postmasters: list[int]
+    node_urls: list[str]  # every node's URL of the database, for ANALYZE
+
+
 @contextmanager
 def servers(
     work: Path, shard_counts: list[int], apart: bool = False
-) -> Iterator[dict[str, tuple[str, list[int]]]]:
-    """The targets: name -> (database URL, postmaster pids): one server, and the cluster once
-    per shard count (a database of its own, distributed with that many shards)."""
+) -> Iterator[dict[str, Endpoint]]:
+    """The targets by name: one server, and the cluster once per shard count (a database of its
+    own, distributed with that many shards)."""
     single = citus.Cluster.start(work / "single", workers=0, with_citus=False)
     try:
         cluster = citus.Cluster.start(work / "citus")
@@ -210,7 +225,11 @@ def servers(
             asyncio.run(pause_2pc_recovery(cluster))
             single.create_database(DATABASE)
             one_server = "PostgreSQL 15, one server"
-            targets = {one_server: (single.url(DATABASE), single.postmasters())}
+            targets = {
+                one_server: Endpoint(
+                    single.url(DATABASE), single.postmasters(), [single.url(DATABASE)]
+                )
+            }
             if apart:
                 targets[one_server + APART] = targets[one_server]
             for shards in shard_counts:
@@ -221,7 +240,8 @@ def servers(
                 else:
                     shards_named = f"{shards} shards"
                 name = f"Citus, coordinator + {citus.WORKERS} workers, {shards_named}"
-                targets[name] = (url, cluster.postmasters())
+                node_urls = [node.url(f"{DATABASE}_{shards}") for node in cluster.nodes]
+                targets[name] = Endpoint(url, cluster.postmasters(), node_urls)
                 if apart:
                     targets[name + APART] = targets[name]
             yield targets
@@ -229,6 +249,34 @@ def servers(
             cluster.stop()
     finally:
         single.stop()
+
+
+async def analyze(endpoint: Endpoint) -> None:
+    """`ANALYZE` on every node of the database: the one server's key table, or the
+    coordinator's and each worker's shard tables."""
+    for node_url in endpoint.node_urls:
+        connection = await asyncpg.connect(node_url)
+        try:
+            await connection.execute("ANALYZE")
+        finally:
+            await connection.close()
+
+
+def in_order(targets: list[Target], repeat: int) -> list[Target]:
+    """Repeat `repeat`'s order (from 1): the targets rotated by one place a repeat, so that none
+    always runs first, on a machine fresh from the last target's run, or after the same one."""
+    shift = (repeat - 1) % len(targets)
+    return targets[shift:] + targets[:shift]
+
+
+def ratio(sample: Sample, samples: list[Sample]) -> float | None:
+    """The sample's PostgreSQL CPU per pair over the same repeat's one server's (the one server
+    apart for a target apart)."""
+    one_server = "PostgreSQL 15, one server" + (APART if sample.target.endswith(APART) else "")
+    for other in samples:
+        if other.repeat == sample.repeat and other.target == one_server:
+            return sample.postgres_ms_per_pair / max(other.postgres_ms_per_pair, 1e-9)
+    return None
 
 
 async def pause_2pc_recovery(cluster: citus.Cluster) -> None:
@@ -273,10 +321,11 @@ async def set_shard_count(url: str, shards: int) -> None:
 
 def table(samples: list[Sample]) -> str:
     lines = [
-        "| target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
-        " | the store's process, CPU per pair | single-shard / multi-shard executions"
-        " | two-phase commits | operations per statement (claim / complete / both) | failures |",
-        "|---|---:|---:|---:|---|---:|---|---:|",
+        "| repeat | target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
+        " | x the repeat's one server | the store's process, CPU per pair"
+        " | single-shard / multi-shard executions | two-phase commits"
+        " | operations per statement (claim / complete / both) | failures |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for sample in samples:
         executions = (
@@ -290,10 +339,11 @@ def table(samples: list[Sample]) -> str:
         if sample.coordinator_ms_per_pair is not None:
             workers = sample.postgres_ms_per_pair - sample.coordinator_ms_per_pair
             cpu += f" ({sample.coordinator_ms_per_pair:.3f} + {workers:.3f})"
+        times = ratio(sample, samples)
         lines.append(
-            f"| {sample.target} | {sample.pairs_per_second:,.0f} |"
-            f" {cpu} | {sample.client_ms_per_pair:.3f} ms | {executions} | {two_phase} | {batch} |"
-            f" {sample.failures} |"
+            f"| {sample.repeat} | {sample.target} | {sample.pairs_per_second:,.0f} | {cpu} |"
+            f" {'-' if times is None else f'{times:.2f}x'} | {sample.client_ms_per_pair:.3f} ms |"
+            f" {executions} | {two_phase} | {batch} | {sample.failures} |"
         )
     return "\n".join(lines)
 
@@ -327,6 +377,7 @@ def main() -> int:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
     runs = (1 + len(arguments.shards)) * (2 if arguments.apart else 1) * arguments.repeats
+    runs += 1 + len(arguments.shards)  # the warm-up of each database
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:
@@ -339,11 +390,22 @@ def main() -> int:
     samples: list[Sample] = []
     try:
         with servers(work, arguments.shards, arguments.apart) as targets:
-            for url in {url for url, _ in targets.values()}:
+            databases = {endpoint.url: name for name, endpoint in reversed(targets.items())}
+            for url, name in databases.items():
                 migrate.upgrade(url)
-            for _ in range(arguments.repeats):
-                for target, (url, postmasters) in targets.items():
-                    sample = asyncio.run(measure(target, url, postmasters, arguments))
+                endpoint = targets[name]
+                sample = asyncio.run(measure(name, url, endpoint.postmasters, arguments))
+                asyncio.run(analyze(endpoint))
+                run.progress(
+                    f"warm-up {name}: {sample.pairs_per_second:,.0f} pairs/s, then ANALYZE on"
+                    " every node"
+                )
+            for repeat in range(1, arguments.repeats + 1):
+                for target in in_order(list(targets), repeat):
+                    endpoint = targets[target]
+                    sample = asyncio.run(
+                        measure(target, endpoint.url, endpoint.postmasters, arguments, repeat)
+                    )
                     samples.append(sample)
                     run.progress(
                         f"{target}: {sample.pairs_per_second:,.0f} pairs/s,"
@@ -351,8 +413,9 @@ def main() -> int:
                     )
         print(
             f"{arguments.tasks} asyncio tasks on PostgresStore, each a claim then a complete of a"
-            f" new key; {arguments.warmup:g} s warm-up + {arguments.duration:g} s per run;"
-            " CPU from /proc"
+            f" new key; {arguments.warmup:g} s warm-up + {arguments.duration:g} s per run,"
+            " every database first driven once unmeasured and analyzed on every node, the"
+            " order rotated each repeat; CPU from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(table(samples))

@@ -14,8 +14,9 @@ A part that statements share is written once as a fragment (`-- fragment: NAME`)
 statement, or in a fragment written after it, as `{NAME}`: the statement holds the fragment's
 text there. `{NAME:prefix_}` holds it with each of its parameters named with the prefix
 (`:keys` becomes `:prefix_keys`), so one statement can hold two parts that each take a `:keys`
-of their own. `FRAGMENTS` holds them for the statements written at run time
-(store/postgres/workers.py), so both say the same thing.
+of their own. A fragment too may be shaped per server (`-- fragment: NAME [citus]`): a
+statement written once then holds each server's shape of it. `FRAGMENTS[server]` holds them for
+the statements written at run time (store/postgres/workers.py), so both say the same thing.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ class Statements(Mapping[str, Query]):
 
 def load(text: str) -> dict[str, Query]:
     """The statements of a file written for any server (no `[server]` shapes)."""
-    fragments, parts = _read(text)
+    entries, parts = _read(text)
+    for name, server, _ in entries:
+        if server is not None:
+            raise ValueError(f"fragment {name} is shaped for {server} in a file of one dialect")
+    fragments = _fragments(entries, None)
     queries: dict[str, Query] = {}
     for name, server, body in parts:
         if server is not None:
@@ -94,32 +99,46 @@ def load(text: str) -> dict[str, Query]:
 def load_dialects(text: str) -> dict[Server, Statements]:
     """Per server, what it runs. A name is either written once for every server or shaped per
     server, never both (which one would win is what this refuses to decide)."""
-    fragments, parts = _read(text)
-    shared: dict[str, Query] = {}
-    shaped: dict[str, dict[str, Query]] = {server: {} for server in SERVERS}
+    entries, parts = _read(text)
+    fragments = {server: _fragments(entries, server) for server in SERVERS}
+    shared: dict[str, str] = {}
+    shaped: dict[str, dict[str, str]] = {server: {} for server in SERVERS}
     for name, server, body in parts:
         if server is not None and server not in shaped:
             raise ValueError(f"query {name} is shaped for {server}, which is none of {SERVERS}")
         written = shared if server is None else shaped[server]
         if name in written:
             raise ValueError(f"query {name} is written twice for {server or 'every server'}")
-        written[name] = _numbered(name, body, fragments)
+        written[name] = body
     for server, own in shaped.items():
         both = own.keys() & shared.keys()
         if both:
             raise ValueError(f"queries {sorted(both)} are written for every server and {server}")
-    return {server: Statements(server, {**shared, **shaped[server]}) for server in SERVERS}
+    return {
+        server: Statements(
+            server,
+            {
+                name: _numbered(name, body, fragments[server])
+                for name, body in {**shared, **shaped[server]}.items()
+            },
+        )
+        for server in SERVERS
+    }
 
 
-def load_fragments(text: str) -> dict[str, str]:
-    """The fragments of a file, each without its comments."""
-    return _read(text)[0]
+def load_fragments(text: str, server: Server | None = None) -> dict[str, str]:
+    """The fragments of a file as `server` holds them (its shapes; None: a file of one
+    dialect), each without its comments and with the fragments it names in place."""
+    return _fragments(_read(text)[0], server)
 
 
-def _read(text: str) -> tuple[dict[str, str], list[tuple[str, str | None, str]]]:
-    """The file's fragments, and its statements as (name, server or None, body)."""
-    fragments: dict[str, str] = {}
-    statements: list[tuple[str, str | None, str]] = []
+Part = tuple[str, str | None, str]  # (name, the server it is shaped for or None, its text)
+
+
+def _read(text: str) -> tuple[list[Part], list[Part]]:
+    """The file's fragments (uncommented) and statements, in the file's order."""
+    fragments: list[Part] = []
+    statements: list[Part] = []
     parts = _NAME.split(text)
     # parts = [preamble, kind1, name1, server1 or None, body1, kind2, ...]
     for kind, name, server, body in zip(
@@ -127,15 +146,27 @@ def _read(text: str) -> tuple[dict[str, str], list[tuple[str, str | None, str]]]
     ):
         if kind == "name":
             statements.append((name, server, body))
-            continue
-        if server is not None:
-            raise ValueError(f"fragment {name} is shaped for {server}: fragments are shared")
-        if name in fragments:
-            raise ValueError(f"fragment {name} is written twice")
-        fragments[name] = _expanded(
-            f"fragment {name}", _uncommented(body).rstrip(";").strip(), fragments
-        )
+        else:
+            fragments.append((name, server, _uncommented(body).rstrip(";").strip()))
     return fragments, statements
+
+
+def _fragments(entries: list[Part], server: Server | None) -> dict[str, str]:
+    """The fragments `server` sees, written for every server or shaped for it, each with the
+    fragments written before it in place. A name is written once for every server or shaped
+    per server, never both."""
+    fragments: dict[str, str] = {}
+    written: dict[str, set[str | None]] = {}
+    for name, shaped, body in entries:
+        if shaped is not None and shaped not in SERVERS:
+            raise ValueError(f"fragment {name} is shaped for {shaped}, which is none of {SERVERS}")
+        seen = written.setdefault(name, set())
+        if shaped in seen or (seen and (None in seen or shaped is None)):
+            raise ValueError(f"fragment {name} is written twice for {shaped or 'every server'}")
+        seen.add(shaped)
+        if shaped is None or shaped == server:
+            fragments[name] = _expanded(f"fragment {name}", body, fragments)
+    return fragments
 
 
 def compose(name: str, sql: str) -> Query:
@@ -183,4 +214,4 @@ def _numbered(name: str, sql: str, fragments: Mapping[str, str] | None) -> Query
 
 _TEXT = (Path(__file__).parent / "queries.sql").read_text()
 DIALECTS = load_dialects(_TEXT)
-FRAGMENTS = load_fragments(_TEXT)
+FRAGMENTS = {server: load_fragments(_TEXT, server) for server in SERVERS}

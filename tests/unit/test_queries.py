@@ -21,6 +21,10 @@ from oncegate.store.queries import (
 # The operations whose work takes another shape on Citus: the claim runs as a function on the
 # worker, and the purge, the operator's delete and rekey find rows on every shard first.
 SHAPED = {"claim", "purge", "admin_delete", "rekey_batch", "rekey_rows"}
+# The writes by row, which hold the fragment `rows_of_batch`: on Citus it also names the batch's
+# keys and ids (the shard), on plain PostgreSQL the join with the batch alone.
+BY_ROW = {"reclaim_expired", "take_over", "complete", "release", "mark_unknown"}
+ON_CITUS_ONLY = "k.key = ANY($1) AND k.id = ANY($2) AND "
 REQUEST_PATH = {"get", "reclaim_expired", "take_over", "complete", "release", "mark_unknown",
                 "mark_waited", "notify"}  # fmt: skip
 
@@ -28,7 +32,10 @@ REQUEST_PATH = {"get", "reclaim_expired", "take_over", "complete", "release", "m
 def test_only_the_operations_that_must_differ_have_a_shape_per_server() -> None:
     postgres, citus = DIALECTS["postgres"], DIALECTS["citus"]
     differ = {name for name in postgres.keys() & citus.keys() if postgres[name] != citus[name]}
-    assert differ == SHAPED
+    assert differ == SHAPED | BY_ROW
+    for name in BY_ROW:  # written once: they differ by the fragment alone
+        assert citus[name].sql.replace(ON_CITUS_ONLY, "") == postgres[name].sql, name
+        assert citus[name].parameters == postgres[name].parameters, name
     # The Citus purge's first step is its own: plain PostgreSQL locks and deletes in one.
     assert citus.keys() - postgres.keys() == {"purge_candidates"}
     # A batch's claims and completes in one statement: on Citus a worker's is built at run time,
@@ -38,8 +45,11 @@ def test_only_the_operations_that_must_differ_have_a_shape_per_server() -> None:
 
 def test_every_request_path_write_names_its_keys_and_tests_states_as_citus_runs_them() -> None:
     for name in REQUEST_PATH - {"get", "mark_waited", "notify"}:
+        assert "k.key = ANY($1)" in DIALECTS["citus"][name].sql, name  # the shard, on Citus
         sql = DIALECTS["postgres"][name].sql
-        assert "k.key = ANY($1)" in sql, name  # the shard, on Citus
+        # On plain PostgreSQL each row of the batch is looked up by its primary key.
+        assert "k.id = given.id AND k.key = given.key" in sql, name
+        assert "ANY(" not in sql.partition("WHERE")[2], name
         assert "oncegate_key_state" not in sql, name  # a CASE around now(): Citus refuses it
         assert "make_interval" not in sql, name  # a STABLE function of a column: refused too
         assert "pg_notify" not in sql, name  # would notify on a worker, where nobody listens
@@ -123,7 +133,7 @@ def test_the_plain_servers_claim_and_complete_are_written_once_for_alone_and_tog
     claim, complete = postgres["claim"], postgres["complete"]
     parts = re.compile(r"\$\d+|(?<![:\w]):[a-z_]+\b")  # parameters, numbered or named
     for alone, fragment in ((claim, "claims"), (complete, "completing")):
-        text = parts.sub("?", FRAGMENTS[fragment])
+        text = parts.sub("?", FRAGMENTS["postgres"][fragment])
         assert text in parts.sub("?", alone.sql) and text in parts.sub("?", together.sql)
     # In the combined statement the complete's arrays are its own (`answer_...`).
     assert complete.parameters == ("keys", "ids", "tokens", "statuses", "headers", "bodies",
@@ -141,13 +151,39 @@ def test_a_fragment_named_but_not_written_or_written_twice_or_per_server_does_no
         load("-- name: settle\nUPDATE t SET {done};\n")
     with pytest.raises(ValueError, match="fragment done is written twice"):
         load("-- fragment: done\na = 1\n-- fragment: done\na = 2\n")
-    with pytest.raises(ValueError, match="fragment done is shaped for citus"):
-        load_dialects("-- fragment: done [citus]\na = 1\n")
+    with pytest.raises(ValueError, match="fragment done is shaped for citus in a file of one"):
+        load("-- fragment: done [citus]\na = 1\n")
+
+
+def test_a_fragment_shaped_per_server_gives_each_server_its_shape_in_a_shared_statement() -> None:
+    text = (
+        "-- fragment: rows [postgres]\nt.id = given.id\n"
+        "-- fragment: rows [citus]\nt.key = ANY(:keys) AND t.id = given.id\n"
+        "-- fragment: settling\nUPDATE t SET done FROM unnest(:keys) given WHERE {rows}\n"
+        "-- name: settle\n{settling};\n"
+    )
+    dialects = load_dialects(text)
+    assert dialects["postgres"]["settle"].sql == (
+        "UPDATE t SET done FROM unnest($1) given WHERE t.id = given.id;"
+    )
+    assert dialects["citus"]["settle"].sql == (
+        "UPDATE t SET done FROM unnest($1) given WHERE t.key = ANY($1) AND t.id = given.id;"
+    )
+    citus_rows = "t.key = ANY(:keys) AND t.id = given.id"
+    assert load_fragments(text, "citus")["settling"].endswith(citus_rows)
+    with pytest.raises(ValueError, match="fragment rows is written twice for citus"):
+        load_dialects("-- fragment: rows [citus]\na\n-- fragment: rows [citus]\nb\n")
+    with pytest.raises(ValueError, match="fragment rows is written twice for every server"):
+        load_dialects("-- fragment: rows [citus]\na\n-- fragment: rows\nb\n")
+    with pytest.raises(ValueError, match="fragment rows is written twice for citus"):
+        load_dialects("-- fragment: rows\na\n-- fragment: rows [citus]\nb\n")
+    with pytest.raises(ValueError, match="shaped for mysql, which is none of"):
+        load_dialects("-- fragment: rows [mysql]\na\n")
 
 
 def test_the_stored_answers_columns_are_one_fragment_for_the_complete_and_a_workers() -> None:
     # The complete a Citus worker runs on its own shard tables writes what queries.sql's does.
-    completed = FRAGMENTS["completed"]
+    completed = FRAGMENTS["citus"]["completed"]
     assert completed.startswith("state = 'completed',") and "claimed_by = NULL" in completed
     assert completed in DIALECTS["postgres"]["complete"].sql
     for build in (workers._complete, workers._claim_complete):

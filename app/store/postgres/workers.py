@@ -274,7 +274,7 @@ _CLAIMED = """wanted
 LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
 LEFT JOIN held ON held.n = wanted.n"""
 
-_CLAIMS = f"SELECT {FRAGMENTS['claim_outcome']}"  # queries.sql's, as `claim` returns it
+_CLAIMS = f"SELECT {FRAGMENTS['citus']['claim_outcome']}"  # queries.sql's, as `claim` returns it
 
 
 def _claiming(shards: Sequence[int]) -> str:
@@ -333,7 +333,7 @@ def _completing(shards: Sequence[int], prefix: str) -> str:
     updated = ",\n".join(
         f"""completed_{shard} AS (
     UPDATE oncegate_keys_{shard} AS k
-    SET {FRAGMENTS["completed"]}
+    SET {FRAGMENTS["citus"]["completed"]}
     FROM given
     WHERE given.shard = {shard}
       AND k.id = given.id AND k.key = given.key AND k.fencing_token = given.token

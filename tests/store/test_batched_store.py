@@ -521,7 +521,8 @@ async def test_claims_and_completes_together_commit_on_the_claims_pool_and_alone
 ) -> None:
     """A complete sent without claims goes on the answers pool (`store_answer_commit`, `off` by
     default: no WAL flush to wait for); with claims, in their statement on the claims' pool,
-    synchronous, as a claim's commit must be."""
+    synchronous, as a claim's commit must be. (What each statement commits with, whatever the
+    two settings: tests/store/test_answer_commit.py.)"""
     store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1, batch_size=8))
     try:
         claimed = await claim(store, new_key())
@@ -541,8 +542,6 @@ async def test_claims_and_completes_together_commit_on_the_claims_pool_and_alone
         assert isinstance(claimed, Claim) and stored_now is True
         assert "FROM completed" in await prepared(store._pools.requests)
         assert "FROM completed" not in await prepared(store._pools.answers)
-        async with store._pools.requests.acquire() as connection:
-            assert await connection.fetchval("SHOW synchronous_commit") == "on"
     finally:
         await store.close()
 
@@ -587,6 +586,7 @@ async def test_a_row_postgresql_refuses_among_claims_and_completes_fails_alone(
     completing = [await claim(store, new_key()) for _ in range(2)]
     new = [new_key() for _ in range(2)]
     answer = plaintext([], b"{}")
+    before = batches(CLAIMS)
     results = await answered(
         asyncio.gather(
             claim(store, new_key()),  # alone
@@ -600,6 +600,8 @@ async def test_a_row_postgresql_refuses_among_claims_and_completes_fails_alone(
     assert isinstance(results[0], Claim) and isinstance(results[1], Claim)
     assert results[2] is True and isinstance(results[4], Claim)
     assert isinstance(results[3], errors.StoreUnavailable)
+    # The claim alone, the four in one statement, refused whole, then each of them alone again.
+    assert batches(CLAIMS) == (before[0] + 6, before[1] + 9)
     for key, expected in (
         (new[0], "in_progress"), (new[1], "in_progress"),
         (completing[0].key, "completed"), (completing[1].key, "in_progress"),
@@ -683,6 +685,7 @@ async def test_two_statements_of_claims_and_completes_that_cross_never_deadlock(
                 "'in_progress', 1, now() + interval '1 minute', now() + interval '1 hour')",
                 ROUTE, SCOPE, key, digest("held"),
             )  # fmt: skip
+        before = batches(CLAIMS)
         alone = [asyncio.create_task(claim(gateway, new_key())) for gateway in gateways]
         crossed = [
             asyncio.gather(
@@ -701,7 +704,8 @@ async def test_two_statements_of_claims_and_completes_that_cross_never_deadlock(
             if waiting == 2:
                 break
             await asyncio.sleep(0.05)
-        assert waiting == 2
+        # Each gateway's claim alone, then its three operations in one statement.
+        assert waiting == 2 and batches(CLAIMS) == (before[0] + 4, before[1] + 8)
         await lock.rollback()
         for index, (claimed, retried, stored_now) in enumerate(
             await answered(asyncio.gather(*crossed))

@@ -176,7 +176,8 @@ REQUEST_DURATION = Histogram(
 )
 STORE_OPERATION_DURATION = Histogram(
     "oncegate_store_operation_duration_seconds",
-    "Time of one store operation (one PostgreSQL round trip), by operation.",
+    "Time of one store operation, from the call to its outcome (its wait for a statement, "
+    "the statement and its commit), by operation.",
     ["operation"],
     buckets=_STORE_BUCKETS,
 )

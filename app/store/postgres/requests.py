@@ -79,12 +79,14 @@ log = logging.getLogger("oncegate.store.postgres")
 
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
-# The statements that settle a row, and so may have to wake whoever waits on it.
 
-# Answers, and the requests claims keep, are sent to PostgreSQL as one array per batch: a batch
-# holds at most this many bytes of them (one larger goes alone), so 64 large answers or kept
-# requests never make one huge parameter (PostgreSQL refuses a message past 1 GiB, and would
-# fail every operation of the batch with it).
+# Answers, and the requests claims keep, are sent to PostgreSQL as one array per batch. The
+# queue that claims and completes share holds at most twice this many bytes of them in a batch
+# (8 MiB, whatever the mix: all of it bodies of completes, or kept requests of claims, or both);
+# a batch of one kind alone (a dialect that batches them apart) holds at most this; one
+# operation larger goes alone. So up to 128 large answers or kept requests never make one huge
+# parameter (PostgreSQL refuses a message past 1 GiB, and would fail every operation of the
+# batch with it).
 BATCH_BYTES = 4 * 1024 * 1024
 
 

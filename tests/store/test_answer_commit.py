@@ -28,7 +28,7 @@ from oncegate.model.records import Claim
 from oncegate.settings import AnswerCommit, StoreOptions
 from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore
-from tests.conftest import start_embedded, with_database
+from tests.conftest import _admin, start_embedded, with_database
 from tests.helpers import digest, new_key
 from tests.store.test_batched_store import CLAIMS, HANG, LONG, ROUTE, SCOPE, batches
 
@@ -49,15 +49,6 @@ def server_url() -> Iterator[str]:
     finally:
         server.cleanup()
         shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _admin(url: str, *statements: str) -> None:
-    connection = await asyncpg.connect(url)
-    try:
-        for statement in statements:
-            await connection.execute(statement)
-    finally:
-        await connection.close()
 
 
 @contextlib.asynccontextmanager

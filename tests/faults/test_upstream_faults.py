@@ -32,7 +32,9 @@ from tests.helpers import new_key
 def gateway(
     module_dir: Path, database_url: str, raw_upstream: RawUpstream
 ) -> Iterator[GatewayProcess]:
-    routes = [{"name": "raw", "match": "/", "upstream": raw_upstream.url, "timeout": "2s"}]
+    # No test here waits for the timeout (tests/e2e/test_proxy.py does): long enough that the
+    # raw upstream, in the test's own process, answers in time on a machine as busy as CI's.
+    routes = [{"name": "raw", "match": "/", "upstream": raw_upstream.url, "timeout": "30s"}]
     with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
 

@@ -366,13 +366,12 @@ async def aread(
     checkpointer: BaseCheckpointSaver[Any], config: RunnableConfig
 ) -> CheckpointTuple | None:
     """A saved checkpoint, through the saver's async API; a saver that has none (the sync
-    `PostgresSaver`) is read in a thread, off the event loop."""
-    try:
-        return await checkpointer.aget_tuple(config)
-    except NotImplementedError:
-        # Not a stub of ours: LangGraph's BaseCheckpointSaver.aget_tuple raises it in every saver
-        # that implements only the sync API (tested with the sync PostgresSaver).
+    `PostgresSaver`: it keeps LangGraph's base `aget_tuple`) is read in a thread, off the event
+    loop. Asked of the saver's class, not by catching what the base raises: an async saver's own
+    error reaches the caller as it is."""
+    if type(checkpointer).aget_tuple is BaseCheckpointSaver.aget_tuple:
         return await asyncio.to_thread(checkpointer.get_tuple, config)
+    return await checkpointer.aget_tuple(config)
 
 
 async def atask_key(

@@ -38,7 +38,7 @@ from ..queries import DIALECTS, Server, Statements
 from .connections import Pools
 from .operations import Claiming, OnKey
 from .pool import Pool
-from .rows import content_of, touched
+from .rows import claimed_and_completed, claims_and_completes, content_of, touched
 from .workers import ON_WORKERS, Rerouted, Workers
 
 Keyed = TypeVar("Keyed", bound=OnKey)
@@ -155,11 +155,8 @@ class Plain(_Server):
         self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
         """`claim_complete`: the claims' rows (`n` set), then the completes'."""
-        answers = {f"answer_{name}": value for name, value in completes.items()}
-        rows = await self._fetch_on(pool, "claim_complete", {**claims, **answers})
-        return [row for row in rows if row["n"] is not None], [
-            row for row in rows if row["n"] is None
-        ]
+        rows = await self._fetch_on(pool, "claim_complete", claims_and_completes(claims, completes))
+        return claimed_and_completed(rows)
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {}

@@ -22,6 +22,22 @@ from ..queries import Statements
 from .pool import Pool
 
 
+def claims_and_completes(
+    claims: dict[str, object], completes: dict[str, object]
+) -> dict[str, object]:
+    """The parameters of a statement of claims and completes (`claim_complete`, on the plain
+    server or a Citus worker): the claims' arrays as they are, the completes' named
+    `answer_...`."""
+    return {**claims, **{f"answer_{name}": value for name, value in completes.items()}}
+
+
+def claimed_and_completed(
+    rows: list[asyncpg.Record],
+) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+    """Such a statement's rows: the claims' (`n`, the claim's position, set), the completes'."""
+    return [row for row in rows if row["n"] is not None], [row for row in rows if row["n"] is None]
+
+
 async def fetchrow(
     pool: Pool | asyncpg.Pool, statements: Statements, name: str, **parameters: object
 ) -> Any:

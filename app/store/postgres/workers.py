@@ -55,6 +55,7 @@ from ..citus import Node, ShardMap
 from ..queries import FRAGMENTS, Query, compose
 from .connections import citus_settings, request_settings
 from .pool import Pool
+from .rows import claimed_and_completed, claims_and_completes
 
 # The operations sent to the workers: the two every forwarded request makes, alone or together.
 ON_WORKERS = frozenset({"claim", "complete", "claim_complete"})
@@ -111,17 +112,14 @@ class Workers:
         commit, synchronous as a claim's must be): the claims' rows and the completes'."""
         claimed, completed = self._shards_of(node, claims), self._shards_of(node, completes)
         arguments = {
-            **claims,
-            **{f"answer_{name}": value for name, value in completes.items()},
+            **claims_and_completes(claims, completes),
             "shards": claimed,
             "answer_shards": completed,
             "fence": sorted({*claimed, *completed}),
         }
         pool = self._pools_of(node).requests
         rows = await self._send("claim_complete", node, pool, arguments, claimed + completed)
-        return [row for row in rows if row["n"] is not None], [
-            row for row in rows if row["n"] is None
-        ]
+        return claimed_and_completed(rows)
 
     def _shards_of(self, node: Node, values: dict[str, object]) -> list[int]:
         """The shard of each key of the batch, all of them `node`'s, or `Rerouted`."""

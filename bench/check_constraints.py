@@ -5,8 +5,9 @@ migration is written.
 PostgreSQL compiles a table's CHECK constraints from their stored text for each table a statement
 writes (each shard table of a worker's statement), while a domain's checks are cached per type.
 This starts one plain PostgreSQL 15 (tests/citus.py's settings), makes three pairs of tables
-from `migrations/schema.sql`'s `oncegate_keys`: as written (`checks`), with its six column checks
-as domains (`domains`; the five checks across columns stay), and without any check (`none`, the
+from `migrations/schema.sql`'s `oncegate_keys`: with its five column checks as table checks, as
+before migration 0013 (`checks`), as domains, as schema.sql has them since (`domains`; `key`'s
+check and the five checks across columns stay table checks), and without any check (`none`, the
 bound of the lever), then sends one statement shaped as a worker's with two shards: claims
 inserted into both tables and the previous statement's claims completed in both, `--rows` per
 table and kind, four times as many operations a statement (6: 24, about the 26 a worker's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import re
 import statistics
@@ -36,38 +38,34 @@ sys.path.insert(0, str(ROOT))  # tests.citus: the servers the tests start
 from tests import citus  # noqa: E402
 
 VARIANTS = ("checks", "domains", "none")
-DOMAINS = """
-CREATE DOMAIN probe_route AS text CHECK (char_length(VALUE) BETWEEN 1 AND 64);
-CREATE DOMAIN probe_digest AS bytea CHECK (octet_length(VALUE) = 32);
-CREATE DOMAIN probe_key AS text CHECK (char_length(VALUE) BETWEEN 1 AND 255);
-CREATE DOMAIN probe_state AS text CHECK (VALUE IN ('in_progress', 'completed', 'unknown'));
-CREATE DOMAIN probe_status AS smallint CHECK (VALUE BETWEEN 100 AND 599);
-"""
-AS_DOMAINS = {
-    "route text NOT NULL CHECK (char_length(route) BETWEEN 1 AND 64)": "route probe_route NOT NULL",
-    "scope bytea NOT NULL CHECK (octet_length(scope) = 32)": "scope probe_digest NOT NULL",
-    "key text NOT NULL CHECK (char_length(key) BETWEEN 1 AND 255)": "key probe_key NOT NULL",
-    "fingerprint bytea NOT NULL CHECK (octet_length(fingerprint) = 32)":
-        "fingerprint probe_digest NOT NULL",
-    "state text NOT NULL CHECK (state IN ('in_progress', 'completed', 'unknown'))":
-        "state probe_state NOT NULL",
-    "response_status smallint CHECK (response_status BETWEEN 100 AND 599)":
-        "response_status probe_status",
-}  # fmt: skip
+SCHEMA = (ROOT / "migrations" / "schema.sql").read_text()
+# The domains schema.sql makes (migration 0013), and the columns it gives them.
+DOMAINS = "\n".join(re.findall(r"^CREATE DOMAIN [^;]*;", SCHEMA, re.MULTILINE))
+_spec = importlib.util.spec_from_file_location(
+    "column_domains", ROOT / "migrations" / "versions" / "0013_column_domains.py"
+)
+assert _spec is not None and _spec.loader is not None
+COLUMN_DOMAINS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(COLUMN_DOMAINS)
 
 
 def table(name: str, variant: str) -> str:
-    """`oncegate_keys` of migrations/schema.sql as `name`, its checks as `variant` says."""
-    schema = (ROOT / "migrations" / "schema.sql").read_text()
-    start = schema.index("CREATE TABLE oncegate_keys (")
-    text = schema[start : schema.index("WITH (fillfactor = 70);", start)]
+    """`oncegate_keys` of migrations/schema.sql as `name`, its checks as `variant` says: its
+    column checks as domains, as schema.sql has them (`domains`); as table checks, as before
+    migration 0013 (`checks`); or none at all (`none`)."""
+    start = SCHEMA.index("CREATE TABLE oncegate_keys (")
+    text = SCHEMA[start : SCHEMA.index("WITH (fillfactor = 70);", start)]
     text = re.sub(r"--[^\n]*\n", "\n", text).replace("oncegate_keys", name)
-    if variant == "domains":
-        for written, domain in AS_DOMAINS.items():
-            if written not in text:
-                raise RuntimeError(f"schema.sql no longer has {written!r}")
-            text = text.replace(written, domain)
-    elif variant == "none":
+    if variant in ("checks", "none"):
+        for column, domain, check in COLUMN_DOMAINS.COLUMNS:
+            typed = re.compile(rf"\b{column} {domain}\b")
+            if not typed.search(text):
+                raise RuntimeError(f"schema.sql no longer has {column} {domain}")
+            base = COLUMN_DOMAINS.BASE[domain]
+            text = typed.sub(
+                f"{column} {base}" + (f" CHECK ({check})" if variant == "checks" else ""), text
+            )
+    if variant == "none":
         text = re.sub(r"\s+CHECK \((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)", "", text)
         text = re.sub(r",\s*CONSTRAINT \w+(?=\s*[,)])", "", text)
         if "CHECK" in text:

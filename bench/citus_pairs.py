@@ -27,11 +27,13 @@ lose the records it cleared meanwhile, and read fewer commits than were made, or
 none.
 
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
-        [--shards default,32,8,2] [--apart]
+        [--shards default,32,8,2] [--apart] [--at REVISION]
 
 `--apart` adds the one server, and the cluster per shard count, again with claims and completes
 in statements of their own (as the store sent them before it carried both in one): the two side
-by side in one run.
+by side in one run. `--at REVISION` adds each of them again on a database of its own migrated only
+up to that revision (the schema before a migration, beside the schema at head); each row's ratio
+is to the same repeat's one server of its own kind (apart, or at that revision).
 
 On one machine the cluster cannot be faster than the single server (three servers share its
 cores with the client); what the figures show is the cost of a pair on the cluster: docs/
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import re
 import shutil
 import signal
 import sys
@@ -210,14 +213,21 @@ class Endpoint:
     url: str  # the database the store connects to (a cluster's coordinator)
     postmasters: list[int]
     node_urls: list[str]  # every node's URL of the database, for ANALYZE
+    revision: str = "head"  # what `migrate` upgrades it to
+
+
+def at(revision: str) -> str:
+    """The suffix of a target whose database is migrated only up to `revision`."""
+    return f", schema at {revision}"
 
 
 @contextmanager
 def servers(
-    work: Path, shard_counts: list[int], apart: bool = False
+    work: Path, shard_counts: list[int], apart: bool = False, revision: str | None = None
 ) -> Iterator[dict[str, Endpoint]]:
     """The targets by name: one server, and the cluster once per shard count (a database of its
-    own, distributed with that many shards)."""
+    own, distributed with that many shards); with `revision`, each again in a database of its
+    own migrated up to it."""
     single = citus.Cluster.start(work / "single", workers=0, with_citus=False)
     try:
         cluster = citus.Cluster.start(work / "citus")
@@ -232,16 +242,27 @@ def servers(
             }
             if apart:
                 targets[one_server + APART] = targets[one_server]
+            if revision is not None:
+                single.create_database(f"{DATABASE}_at")
+                url = single.url(f"{DATABASE}_at")
+                targets[one_server + at(revision)] = Endpoint(
+                    url, single.postmasters(), [url], revision
+                )
             for shards in shard_counts:
-                url = cluster.create_database(f"{DATABASE}_{shards}")
-                asyncio.run(set_shard_count(url, shards))
                 if shards == DEFAULT:
                     shards_named = f"{SHARDS_PER_WORKER * citus.WORKERS} shards (migrate's choice)"
                 else:
                     shards_named = f"{shards} shards"
                 name = f"Citus, coordinator + {citus.WORKERS} workers, {shards_named}"
-                node_urls = [node.url(f"{DATABASE}_{shards}") for node in cluster.nodes]
-                targets[name] = Endpoint(url, cluster.postmasters(), node_urls)
+                for suffix, database in [("", f"{DATABASE}_{shards}")] + (
+                    [] if revision is None else [(at(revision), f"{DATABASE}_{shards}_at")]
+                ):
+                    url = cluster.create_database(database)
+                    asyncio.run(set_shard_count(url, shards))
+                    node_urls = [node.url(database) for node in cluster.nodes]
+                    targets[name + suffix] = Endpoint(
+                        url, cluster.postmasters(), node_urls, revision if suffix else "head"
+                    )
                 if apart:
                     targets[name + APART] = targets[name]
             yield targets
@@ -270,9 +291,10 @@ def in_order(targets: list[Target], repeat: int) -> list[Target]:
 
 
 def ratio(sample: Sample, samples: list[Sample]) -> float | None:
-    """The sample's PostgreSQL CPU per pair over the same repeat's one server's (the one server
-    apart for a target apart)."""
-    one_server = "PostgreSQL 15, one server" + (APART if sample.target.endswith(APART) else "")
+    """The sample's PostgreSQL CPU per pair over the same repeat's one server's of its kind (the
+    one server apart for a target apart, at the revision for a target at a revision)."""
+    kind = re.search(f"(?:{re.escape(APART)}|{re.escape(at(''))}.*)$", sample.target)
+    one_server = "PostgreSQL 15, one server" + (kind.group(0) if kind else "")
     for other in samples:
         if other.repeat == sample.repeat and other.target == one_server:
             return sample.postgres_ms_per_pair / max(other.postgres_ms_per_pair, 1e-9)
@@ -367,6 +389,11 @@ def parse_arguments() -> argparse.Namespace:
         action="store_true",
         help="each target again with claims and completes in statements of their own",
     )
+    parser.add_argument(
+        "--at",
+        metavar="REVISION",
+        help="each target again on a database migrated only up to REVISION, side by side",
+    )
     return parser.parse_args()
 
 
@@ -376,8 +403,9 @@ def main() -> int:
     if why is not None:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
-    runs = (1 + len(arguments.shards)) * (2 if arguments.apart else 1) * arguments.repeats
-    runs += 1 + len(arguments.shards)  # the warm-up of each database
+    kinds = 1 + arguments.apart + (arguments.at is not None)
+    runs = (1 + len(arguments.shards)) * kinds * arguments.repeats
+    runs += (1 + len(arguments.shards)) * (1 + (arguments.at is not None))  # the warm-ups
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:
@@ -389,10 +417,10 @@ def main() -> int:
     work = citus.temporary_directory("oncegate-citus-pairs-")
     samples: list[Sample] = []
     try:
-        with servers(work, arguments.shards, arguments.apart) as targets:
+        with servers(work, arguments.shards, arguments.apart, arguments.at) as targets:
             databases = {endpoint.url: name for name, endpoint in reversed(targets.items())}
             for url, name in databases.items():
-                migrate.upgrade(url)
+                migrate.upgrade(url, targets[name].revision)
                 endpoint = targets[name]
                 sample = asyncio.run(measure(name, url, endpoint.postmasters, arguments))
                 asyncio.run(analyze(endpoint))

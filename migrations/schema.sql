@@ -11,18 +11,32 @@
 -- schema a plain PostgreSQL holds, which is the same on each Citus node.
 
 
+-- The key table's column checks, as types of their own (0013): PostgreSQL compiles a domain's
+-- checks once per session, a table's for each table a statement writes (each shard table of a
+-- Citus worker's statement). `key` keeps a table check: Citus alters no distribution column.
+CREATE DOMAIN oncegate_route AS text
+    CONSTRAINT oncegate_route_length CHECK (char_length(VALUE) BETWEEN 1 AND 64);
+-- A SHA-256: a scope (of the client's credentials) and a request's fingerprint.
+CREATE DOMAIN oncegate_sha256 AS bytea
+    CONSTRAINT oncegate_sha256_length CHECK (octet_length(VALUE) = 32);
+-- What was last written; what a key is now is `oncegate_key_state` below.
+CREATE DOMAIN oncegate_state AS text
+    CONSTRAINT oncegate_state_known CHECK (VALUE IN ('in_progress', 'completed', 'unknown'));
+CREATE DOMAIN oncegate_status AS smallint
+    CONSTRAINT oncegate_status_http CHECK (VALUE BETWEEN 100 AND 599);
+
 -- One row per (scope, key): its state, lease, fencing token and stored answer (0001); the
 -- request behind it while it can turn `unknown` (0011).
 CREATE TABLE oncegate_keys (
     -- Handed out 1,000 at a time per session, so the sequence is WAL-logged once per 1,000
     -- claims (0004); ids are unique, with gaps.
     id bigint GENERATED ALWAYS AS IDENTITY (CACHE 1000),
-    route text NOT NULL CHECK (char_length(route) BETWEEN 1 AND 64),
-    scope bytea NOT NULL CHECK (octet_length(scope) = 32),
+    route oncegate_route NOT NULL,
+    scope oncegate_sha256 NOT NULL,
     key text NOT NULL CHECK (char_length(key) BETWEEN 1 AND 255),
-    fingerprint bytea NOT NULL CHECK (octet_length(fingerprint) = 32),
+    fingerprint oncegate_sha256 NOT NULL,
     -- What was last written; what a key is now is `oncegate_key_state` below.
-    state text NOT NULL CHECK (state IN ('in_progress', 'completed', 'unknown')),
+    state oncegate_state NOT NULL,
     -- Per row: a claim starts at 1, each take-over and operator's resolution adds one (0004).
     fencing_token bigint NOT NULL,
     lease_expires_at timestamptz,
@@ -30,7 +44,7 @@ CREATE TABLE oncegate_keys (
     -- `response_headers`, or sealed in `sealed_headers` under the key named in `sealed_with`;
     -- its body (sealed or not) in `response_body`. `response_stored` false: too large to store
     -- whole, its status and headers only (an earlier release's such answer: its status alone).
-    response_status smallint CHECK (response_status BETWEEN 100 AND 599),
+    response_status oncegate_status,
     response_headers jsonb,
     response_body bytea,
     response_stored boolean NOT NULL DEFAULT false,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from oncegate.store import migrate
 from tests import citus
 from tests.store.test_migrations import ROWS_OF_EVERY_STATE, _states, _write_rows_of_every_state
+from tests.store.test_store import BAD_ROWS, refusals
 
 
 @pytest.fixture
@@ -109,6 +112,93 @@ async def test_a_database_that_gained_citus_is_distributed_with_its_keys(
     assert len({shard["nodeport"] for shard in shards}) == citus.WORKERS
     with pytest.raises(RuntimeError, match="cannot downgrade below revision 0008 on Citus"):
         await asyncio.to_thread(migrate.downgrade, citus_database, "0007")
+
+
+# The key table's columns that migration 0013 gives a domain each, with it.
+DOMAIN_COLUMNS = {
+    "route": "oncegate_route",
+    "scope": "oncegate_sha256",
+    "fingerprint": "oncegate_sha256",
+    "state": "oncegate_state",
+    "response_status": "oncegate_status",
+}
+
+
+async def _shard_column_types(url: str) -> dict[str, set[str]]:
+    """Each of DOMAIN_COLUMNS with the types it has in the key table's shards, on the workers."""
+    rows = await _fetch(
+        url,
+        "SELECT result FROM run_command_on_shards('oncegate_keys', $$SELECT string_agg("
+        "  attname || ':' || format_type(atttypid, atttypmod), ',') FROM pg_attribute"
+        "  WHERE attrelid = '%s'::regclass AND attnum > 0$$)",
+    )
+    types: dict[str, set[str]] = {}
+    for row in rows:
+        for pair in row["result"].split(","):
+            column, type_ = pair.split(":")
+            if column in DOMAIN_COLUMNS:
+                types.setdefault(column, set()).add(type_)
+    return types
+
+
+async def _refusals_on_the_cluster(url: str) -> list[list[tuple[str, str]]]:
+    """BAD_ROWS sent through the coordinator, and straight into a shard table on its worker, as
+    the store writes: what each refusal says."""
+    shard = (
+        await _fetch(
+            url,
+            "SELECT shard_name, nodeport FROM citus_shards"
+            " WHERE table_name = 'oncegate_keys'::regclass ORDER BY shardid LIMIT 1",
+        )
+    )[0]
+    parts = urlsplit(url)
+    worker = parts._replace(netloc=f"{parts.username}@{parts.hostname}:{shard['nodeport']}")
+    found = []
+    for target, table in ((url, "oncegate_keys"), (worker.geturl(), shard["shard_name"])):
+        connection = await asyncpg.connect(target)
+        try:
+            found.append(await refusals(connection, table, shard=table != "oncegate_keys"))
+        finally:
+            await connection.close()
+    return found
+
+
+async def test_migrate_gives_an_existing_clusters_shards_their_column_domains(
+    citus_database: str,
+) -> None:
+    # A cluster distributed before the domains, holding keys.
+    await asyncio.to_thread(migrate.upgrade, citus_database, "0012")
+    await _write_rows_of_every_state(citus_database)
+    before = await _states(citus_database)
+    checks = await _refusals_on_the_cluster(citus_database)
+    base = {column: {type_} for column, type_ in (
+        ("route", "text"), ("scope", "bytea"), ("fingerprint", "bytea"), ("state", "text"),
+        ("response_status", "smallint"),
+    )}  # fmt: skip
+    assert await _shard_column_types(citus_database) == base
+    await asyncio.to_thread(migrate.upgrade, citus_database)
+    assert await _states(citus_database) == before
+    # Every shard's columns are of the domains now, on every worker.
+    assert await _shard_column_types(citus_database) == {
+        column: {domain} for column, domain in DOMAIN_COLUMNS.items()
+    }
+    # A bad value is refused through the coordinator and on a worker's shard as on one server.
+    plain = [("23514", constraint) for _, constraint in BAD_ROWS]
+    assert await _refusals_on_the_cluster(citus_database) == [plain, plain]
+    # Before, the same rows were refused by the same kind of error, each by a table check of
+    # its own (named after the shard table on the worker).
+    assert [[sqlstate for sqlstate, _ in found] for found in checks] == [["23514"] * len(plain)] * 2
+    # Down and up again: the table checks come back, then the domains.
+    await asyncio.to_thread(migrate.downgrade, citus_database, "0012")
+    assert await _shard_column_types(citus_database) == base
+    # (A table check added to a distributed table is named after each shard on its shard.)
+    assert [
+        [(sqlstate, re.sub(r"_\d+$", "", constraint)) for sqlstate, constraint in found]
+        for found in await _refusals_on_the_cluster(citus_database)
+    ] == checks
+    await asyncio.to_thread(migrate.upgrade, citus_database)
+    assert await _states(citus_database) == before
+    assert await _refusals_on_the_cluster(citus_database) == [plain, plain]
 
 
 async def test_migrate_on_citus_without_workers_says_to_add_them(

@@ -16,6 +16,7 @@ from oncegate.model.records import Claim
 from oncegate.store import citus, migrate
 from oncegate.store.postgres import PostgresStore
 from tests.helpers import stored
+from tests.store.test_store import BAD_ROWS, refusals
 
 
 async def _tables(url: str) -> set[str]:
@@ -266,3 +267,37 @@ def test_the_head_is_refused_when_the_scripts_are_not_one_line(tmp_path: Path) -
     )
     with pytest.raises(RuntimeError, match=r"migration 0003_change\.py: no single"):
         migrate.head_of(tmp_path.iterdir())
+
+
+async def _files(url: str) -> dict[str, int]:
+    """The key table's and its indexes' files: a rewrite gives them new ones."""
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            "SELECT c.relname, pg_relation_filenode(c.oid) AS file FROM pg_class AS c"
+            " WHERE c.oid = 'oncegate_keys'::regclass OR c.oid IN"
+            "  (SELECT indexrelid FROM pg_index WHERE indrelid = 'oncegate_keys'::regclass)"
+        )
+    finally:
+        await connection.close()
+    return {row["relname"]: row["file"] for row in rows}
+
+
+async def test_the_column_domains_come_and_go_without_rewriting_the_key_table(
+    empty_database_url: str,
+) -> None:
+    await _upgrade(empty_database_url, "0012")
+    await _write_rows_of_every_state(empty_database_url)
+    before, files = await _states(empty_database_url), await _files(empty_database_url)
+    assert len(files) == 4  # the table, its primary key, (scope, key) and expires_at
+    await _upgrade(empty_database_url, "0013")
+    assert await _files(empty_database_url) == files
+    assert await _states(empty_database_url) == before
+    connection = await asyncpg.connect(empty_database_url)
+    try:
+        assert await refusals(connection) == [("23514", constraint) for _, constraint in BAD_ROWS]
+    finally:
+        await connection.close()
+    await asyncio.to_thread(migrate.downgrade, empty_database_url, "0012")
+    assert await _files(empty_database_url) == files
+    assert await _states(empty_database_url) == before

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import asyncpg
@@ -111,10 +112,13 @@ def batch_rescans(node: dict[str, Any]) -> list[str]:
 
 
 def looks_up(scan: dict[str, Any], leading: dict[str, str]) -> bool:
-    """An index scan whose condition names the index's first column: it descends to the rows."""
+    """An index scan whose condition names the index's first column: it descends to the rows.
+    A column of a domain type (`scope`, migration 0013) is compared as its base type:
+    `((scope)::bytea = $1)`."""
     condition = scan.get("Index Cond", "")
     column = leading.get(scan.get("Index Name", ""), "")
-    return bool(column) and f"({column} = " in condition
+    named = re.search(rf"\((?:\({column}\)::\w+|{column}) = ", condition)
+    return bool(column) and named is not None
 
 
 async def first_columns(connection: asyncpg.Connection) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """migrations/schema.sql is the schema as the migrations leave it at head: the same tables,
-columns, constraints, indexes, sequences, storage options and functions, read from the catalogs
-of a database built each way."""
+columns, constraints, domains, indexes, sequences, storage options and functions, read from the
+catalogs of a database built each way."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ CATALOG = {
         JOIN pg_namespace AS n ON n.oid = c.relnamespace
         WHERE n.nspname = 'public' AND c.relname LIKE 'oncegate\_%'
         ORDER BY 1, 2
+    """,
+    # Each domain with its base type, NOT NULL, default and each of its checks.
+    "domains": r"""
+        SELECT t.typname, format_type(t.typbasetype, t.typtypmod) AS base, t.typnotnull,
+               coalesce(t.typdefault, '') AS default, k.conname,
+               pg_get_constraintdef(k.oid) AS definition
+        FROM pg_type AS t
+        JOIN pg_namespace AS n ON n.oid = t.typnamespace
+        LEFT JOIN pg_constraint AS k ON k.contypid = t.oid
+        WHERE n.nspname = 'public' AND t.typtype = 'd' AND t.typname LIKE 'oncegate\_%'
+        ORDER BY 1, 5
     """,
     "indexes": r"""
         SELECT tablename, indexname, indexdef FROM pg_indexes
@@ -99,6 +110,9 @@ async def test_schema_sql_builds_exactly_the_schema_the_migrations_leave(
     assert ("oncegate_keys", "fillfactor=70") in migrated["tables"]
     assert any(row[1] == "oncegate_keys_expires_at" for row in migrated["indexes"])
     assert any(row[0].startswith("oncegate_key_state(") for row in migrated["functions"])
+    columns = [row[:4] for row in migrated["columns"]]
+    assert ("oncegate_keys", 2, "route", "oncegate_route") in columns
+    assert any(row[0] == "oncegate_sha256" for row in migrated["domains"])
     await load_schema_sql(empty_database_url)
     loaded = await catalog(empty_database_url)
     for part in CATALOG:
@@ -113,6 +127,9 @@ async def test_schema_sql_builds_exactly_the_schema_the_migrations_leave(
         "ALTER TABLE oncegate_checkpoints ALTER COLUMN pending SET NOT NULL",
         "ALTER TABLE oncegate_ended_sessions DROP CONSTRAINT oncegate_ended_sessions_session_check",
         "DROP INDEX oncegate_keys_expires_at",
+        "ALTER DOMAIN oncegate_status DROP CONSTRAINT oncegate_status_http;"
+        " ALTER DOMAIN oncegate_status ADD CONSTRAINT oncegate_status_http"
+        " CHECK (VALUE BETWEEN 100 AND 598)",
         "ALTER TABLE oncegate_keys ALTER COLUMN id SET CACHE 1",
         "CREATE OR REPLACE FUNCTION oncegate_after(at timestamptz, seconds float8)"
         " RETURNS timestamptz LANGUAGE sql IMMUTABLE AS $$ SELECT at $$",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime, timedelta, timezone
 
 import asyncpg
@@ -280,29 +281,55 @@ async def test_a_value_the_store_refuses_is_bad_input_never_an_outage(
     assert await store.operator.find(new_key(), None) == []  # and the store goes on
 
 
+# Rows the gateway never writes, each with the check that refuses it: a column's type (a domain,
+# migration 0013), `key`'s own check (the distribution column on Citus), or a check across
+# columns. tests/store/test_citus_schema.py sends the same rows to a Citus cluster.
+INSERT_ROW = (
+    "INSERT INTO {table} ({id}route, scope, key, fingerprint, state, fencing_token,"
+    " lease_expires_at, expires_at, response_status)"
+    " VALUES ({given}$1, $2, $3, $4, $5, 1, now(), now() + interval '1h', $6)"
+)
+BAD_ROWS = [
+    ((ROUTE, SCOPE, "k" * 256, FINGERPRINT, "in_progress", None), "oncegate_keys_key_check"),
+    ((ROUTE, SCOPE, "", FINGERPRINT, "in_progress", None), "oncegate_keys_key_check"),
+    (("r" * 65, SCOPE, "route-long", FINGERPRINT, "in_progress", None), "oncegate_route_length"),
+    (("", SCOPE, "route-empty", FINGERPRINT, "in_progress", None), "oncegate_route_length"),
+    ((ROUTE, SCOPE, "state", FINGERPRINT, "done", None), "oncegate_state_known"),
+    ((ROUTE, b"short", "scope", FINGERPRINT, "in_progress", None), "oncegate_sha256_length"),
+    ((ROUTE, SCOPE, "fingerprint", b"short", "in_progress", None), "oncegate_sha256_length"),
+    ((ROUTE, SCOPE, "status-low", FINGERPRINT, "completed", 99), "oncegate_status_http"),
+    ((ROUTE, SCOPE, "status-high", FINGERPRINT, "completed", 600), "oncegate_status_http"),
+    ((ROUTE, SCOPE, "no-status", FINGERPRINT, "completed", None),
+     "oncegate_keys_completed_has_status"),
+]  # fmt: skip
+
+
+def insert_row(table: str = "oncegate_keys", shard: bool = False) -> str:
+    """INSERT_ROW into `table`; into a Citus shard table, which has no identity, with an id."""
+    return INSERT_ROW.format(table=table, id="id, " if shard else "", given="1, " if shard else "")
+
+
+async def refusals(
+    db: asyncpg.Connection, table: str = "oncegate_keys", shard: bool = False
+) -> list[tuple[str, str]]:
+    """Each of BAD_ROWS inserted into `table`: (SQLSTATE, the constraint its error names)."""
+    found = []
+    for row, _ in BAD_ROWS:
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await db.execute(insert_row(table, shard), *row)
+        named = re.search(r'constraint "(\w+)"', str(refused.value))
+        found.append((refused.value.sqlstate, named.group(1) if named else str(refused.value)))
+    return found
+
+
 async def test_constraints_refuse_what_the_gateway_never_writes(
     db: asyncpg.Connection,
 ) -> None:
-    insert = (
-        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
-        " lease_expires_at, expires_at)"
-        " VALUES ($1, $2, $3, $4, $5, 1, now(), now() + interval '1h')"
-    )
-    good = (ROUTE, SCOPE, new_key(), FINGERPRINT, "in_progress")
-    bad_rows = [
-        (ROUTE, SCOPE, "k" * 256, FINGERPRINT, "in_progress"),  # key too long
-        (ROUTE, SCOPE, "", FINGERPRINT, "in_progress"),  # empty key
-        (ROUTE, SCOPE, new_key(), FINGERPRINT, "done"),  # unknown state
-        (ROUTE, b"short", new_key(), FINGERPRINT, "in_progress"),  # scope not a SHA-256
-        (ROUTE, SCOPE, new_key(), b"short", "in_progress"),  # fingerprint not a SHA-256
-        (ROUTE, SCOPE, new_key(), FINGERPRINT, "completed"),  # completed without a status
-    ]
-    for row in bad_rows:
-        with pytest.raises(asyncpg.CheckViolationError):
-            await db.execute(insert, *row)
-    await db.execute(insert, *good)
+    assert await refusals(db) == [("23514", constraint) for _, constraint in BAD_ROWS]
+    good = (ROUTE, SCOPE, new_key(), FINGERPRINT, "in_progress", None)
+    await db.execute(insert_row(), *good)
     with pytest.raises(asyncpg.UniqueViolationError):
-        await db.execute(insert, *good)
+        await db.execute(insert_row(), *good)
 
 
 async def test_purge_deletes_expired_keys_in_batches_and_nothing_else(

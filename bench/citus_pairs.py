@@ -29,11 +29,11 @@ none.
     .venv/bin/python bench/citus_pairs.py [--duration 5] [--warmup 1] [--tasks 64] [--repeats 1]
         [--shards default,32,8,2] [--apart] [--at REVISION]
 
-`--apart` adds the one server, and the cluster per shard count, again with claims and completes
-in statements of their own (as the store sent them before it carried both in one): the two side
-by side in one run. `--at REVISION` adds each of them again on a database of its own migrated only
-up to that revision (the schema before a migration, beside the schema at head); each row's ratio
-is to the same repeat's one server of its own kind (apart, or at that revision).
+`--apart` adds the cluster per shard count again with a worker's claims and completes in
+statements of their own (as the one server always sends them): the two side by side in one run.
+`--at REVISION` adds each target again on a database of its own migrated only up to that
+revision (the schema before a migration, beside the schema at head); each row's ratio is to the
+same repeat's one server of its own kind (at that revision, or at head).
 
 On one machine the cluster cannot be faster than the single server (three servers share its
 cores with the client); what the figures show is the cost of a pair on the cluster: docs/
@@ -73,7 +73,7 @@ from oncegate.model.records import Claim  # noqa: E402
 from oncegate.store import migrate  # noqa: E402
 from oncegate.store.citus import SHARDS_PER_WORKER  # noqa: E402
 from oncegate.store.postgres import PostgresStore  # noqa: E402
-from oncegate.store.postgres.dialect import OnCitus, Plain  # noqa: E402
+from oncegate.store.postgres.dialect import OnCitus  # noqa: E402
 from oncegate.telemetry import metrics  # noqa: E402
 from tests import citus  # noqa: E402
 
@@ -139,12 +139,12 @@ async def citus_counters(url: str) -> tuple[int, int, int] | None:
 async def measure(
     target: str, url: str, postmasters: list[int], arguments: argparse.Namespace, repeat: int = 0
 ) -> Sample:
-    together = OnCitus.together, Plain.together
-    OnCitus.together = Plain.together = not target.endswith(APART)  # read as the store opens
+    together = OnCitus.together
+    OnCitus.together = not target.endswith(APART)  # read as the store opens
     try:
         store = await PostgresStore.connect(url)
     finally:
-        OnCitus.together, Plain.together = together
+        OnCitus.together = together
     failures = 0
     measuring = False
     pairs = 0
@@ -240,8 +240,6 @@ def servers(
                     single.url(DATABASE), single.postmasters(), [single.url(DATABASE)]
                 )
             }
-            if apart:
-                targets[one_server + APART] = targets[one_server]
             if revision is not None:
                 single.create_database(f"{DATABASE}_at")
                 url = single.url(f"{DATABASE}_at")
@@ -291,9 +289,10 @@ def in_order(targets: list[Target], repeat: int) -> list[Target]:
 
 
 def ratio(sample: Sample, samples: list[Sample]) -> float | None:
-    """The sample's PostgreSQL CPU per pair over the same repeat's one server's of its kind (the
-    one server apart for a target apart, at the revision for a target at a revision)."""
-    kind = re.search(f"(?:{re.escape(APART)}|{re.escape(at(''))}.*)$", sample.target)
+    """The sample's PostgreSQL CPU per pair over the same repeat's one server's of its kind (at
+    the revision for a target at a revision; the one server, which always sends claims and
+    completes apart, for a cluster apart)."""
+    kind = re.search(f"{re.escape(at(''))}.*$", sample.target)
     one_server = "PostgreSQL 15, one server" + (kind.group(0) if kind else "")
     for other in samples:
         if other.repeat == sample.repeat and other.target == one_server:
@@ -387,7 +386,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--apart",
         action="store_true",
-        help="each target again with claims and completes in statements of their own",
+        help="each cluster again with a worker's claims and completes in statements of their own",
     )
     parser.add_argument(
         "--at",
@@ -403,9 +402,9 @@ def main() -> int:
     if why is not None:
         print(f"citus_pairs: no Citus here: {why}", file=sys.stderr)
         return 2
-    kinds = 1 + arguments.apart + (arguments.at is not None)
-    runs = (1 + len(arguments.shards)) * kinds * arguments.repeats
-    runs += (1 + len(arguments.shards)) * (1 + (arguments.at is not None))  # the warm-ups
+    kinds = 1 + (arguments.at is not None)
+    runs = (kinds + len(arguments.shards) * (kinds + arguments.apart)) * arguments.repeats
+    runs += (1 + len(arguments.shards)) * kinds  # the warm-ups
     budget = STARTUP_TIMEOUT + runs * (arguments.warmup + arguments.duration + 30)
 
     def out_of_time(signum: int, frame: object) -> None:

@@ -634,15 +634,7 @@ class Histogram:
 
 BATCH_SIZE_METRIC = "oncegate_store_batch_size"
 # The batched store's operations, in the order the batch-size line names them.
-BATCH_OPERATIONS = (
-    "claim_complete",  # claims and completes, which share a batcher (and a statement when both)
-    "claim",
-    "complete",
-    "release",
-    "mark_unknown",
-    "take_over",
-    "reclaim_expired",
-)
+BATCH_OPERATIONS = ("claim", "complete", "release", "mark_unknown", "take_over", "reclaim_expired")
 
 
 def batch_sizes(text: str) -> dict[str, Histogram] | None:

@@ -38,9 +38,10 @@ class StoreOptions:
     """How the PostgreSQL store is run (the `store_*` settings)."""
 
     pool_size: int = 20  # connections for claims and settles; answers get half as many more
-    # The most operations one statement of releases, marks as unknown, take-overs or reclaims
-    # carries. Claims and completes share one queue, whose statement carries up to twice this
-    # of the two together, whatever the mix (128 claims alone, or completes alone).
+    # The most operations one statement of the request path carries (claims, completes,
+    # releases, marks as unknown, take-overs, reclaims: each kind in statements of its own). On
+    # Citus a worker's claims and completes share one queue, whose statement carries up to twice
+    # this of the two together, whatever the mix (128 claims alone, or completes alone).
     batch_size: int = 64
     connect_timeout: float = 5.0
     command_timeout: float = 10.0

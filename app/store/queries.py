@@ -12,9 +12,7 @@ raises, it never hands over another server's.
 
 A part that statements share is written once as a fragment (`-- fragment: NAME`) and named in a
 statement, or in a fragment written after it, as `{NAME}`: the statement holds the fragment's
-text there. `{NAME:prefix_}` holds it with each of its parameters named with the prefix
-(`:keys` becomes `:prefix_keys`), so one statement can hold two parts that each take a `:keys`
-of their own. A fragment too may be shaped per server (`-- fragment: NAME [citus]`): a
+text there. A fragment too may be shaped per server (`-- fragment: NAME [citus]`): a
 statement written once then holds each server's shape of it. `FRAGMENTS[server]` holds them for
 the statements written at run time (store/postgres/workers.py), so both say the same thing.
 """
@@ -31,8 +29,8 @@ Server = Literal["postgres", "citus"]
 SERVERS: tuple[Server, ...] = ("postgres", "citus")
 
 _NAME = re.compile(r"^-- (name|fragment): (\w+)(?: \[(\w+)\])?\s*$", re.MULTILINE)
-# `{name}` or `{name:prefix_}`: a fragment, in a statement whose comments are gone.
-_FRAGMENT = re.compile(r"\{(\w+)(?::([a-z_]+))?\}")
+# `{name}`: a fragment, in a statement whose comments are gone.
+_FRAGMENT = re.compile(r"\{(\w+)\}")
 # `:name`, but not the second colon of a `::type` cast.
 _PARAMETER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
 _COMMENT = re.compile(r"--[^\n]*")
@@ -180,18 +178,13 @@ def _uncommented(sql: str) -> str:
 
 
 def _expanded(where: str, sql: str, fragments: Mapping[str, str]) -> str:
-    """`sql` (`where`'s) with the fragments it names in place, their parameters prefixed where
-    it says so."""
+    """`sql` (`where`'s) with the fragments it names in place."""
 
     def fragment(match: re.Match[str]) -> str:
         try:
-            text = fragments[match.group(1)]
+            return fragments[match.group(1)]
         except KeyError:
             raise ValueError(f"{where} names no fragment of the file: {match[0]}") from None
-        prefix = match.group(2)
-        if prefix is None:
-            return text
-        return _PARAMETER.sub(lambda parameter: f":{prefix}{parameter.group(1)}", text)
 
     return _FRAGMENT.sub(fragment, sql)
 

@@ -46,7 +46,8 @@
 -- Rows are written in one order (by (scope, key) for claims, by id for the rest), so two batches
 -- that touch the same rows wait for each other instead of deadlocking. The caller
 -- (postgres/requests.py) sends each key, or each (id, token), once per batch and answers its
--- copies itself.
+-- copies itself. Each operation has statements of its own: only a Citus worker's claims and
+-- completes share one (postgres/workers.py), which saves a fence and a commit there.
 
 -- fragment: claim_outcome
 -- What a claim returns for each key it was sent (`wanted`: the batch, `n` its position;
@@ -62,17 +63,14 @@ oncegate_key_state(held.state, held.lease_expires_at, held.expires_at) AS state,
 held.response_status, held.response_headers, held.response_body, held.response_stored,
 held.sealed_with, held.sealed_headers;
 
--- fragment: claims
--- The plain server's claim, as the parts of a WITH: `wanted` (the batch), `claimed` (the keys it
--- inserted) and `claims`, what each claim got ({claim_outcome}). For `claim` below and for
--- `claim_complete`, which holds it beside a complete: written once, so the two cannot differ.
+-- name: claim [postgres]
 -- Take new keys, or read the rows that already hold them: one round trip either way.
 -- The unique constraint is the arbiter: of many concurrent claims, one inserts. The read runs on
 -- the statement's snapshot, so a row committed by a concurrent claim after this statement began
 -- is not seen; then neither branch returns a row (id is NULL) and the caller reads it with `get`.
 -- Every decision that writes is a compare-and-set on the fencing token, so a read a moment old
 -- is safe.
-wanted AS (
+WITH wanted AS (
     SELECT *
     FROM unnest(:routes::text[], :scopes::bytea[], :keys::text[], :fingerprints::bytea[],
                 :leases::float8[], :ttls::float8[], :requests::bytea[],
@@ -91,18 +89,12 @@ claimed AS (
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token, scope, key
-),
-claims AS (
-    SELECT {claim_outcome}
-    FROM wanted
-    LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
-    LEFT JOIN oncegate_keys AS held
-           ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key
 )
-
--- name: claim [postgres]
-WITH {claims}
-SELECT * FROM claims;
+SELECT {claim_outcome}
+FROM wanted
+LEFT JOIN claimed ON claimed.scope = wanted.scope AND claimed.key = wanted.key
+LEFT JOIN oncegate_keys AS held
+       ON claimed.id IS NULL AND held.scope = wanted.scope AND held.key = wanted.key;
 
 -- name: claim [citus]
 -- The same, as a function Citus runs on the worker that holds the shard of `anchor` (one of
@@ -213,11 +205,10 @@ request = NULL,
 request_sealed_with = NULL,
 claimed_by = NULL
 
--- fragment: completing
+-- name: complete
 -- The holder of the token stores its answer, even after its lease ran out (a late answer is
 -- better than `unknown`); a take-over changed the token and refuses it. `waited`: someone waits
--- on the row (`mark_waited`), and the store sends `notify` for it. For `complete` below and
--- `claim_complete`.
+-- on the row (`mark_waited`), and the store sends `notify` for it.
 UPDATE oncegate_keys AS k
 SET {completed}
 FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallint[],
@@ -227,33 +218,7 @@ FROM unnest(:keys::text[], :ids::bigint[], :tokens::bigint[], :statuses::smallin
 WHERE {rows_of_batch}
   AND k.fencing_token = given.token
   AND k.state IN ('in_progress', 'unknown')
-RETURNING k.id, k.fencing_token, k.waited
-
--- name: complete
-{completing};
-
--- name: claim_complete [postgres]
--- A batch's claims and completes in one statement and one commit, synchronous as a claim's must
--- be (postgres/requests.py sends it on the claims' pool): the claims' rows (`n`, the claim's
--- position, set), then the completes' (`n` NULL; their arrays are named `answer_...`).
--- The claims are written first, the completes after: the first branch of the UNION reads
--- `claimed` to its end before the second reads `completed`, and a part of a WITH that writes
--- runs as it is read. So a claim that waits on another transaction (the same new key claimed
--- there, or a row it holds) holds no row of this statement's completes meanwhile; a claim's
--- insert never locks a row that exists, so nothing waits on the claims of a statement in its
--- completes; and the completes lock their rows by id as every settle does: two such statements,
--- or one and a settle or take-over, wait for each other and never deadlock.
--- A claim reads the rows that hold its key on the statement's snapshot, before its completes:
--- a key whose complete is in the same statement reads in flight here; the caller reads it
--- again once committed (postgres/requests.py).
-WITH {claims},
-completed AS (
-    {completing:answer_}
-)
-SELECT *, NULL::boolean AS waited FROM claims
-UNION ALL
-SELECT NULL, NULL, id, fencing_token, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, waited
-FROM completed;
+RETURNING k.id, k.fencing_token, k.waited;
 
 -- name: release
 DELETE FROM oncegate_keys AS k

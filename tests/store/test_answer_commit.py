@@ -1,6 +1,6 @@
 """`store_answer_commit` holds for every answer, and the server's `synchronous_commit` for every
-claim, also when the two share one statement (`claim_complete`): the statement commits with the
-stronger of the two (`Pools.claims_and_answers`).
+claim, also when the two are in flight at once: each goes in a statement of its own, on its
+own pool (`Pools`), and commits with its own setting, never the other's.
 
 How a commit is seen to wait for a standby without one: the server names a synchronous standby
 that never connects (`synchronous_standby_names`), so every commit whose `synchronous_commit` is
@@ -30,7 +30,7 @@ from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore
 from tests.conftest import _admin, start_embedded, with_database
 from tests.helpers import digest, new_key
-from tests.store.test_batched_store import CLAIMS, HANG, LONG, ROUTE, SCOPE, batches
+from tests.store.test_batched_store import HANG, LONG, ROUTE, SCOPE, batches
 
 ABSENT = "oncegate_absent_standby"  # a synchronous standby that never connects
 PROBE = "INSERT INTO probe VALUES (1)"  # a commit that writes WAL (one that does not never waits)
@@ -89,18 +89,22 @@ async def _waiting(server_url: str, database: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("server_commit", "answer_commit", "claims_alone_wait"),
+    ("server_commit", "answer_commit", "claims_wait", "answer_waits"),
     [
-        ("local", "remote_apply", False),  # the answers' setting is the stronger
-        ("on", "off", True),  # the claims' (the default `store_answer_commit`)
+        ("local", "remote_apply", False, True),  # the answer's setting is the stronger
+        ("on", "off", True, False),  # the server's (the default `store_answer_commit`)
     ],
 )
-async def test_claims_and_an_answer_in_one_statement_commit_with_the_stronger_setting(
-    server_url: str, server_commit: str, answer_commit: AnswerCommit, claims_alone_wait: bool
+async def test_claims_and_an_answer_in_flight_at_once_each_commit_with_their_own_setting(
+    server_url: str,
+    server_commit: str,
+    answer_commit: AnswerCommit,
+    claims_wait: bool,
+    answer_waits: bool,
 ) -> None:
-    """Two claims and a complete: the first claim goes alone, the second and the complete
-    queue behind it and go in one statement. That statement waits for the standby whichever
-    of the two settings asks for it; the claim alone waits only when the server's does."""
+    """Two claims and a complete at once: the first claim goes alone, the second queues behind
+    it, the complete goes beside them. The claims wait for the standby when the server's setting
+    asks for it, the answer when `store_answer_commit` does, and neither for the other's."""
     await _admin(server_url, f"ALTER DATABASE keys SET synchronous_commit = {server_commit}")
     store = await PostgresStore.connect(
         with_database(server_url, "keys"),
@@ -114,27 +118,36 @@ async def test_claims_and_an_answer_in_one_statement_commit_with_the_stronger_se
         completing = await claim()  # before the standby is named: commits at once
         assert isinstance(completing, Claim)
         async with standby_named(server_url):
-            before = batches(CLAIMS)
+            claims_before, completes_before = batches("claim"), batches("complete")
             alone = asyncio.create_task(claim())
             beside = asyncio.create_task(claim())
             answer = StoredAnswer(201, plaintext([], b"{}"))
             completed = asyncio.create_task(store.requests.complete(completing, answer))
-            if not claims_alone_wait:
+            # What does not wait commits while the standby is named ...
+            if not claims_wait:
                 assert isinstance(await asyncio.wait_for(alone, HANG), Claim)
-            expected = 2 if claims_alone_wait else 1  # the claim alone's statement, and theirs
+                assert isinstance(await asyncio.wait_for(beside, HANG), Claim)
+            if not answer_waits:
+                assert await asyncio.wait_for(completed, HANG) is True
+            # ... and what does, waits for it: the claim alone's statement (the second queued
+            # behind it), or the answer's.
+            expected = int(claims_wait) + int(answer_waits)
             async with asyncio.timeout(HANG):
                 while await _waiting(server_url, "keys") < expected:
-                    assert not completed.done(), (
-                        f"the answer committed without waiting for the standby "
-                        f"(store_answer_commit = {answer_commit}, server {server_commit})"
-                    )
+                    assert not (claims_wait and beside.done()), "a claim did not wait"
+                    assert not (answer_waits and completed.done()), "the answer did not wait"
                     await asyncio.sleep(0.01)
-            assert not beside.done() and not completed.done()
+            assert await _waiting(server_url, "keys") == expected
+            if claims_wait:
+                assert not beside.done()
+            if answer_waits:
+                assert not completed.done()
         # The name cleared: every commit returns, each operation with its own outcome.
         claimed, stored_now = await asyncio.wait_for(asyncio.gather(beside, completed), HANG)
         assert isinstance(await alone, Claim) and isinstance(claimed, Claim) and stored_now
-        count, carried = batches(CLAIMS)
-        assert (count - before[0], carried - before[1]) == (2, 3)  # 1 claim, then claim+complete
+        # [alone], [beside]; the answer in a statement of its own.
+        assert batches("claim") == (claims_before[0] + 2, claims_before[1] + 2)
+        assert batches("complete") == (completes_before[0] + 1, completes_before[1] + 1)
         record = await store.requests.get(SCOPE, completing.key)
         assert record is not None and record.state == "completed"
         record = await store.requests.get(SCOPE, claimed.key)

@@ -20,17 +20,13 @@ import pytest
 from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
-from oncegate import settings
-from oncegate.kernel import fingerprint, keys
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import SealedRequest, StoredAnswer
 from oncegate.model.records import Claim, Record
-from oncegate.service import Gateway, ProxyRequest
 from oncegate.settings import StoreOptions
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
-from tests.fake_upstream import FakeUpstream
 from tests.helpers import digest, new_key, stored
 
 __all__ = ["server"]  # the fixture: a PostgreSQL of this module's own, to stop
@@ -39,8 +35,6 @@ ROUTE = "batched"
 SCOPE = hashlib.sha256(b"batched scope").digest()
 LONG = 600.0  # a lease or TTL that cannot run out during a test
 HANG = 60.0  # a waiter that has no answer by then hangs: the test fails instead of hanging
-# Claims and completes share one batcher, and its label (`oncegate_store_batch_size`).
-CLAIMS = "claim_complete"
 
 T = TypeVar("T")
 
@@ -91,7 +85,7 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
     store: PostgresStore,
 ) -> None:
     key = new_key()
-    before = batches(CLAIMS)
+    before = batches("claim")
     first, *copies = await answered(
         asyncio.gather(
             claim(store, new_key()),  # alone; the copies queue behind it
@@ -101,7 +95,7 @@ async def test_copies_of_one_key_in_one_batch_one_wins_and_the_others_see_its_ro
             claim(store, key, digest("one")),
         )
     )
-    assert batches(CLAIMS) == (before[0] + 2, before[1] + 5)  # [first], [the four copies]
+    assert batches("claim") == (before[0] + 2, before[1] + 5)  # [first], [the four copies]
     assert isinstance(first, Claim)
     winners = [copy for copy in copies if isinstance(copy, Claim)]
     assert len(winners) == 1 and isinstance(copies[0], Claim)  # the first copy sent wins
@@ -149,7 +143,7 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
     assert taken is not None and taken.token == claims[2].token + 1
 
     answer = plaintext([], b"{}")
-    before = batches(CLAIMS)
+    before = batches("complete")
     settled = await answered(
         asyncio.gather(
             store.requests.complete(
@@ -161,7 +155,7 @@ async def test_a_superseded_token_in_a_batch_settles_nothing_while_the_others_se
             ),
         )
     )
-    assert batches(CLAIMS) == (before[0] + 2, before[1] + 5)
+    assert batches("complete") == (before[0] + 2, before[1] + 5)
     assert settled == [True, True, False, True, True]
     for index, key in enumerate(keys):
         record = await store.requests.get(SCOPE, key)
@@ -239,18 +233,16 @@ async def test_copies_of_one_reclaim_of_an_expired_key_in_a_batch_one_wins(
 
 
 async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
-    # Claims and completes share a batcher, which carries what their two statements would:
-    # twice store_batch_size operations.
     store = await PostgresStore.connect(database_url, StoreOptions(batch_size=8))
     try:
-        keys = [new_key() for _ in range(1 + 16 + 16 + 4)]
-        before = batches(CLAIMS)
+        keys = [new_key() for _ in range(1 + 8 + 8 + 4)]
+        before = batches("claim")
         claims = await answered(asyncio.gather(*(claim(store, key) for key in keys)))
-        sent, carried = batches(CLAIMS)
-        # [1], then a full [16] starts beside it, and another, and the last 4 when one returns.
-        assert (sent - before[0], carried - before[1]) == (4, 37)
+        sent, carried = batches("claim")
+        # [1], then a full [8] starts beside it, and another, and the last 4 when one returns.
+        assert (sent - before[0], carried - before[1]) == (4, 21)
         bucket = REGISTRY.get_sample_value(
-            "oncegate_store_batch_size_bucket", {"operation": CLAIMS, "le": "4.0"}
+            "oncegate_store_batch_size_bucket", {"operation": "claim", "le": "4.0"}
         )
         assert bucket is not None
         assert all(isinstance(claimed, Claim) for claimed in claims)
@@ -262,16 +254,15 @@ async def test_a_batch_of_the_maximum_size(database_url: str) -> None:
         await store.close()
 
 
-async def test_claims_keeping_large_requests_go_in_statements_of_at_most_8_mib_of_them(
+async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_of_them(
     store: PostgresStore,
 ) -> None:
     # A claim keeps its request (up to a route's max_body, 10 MiB by default): a batch of 64 of
     # them would be one parameter of 640 MiB, and past 1 GiB PostgreSQL refuses the message and
-    # fails every claim of the batch. A batch weighs what it keeps, as completes weigh answers:
-    # at most 4 MiB of each kind's worth, 8 MiB a statement of claims and completes.
-    kept = SealedRequest(None, b"r" * (5 * 1024 * 1024))
+    # fails every claim of the batch. A batch weighs what it keeps, as completes weigh answers.
+    kept = SealedRequest(None, b"r" * (3 * 1024 * 1024))
     keys = [new_key() for _ in range(3)]
-    before = batches(CLAIMS)
+    before = batches("claim")
     claims = await answered(
         asyncio.gather(
             *(
@@ -280,8 +271,8 @@ async def test_claims_keeping_large_requests_go_in_statements_of_at_most_8_mib_o
             )
         )
     )
-    sent, carried = batches(CLAIMS)
-    # The first alone (nothing in flight), then each of the others alone: two would be 10 MiB.
+    sent, carried = batches("claim")
+    # The first alone (nothing in flight), then each of the others alone: two would be 6 MiB.
     assert (sent - before[0], carried - before[1]) == (3, 3)
     assert all(isinstance(claimed, Claim) for claimed in claims)
     for key in keys:
@@ -352,18 +343,22 @@ async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:
     assert isinstance(completing, Claim)
     try:
         await hold(holder, keys[0])  # ended by the stop below
-        before = batches(CLAIMS)
+        # ... and the row the answer completes locked in the same transaction: its statement
+        # waits too.
+        await holder.execute("SELECT FROM oncegate_keys WHERE id = $1 FOR UPDATE", completing.id)
+        claims_before, completes_before = batches("claim"), batches("complete")
         alone = asyncio.create_task(claim(store, new_key()))
         waiting = [asyncio.create_task(claim(store, key)) for key in keys]
-        # ... and an answer, in the same statement as the claims (`claim_complete`)
         waiting.append(
             asyncio.create_task(
                 store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
             )
         )
         await answered(alone)
-        assert batches(CLAIMS) == (before[0] + 2, before[1] + 7)  # [alone], [keys and answer]
-        await asyncio.sleep(0.2)  # [keys and answer] is in PostgreSQL, waiting on the lock
+        # [alone], [keys]; the answer in a statement of its own.
+        assert batches("claim") == (claims_before[0] + 2, claims_before[1] + 6)
+        assert batches("complete") == (completes_before[0] + 1, completes_before[1] + 1)
+        await asyncio.sleep(0.2)  # [keys] and [answer] are in PostgreSQL, waiting on the locks
         await asyncio.to_thread(stop, server, "immediate")
         results = await answered(asyncio.gather(*waiting, return_exceptions=True))
         assert all(isinstance(result, errors.StoreUnavailable) for result in results), results
@@ -452,13 +447,16 @@ async def test_a_take_over_nobody_waits_for_puts_the_key_back_to_unknown(
     assert (found.token, found.state) == (unknown.token + 1, "unknown")  # kept, not deleted
 
 
-# Claims and completes share one batcher, and a batch that holds both is one statement
-# (`claim_complete`): one commit, synchronous as a claim's must be.
+# Claims and completes go in statements of their own, each kind on its pool: a claim commits with
+# the server's `synchronous_commit`, an answer with `store_answer_commit`, and a statement of one
+# kind that waits inside PostgreSQL holds up none of the other kind.
 
 
-async def test_a_batch_of_claims_and_completes_is_one_statement_and_each_keeps_its_outcome(
+async def test_claims_and_completes_in_flight_at_once_go_in_statements_of_their_own(
     store: PostgresStore,
 ) -> None:
+    """Each kind in its own statements, each operation with its own outcome: a claim beside a
+    complete never shares its statement."""
     done, held, superseded = [await claim(store, new_key()) for _ in range(3)]
     won = [await claim(store, new_key()) for _ in range(2)]
     assert all(isinstance(each, Claim) for each in (done, held, superseded, *won))
@@ -469,12 +467,12 @@ async def test_a_batch_of_claims_and_completes_is_one_statement_and_each_keeps_i
     unknown = await store.requests.get(SCOPE, superseded.key)
     assert unknown is not None and await store.requests.take_over(unknown, LONG) is not None
     new = [new_key() for _ in range(2)]
-    before = batches(CLAIMS)
+    claims_before, completes_before = batches("claim"), batches("complete")
     results = await answered(
         asyncio.gather(
-            claim(store, new_key()),  # alone; the rest go in one statement
+            claim(store, new_key()),  # alone; the other claims queue behind it
             claim(store, new[0]),
-            store.requests.complete(won[0], StoredAnswer(201, plaintext([], b"first"))),
+            store.requests.complete(won[0], StoredAnswer(201, plaintext([], b"first"))),  # alone
             claim(store, done.key),  # a stored answer: its row
             claim(store, new[0]),  # a copy: the row its first made
             store.requests.complete(superseded, StoredAnswer(201, plaintext([], b"late"))),
@@ -483,7 +481,9 @@ async def test_a_batch_of_claims_and_completes_is_one_statement_and_each_keeps_i
             claim(store, new[1]),
         )
     )
-    assert batches(CLAIMS) == (before[0] + 2, before[1] + 9)
+    # [alone], [the other five claims]; [the first complete], [the other two].
+    assert batches("claim") == (claims_before[0] + 2, claims_before[1] + 6)
+    assert batches("complete") == (completes_before[0] + 2, completes_before[1] + 3)
     alone, first, stored_first, replay, copy, late, in_flight, stored_second, second = results
     assert isinstance(alone, Claim) and isinstance(first, Claim) and isinstance(second, Claim)
     assert (stored_first, late, stored_second) == (True, False, True)
@@ -516,109 +516,97 @@ async def prepared(pool: Any) -> str:
     return "\n".join(row["statement"] for row in rows)
 
 
-async def test_claims_and_completes_together_commit_on_the_claims_pool_and_alone_where_they_did(
+async def test_a_complete_goes_on_the_answers_pool_and_a_claim_on_the_requests_pool_always(
     database_url: str,
 ) -> None:
-    """A complete sent without claims goes on the answers pool (`store_answer_commit`, `off` by
-    default: no WAL flush to wait for); with claims, in their statement on the claims' pool,
-    synchronous, as a claim's commit must be. (What each statement commits with, whatever the
-    two settings: tests/store/test_answer_commit.py.)"""
+    """A complete goes on the answers pool (`store_answer_commit`, `off` by default: no WAL
+    flush to wait for), alone or with claims in flight beside it; a claim on the requests pool,
+    with the server's setting. (What each commits with, whatever the two settings:
+    tests/store/test_answer_commit.py.)"""
     store = await PostgresStore.connect(database_url, StoreOptions(pool_size=1, batch_size=8))
     try:
         claimed = await claim(store, new_key())
         assert isinstance(claimed, Claim)
         assert await store.requests.complete(claimed, StoredAnswer(201, plaintext([], b"{}")))
-        assert "FROM completed" not in await prepared(store._pools.requests)
-        assert "SET state = 'completed'" in await prepared(store._pools.answers)
         completing = await claim(store, new_key())
         assert isinstance(completing, Claim)
         _, claimed, stored_now = await answered(
             asyncio.gather(
-                claim(store, new_key()),  # alone; the next two go in one statement
+                claim(store, new_key()),  # alone; the next claim queues behind it
                 claim(store, new_key()),
                 store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}"))),
             )
         )
         assert isinstance(claimed, Claim) and stored_now is True
-        assert "FROM completed" in await prepared(store._pools.requests)
-        assert "FROM completed" not in await prepared(store._pools.answers)
+        on_requests, on_answers = (
+            await prepared(store._pools.requests),
+            await prepared(store._pools.answers),
+        )
+        assert "INSERT INTO oncegate_keys" in on_requests
+        assert "INSERT INTO oncegate_keys" not in on_answers
+        assert "SET state = 'completed'" in on_answers
+        assert "SET state = 'completed'" not in on_requests
     finally:
         await store.close()
 
 
-async def test_a_retry_that_meets_its_own_answer_in_one_statement_replays_it(
+async def test_a_complete_postgresql_refuses_fails_alone_and_no_claim_beside_it_is_resent(
     store: PostgresStore,
 ) -> None:
-    """The first request's complete and its retry's claim in one statement: the claim read the
-    row before the complete wrote it (in flight), but both commit together, so the retry is
-    answered from the row as committed: the stored answer, replayed, not 409
-    `request-in-progress` for a request that is no longer in flight."""
-    route = settings.Route(name=ROUTE, match="/", upstream="http://upstream.test")
-    retry = ProxyRequest(
-        method="POST", path="/emails", query="", body=b"{}",
-        headers=[("idempotency-key", new_key()), ("content-type", "application/json")],
-    )  # fmt: skip
-    key = retry.headers[0][1]
-    scope = keys.scope(route.name, [[] for _ in route.scope_headers])
-    digest_of = fingerprint.compute("POST", "/emails", "", "application/json", b"{}")
-    first = await store.requests.claim(route.name, scope, key, digest_of, LONG, LONG)
-    assert isinstance(first, Claim)
-    upstream = FakeUpstream()
-    before = batches(CLAIMS)
-    _, stored_first, answer = await answered(
-        asyncio.gather(
-            claim(store, new_key()),  # alone; the complete and the retry's claim queue behind
-            store.requests.complete(
-                first, StoredAnswer(201, plaintext([("content-type", "text/plain")], b"first"))
-            ),
-            Gateway(store.requests, upstream).handle(route, retry),
-        )
-    )
-    assert batches(CLAIMS) == (before[0] + 2, before[1] + 3)  # the two in one statement
-    assert stored_first is True
-    assert (answer.status, answer.outcome, answer.body) == (201, "replayed", b"first")
-    assert upstream.requests(key) == []
-
-
-async def test_a_row_postgresql_refuses_among_claims_and_completes_fails_alone(
-    store: PostgresStore,
-) -> None:
-    completing = [await claim(store, new_key()) for _ in range(2)]
+    completing = [await claim(store, new_key()) for _ in range(3)]
     new = [new_key() for _ in range(2)]
     answer = plaintext([], b"{}")
-    before = batches(CLAIMS)
+    claims_before, completes_before = batches("claim"), batches("complete")
     results = await answered(
         asyncio.gather(
             claim(store, new_key()),  # alone
+            store.requests.complete(completing[0], StoredAnswer(201, answer)),  # alone
             claim(store, new[0]),
-            store.requests.complete(completing[0], StoredAnswer(201, answer)),
-            store.requests.complete(completing[1], StoredAnswer(42, answer)),  # refused
+            store.requests.complete(completing[1], StoredAnswer(201, answer)),
+            store.requests.complete(completing[2], StoredAnswer(42, answer)),  # refused
             claim(store, new[1]),
             return_exceptions=True,
         )
     )
-    assert isinstance(results[0], Claim) and isinstance(results[1], Claim)
-    assert results[2] is True and isinstance(results[4], Claim)
-    assert isinstance(results[3], errors.StoreUnavailable)
-    # The claim alone, the four in one statement, refused whole, then each of them alone again.
-    assert batches(CLAIMS) == (before[0] + 6, before[1] + 9)
+    assert isinstance(results[0], Claim) and results[1] is True
+    assert isinstance(results[2], Claim) and results[3] is True and isinstance(results[5], Claim)
+    assert isinstance(results[4], errors.StoreUnavailable)
+    # The claims: [alone], [new[0], new[1]], never sent again. The completes: [the first], then
+    # the two in one, refused whole, then each alone again.
+    assert batches("claim") == (claims_before[0] + 2, claims_before[1] + 3)
+    assert batches("complete") == (completes_before[0] + 4, completes_before[1] + 5)
     for key, expected in (
         (new[0], "in_progress"), (new[1], "in_progress"),
-        (completing[0].key, "completed"), (completing[1].key, "in_progress"),
+        (completing[0].key, "completed"), (completing[1].key, "completed"),
+        (completing[2].key, "in_progress"),
     ):  # fmt: skip
         record = await store.requests.get(SCOPE, key)
         assert record is not None and record.state == expected, key
-    refused = await store.requests.get(SCOPE, completing[1].key)
+    refused = await store.requests.get(SCOPE, completing[2].key)
     assert refused is not None and refused.answer is None
 
 
-async def test_claims_that_wait_in_a_statement_hold_none_of_its_completes_rows(
+async def blocked_on(looker: asyncpg.Connection, holder: asyncpg.Connection, count: int) -> int:
+    """Wait until `count` statements wait on `holder`'s transaction inside PostgreSQL (or give
+    up after 10 s); how many do."""
+    waiting = 0
+    for _ in range(200):
+        waiting = await looker.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            holder.get_server_pid(),
+        )
+        if waiting >= count:
+            break
+        await asyncio.sleep(0.05)
+    return int(waiting)
+
+
+async def test_a_claim_that_waits_inside_postgresql_holds_up_no_complete(
     store: PostgresStore, database_url: str
 ) -> None:
-    """The lock order of `claim_complete` (queries.sql): the claims are written first. While a
-    claim waits on another transaction inside PostgreSQL, the rows the statement completes are
-    not locked yet, so nothing that waits on them (another statement's claims, a settle, a
-    take-over) can close a cycle with what the claim waits for: no deadlock."""
+    """While a claim's statement waits on another transaction inside PostgreSQL (the same new
+    key claimed there), a complete sent beside it commits: it is in a statement of its own, and
+    the claim holds no lock it needs."""
     completing = await claim(store, new_key())
     assert isinstance(completing, Claim)
     blocked = new_key()
@@ -626,46 +614,34 @@ async def test_claims_that_wait_in_a_statement_hold_none_of_its_completes_rows(
     looker = await asyncpg.connect(database_url)
     try:
         lock = await hold(holder, blocked)
-        before = batches(CLAIMS)
+        claims_before, completes_before = batches("claim"), batches("complete")
         alone = asyncio.create_task(claim(store, new_key()))
-        together = [
-            asyncio.create_task(claim(store, blocked)),
-            asyncio.create_task(
-                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
-            ),
-        ]
+        waits = asyncio.create_task(claim(store, blocked))
+        completed = asyncio.create_task(
+            store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
+        )
         assert isinstance(await answered(alone), Claim)
-        for _ in range(200):  # until the statement waits on the held key, inside PostgreSQL
-            waiting = await looker.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                holder.get_server_pid(),
-            )
-            if waiting:
-                break
-            await asyncio.sleep(0.05)
-        assert waiting == 1 and batches(CLAIMS) == (before[0] + 2, before[1] + 3)
-        async with looker.transaction():  # the completed row is free: not locked by the claims
-            free = await looker.fetchval(
-                "SELECT id FROM oncegate_keys WHERE id = $1 FOR UPDATE NOWAIT", completing.id
-            )
-        assert free == completing.id
+        assert await blocked_on(looker, holder, 1) == 1
+        assert await answered(completed) is True  # while the claim still waits
+        record = await store.requests.get(SCOPE, completing.key)
+        assert record is not None and record.state == "completed"
+        assert not waits.done()
+        assert batches("claim") == (claims_before[0] + 2, claims_before[1] + 2)
+        assert batches("complete") == (completes_before[0] + 1, completes_before[1] + 1)
         await lock.rollback()
-        claimed, stored_now = await answered(asyncio.gather(*together))
-        assert isinstance(claimed, Claim) and stored_now is True
+        assert isinstance(await answered(waits), Claim)
     finally:
         await looker.close()
         await holder.close()
 
 
-async def test_two_statements_of_claims_and_completes_that_cross_never_deadlock(
+async def test_claims_and_completes_of_two_gateways_that_cross_never_deadlock(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two gateways (two stores), each with a statement that completes its own key and claims
-    the other's (a retry meeting the first request's answer): were the completes written first,
-    each would hold its completed row while its claim waited on the other's, a deadlock
-    PostgreSQL breaks by failing one statement. Claims first, they wait for each other at most.
-    Both statements are held inside PostgreSQL on a key each claims (one open transaction), so
-    they run side by side once it ends."""
+    """Two gateways (two stores), each completing its own key and claiming the other's (a retry
+    meeting the first request's answer) while its claims wait on a key held inside PostgreSQL:
+    each complete commits in its own statement meanwhile, the claims wait for the held keys at
+    most, and no statement fails (a deadlock PostgreSQL breaks by failing one) and is sent again."""
     gateways = [
         await PostgresStore.connect(database_url, StoreOptions(batch_size=8)) for _ in range(2)
     ]
@@ -685,34 +661,34 @@ async def test_two_statements_of_claims_and_completes_that_cross_never_deadlock(
                 "'in_progress', 1, now() + interval '1 minute', now() + interval '1 hour')",
                 ROUTE, SCOPE, key, digest("held"),
             )  # fmt: skip
-        before = batches(CLAIMS)
+        claims_before, completes_before = batches("claim"), batches("complete")
         alone = [asyncio.create_task(claim(gateway, new_key())) for gateway in gateways]
         crossed = [
             asyncio.gather(
                 claim(gateway, held[index]),
                 claim(gateway, own[1 - index].key),  # the other gateway's key
-                gateway.requests.complete(own[index], StoredAnswer(201, plaintext([], b"{}"))),
+            )
+            for index, gateway in enumerate(gateways)
+        ]
+        completes = [
+            asyncio.create_task(
+                gateway.requests.complete(own[index], StoredAnswer(201, plaintext([], b"{}")))
             )
             for index, gateway in enumerate(gateways)
         ]
         await answered(asyncio.gather(*alone))
-        for _ in range(200):  # until both statements wait on the held keys
-            waiting = await looker.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                holder.get_server_pid(),
-            )
-            if waiting == 2:
-                break
-            await asyncio.sleep(0.05)
-        # Each gateway's claim alone, then its three operations in one statement.
-        assert waiting == 2 and batches(CLAIMS) == (before[0] + 4, before[1] + 8)
+        assert await blocked_on(looker, holder, 2) == 2  # each gateway's two claims, waiting
+        assert await answered(asyncio.gather(*completes)) == [True, True]  # meanwhile
+        assert not any(each.done() for each in crossed)
+        # Each gateway's claim alone, then its two in one; its complete alone.
+        assert batches("claim") == (claims_before[0] + 4, claims_before[1] + 6)
+        assert batches("complete") == (completes_before[0] + 2, completes_before[1] + 2)
         await lock.rollback()
-        for index, (claimed, retried, stored_now) in enumerate(
-            await answered(asyncio.gather(*crossed))
-        ):
+        for index, (claimed, retried) in enumerate(await answered(asyncio.gather(*crossed))):
             assert isinstance(claimed, Claim) and claimed.key == held[index]
-            assert stored_now is True
-            assert retried is None or isinstance(retried, Record)
+            # The other's row, as the claim's statement read it (its complete may have
+            # committed just after that statement began).
+            assert isinstance(retried, Record) and retried.id == own[1 - index].id
         failed = [record for record in caplog.records if "sending each operation" in record.msg]
         assert failed == []  # no statement failed (a deadlock) and was sent again piecemeal
     finally:

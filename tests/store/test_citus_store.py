@@ -17,11 +17,15 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 
+from oncegate import settings
+from oncegate.kernel import fingerprint, keys
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import StoredAnswer
 from oncegate.model.records import Claim
+from oncegate.service import Gateway, ProxyRequest
 from oncegate.settings import StoreOptions
 from oncegate.store import citus as citus_store
 from oncegate.store.citus import ShardMap, hash_text
@@ -31,6 +35,7 @@ from oncegate.store.postgres.dialect import Plain
 from oncegate.store.queries import DIALECTS
 from oncegate.telemetry import metrics
 from tests import citus
+from tests.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.usefixtures("citus_cluster")
 
@@ -368,6 +373,43 @@ async def test_a_workers_claims_and_completes_share_one_statement_and_a_bad_row_
         await store.close()
 
 
+async def test_a_retry_that_meets_its_own_answer_in_a_workers_statement_replays_it(
+    database_url: str,
+) -> None:
+    """The first request's complete and its retry's claim in one statement of their worker: the
+    claim read the row before the complete wrote it (in flight), but both commit together, so
+    the retry is answered from the row as committed: the stored answer, replayed, not 409
+    `request-in-progress` for a request that is no longer in flight."""
+    store = await PostgresStore.connect(database_url)
+    try:
+        other, key = keys_of_one_worker(store, 2)
+        route = settings.Route(name="r", match="/", upstream="http://upstream.test")
+        retry = ProxyRequest(
+            method="POST", path="/emails", query="", body=b"{}",
+            headers=[("idempotency-key", key), ("content-type", "application/json")],
+        )  # fmt: skip
+        scope = keys.scope(route.name, [[] for _ in route.scope_headers])
+        digest_of = fingerprint.compute("POST", "/emails", "", "application/json", b"{}")
+        first = await store.requests.claim(route.name, scope, key, digest_of, 600, 600)
+        assert isinstance(first, Claim)
+        upstream = FakeUpstream()
+        before = batch_sizes("claim_complete")
+        _, stored_first, answer = await asyncio.gather(
+            # Alone (nothing in flight); the complete and the retry's claim queue behind it.
+            store.requests.claim("r", SCOPE, other, FINGERPRINT, 600, 600),
+            store.requests.complete(
+                first, StoredAnswer(201, plaintext([("content-type", "text/plain")], b"first"))
+            ),
+            Gateway(store.requests, upstream).handle(route, retry),
+        )
+        assert batch_sizes("claim_complete") == (before[0] + 3, before[1] + 2)  # [1], [2]
+        assert stored_first is True
+        assert (answer.status, answer.outcome, answer.body) == (201, "replayed", b"first")
+        assert upstream.requests(key) == []
+    finally:
+        await store.close()
+
+
 async def test_a_workers_statement_carries_a_full_batch_of_each_kind(database_url: str) -> None:
     # A worker's claims and completes share a statement, which carries what the two statements
     # it replaces would: `store_batch_size` of each kind, twice that in all. With the one cap
@@ -441,6 +483,20 @@ async def test_a_gateway_starting_on_workers_with_more_shards_than_recommended_s
     )
 
 
+async def hold(holder: asyncpg.Connection, key: str) -> Transaction:
+    """An uncommitted in-flight row for `key`, in a transaction left open: a worker's statement
+    that claims the key waits on it inside PostgreSQL until the transaction ends."""
+    lock = holder.transaction()
+    await lock.start()
+    await holder.execute(
+        "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
+        " lease_expires_at, expires_at) VALUES ('r', $1, $2, $3, 'in_progress', 1,"
+        " now() + interval '1 minute', now() + interval '1 hour')",
+        SCOPE, key, FINGERPRINT,
+    )  # fmt: skip
+    return lock
+
+
 async def test_a_claim_given_up_while_its_workers_statement_waits_is_released_the_rest_kept(
     database_url: str,
 ) -> None:
@@ -454,14 +510,7 @@ async def test_a_claim_given_up_while_its_workers_statement_waits_is_released_th
         blocked, gone, answered, alone = keys_of_one_worker(store, 4)
         claimed = await store.requests.claim("r", SCOPE, answered, FINGERPRINT, 600, 600)
         assert isinstance(claimed, Claim)
-        lock = holder.transaction()
-        await lock.start()
-        await holder.execute(
-            "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
-            " lease_expires_at, expires_at) VALUES ('r', $1, $2, $3, 'in_progress', 1,"
-            " now() + interval '1 minute', now() + interval '1 hour')",
-            SCOPE, blocked, FINGERPRINT,
-        )  # fmt: skip
+        lock = await hold(holder, blocked)
         before = batch_sizes("claim_complete")
         first = asyncio.create_task(store.requests.claim("r", SCOPE, alone, FINGERPRINT, 60, 60))
         together = [
@@ -490,6 +539,60 @@ async def test_a_claim_given_up_while_its_workers_statement_waits_is_released_th
         record = await store.requests.get(SCOPE, answered)
         assert record is not None and record.state == "completed"
     finally:
+        await holder.close()
+        await store.close()
+
+
+async def test_claims_that_wait_in_a_workers_statement_hold_none_of_its_completes_rows(
+    database_url: str,
+) -> None:
+    """The lock order of a worker's statement of claims and completes (`workers._claim_complete`):
+    the claims are written first. While a claim waits on another transaction inside PostgreSQL,
+    the row the statement completes is not locked yet, so nothing that waits on it (another
+    statement's claims, a settle, a take-over) can close a cycle with what the claim waits for."""
+    store = await PostgresStore.connect(database_url)
+    holder = await asyncpg.connect(database_url)
+    looker = await asyncpg.connect(database_url)
+    try:
+        blocked, completing_key, alone = keys_of_one_worker(store, 3)
+        completing = await store.requests.claim("r", SCOPE, completing_key, FINGERPRINT, 600, 600)
+        assert isinstance(completing, Claim)
+        lock = await hold(holder, blocked)
+        before = batch_sizes("claim_complete")
+        first = asyncio.create_task(store.requests.claim("r", SCOPE, alone, FINGERPRINT, 60, 60))
+        together = [
+            asyncio.create_task(store.requests.claim("r", SCOPE, blocked, FINGERPRINT, 60, 60)),
+            asyncio.create_task(
+                store.requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
+            ),
+        ]
+        assert isinstance(await asyncio.wait_for(first, 10), Claim)
+        waiting = 0
+        for _ in range(200):  # until the statement waits on the held key, on the worker
+            if batch_sizes("claim_complete") == (before[0] + 3, before[1] + 2):
+                waiting = await looker.fetchval(
+                    "SELECT count(*) FROM citus_lock_waits WHERE blocking_gpid ="
+                    " (SELECT global_pid FROM citus_stat_activity"
+                    "  WHERE pid = $1 AND is_worker_query IS false)",
+                    holder.get_server_pid(),
+                )
+                if waiting:
+                    break
+            await asyncio.sleep(0.05)
+        assert waiting == 1
+        assert batch_sizes("claim_complete") == (before[0] + 3, before[1] + 2)  # [1], [2]
+        assert not any(each.done() for each in together)
+        async with looker.transaction():  # the completed row is free: not locked by the claims
+            free = await looker.fetchval(
+                "SELECT id FROM oncegate_keys WHERE key = $1 AND id = $2 FOR UPDATE NOWAIT",
+                completing.key, completing.id,
+            )  # fmt: skip
+        assert free == completing.id
+        await lock.rollback()
+        claimed, stored_now = await asyncio.wait_for(asyncio.gather(*together), 10)
+        assert isinstance(claimed, Claim) and stored_now is True
+    finally:
+        await looker.close()
         await holder.close()
         await store.close()
 

@@ -4,8 +4,6 @@ to mix up. (That each server runs its statements is the store suites' work, on b
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from oncegate.store.postgres import workers
@@ -38,9 +36,9 @@ def test_only_the_operations_that_must_differ_have_a_shape_per_server() -> None:
         assert citus[name].parameters == postgres[name].parameters, name
     # The Citus purge's first step is its own: plain PostgreSQL locks and deletes in one.
     assert citus.keys() - postgres.keys() == {"purge_candidates"}
-    # A batch's claims and completes in one statement: on Citus a worker's is built at run time,
-    # on its shard tables (postgres/workers.py), and nothing sends one through the coordinator.
-    assert postgres.keys() - citus.keys() == {"claim_complete"}
+    # Every statement of plain PostgreSQL is one Citus has too (a worker's claims and completes
+    # in one statement are built at run time, on its shard tables: postgres/workers.py).
+    assert postgres.keys() - citus.keys() == set()
 
 
 def test_every_request_path_write_names_its_keys_and_tests_states_as_citus_runs_them() -> None:
@@ -103,47 +101,20 @@ def test_a_fragment_is_written_once_and_each_statement_that_names_it_holds_its_t
     assert "done" not in load_dialects(text)["postgres"]  # a fragment is no statement
 
 
-def test_a_fragment_names_fragments_before_it_and_a_prefix_renames_its_parameters() -> None:
+def test_a_fragment_names_fragments_before_it() -> None:
     text = (
         "-- fragment: done\nstate = 'done', at = :at\n\n"
         "-- fragment: settling\nUPDATE t SET {done} WHERE id = ANY(:ids::bigint[])\n\n"
         "-- name: settle\n{settling};\n"
-        "-- name: settle_both\nWITH a AS ({settling}), b AS ({settling:other_}) SELECT :ids;\n"
     )
     assert load_fragments(text)["settling"] == (
         "UPDATE t SET state = 'done', at = :at WHERE id = ANY(:ids::bigint[])"
     )
-    statements = load(text)
-    assert statements["settle"].sql == (
-        "UPDATE t SET state = 'done', at = $1 WHERE id = ANY($2::bigint[]);"
-    )
-    both = statements["settle_both"]
-    assert both.parameters == ("at", "ids", "other_at", "other_ids")
-    assert both.sql == (
-        "WITH a AS (UPDATE t SET state = 'done', at = $1 WHERE id = ANY($2::bigint[])), "
-        "b AS (UPDATE t SET state = 'done', at = $3 WHERE id = ANY($4::bigint[])) SELECT $2;"
-    )
+    settle = load(text)["settle"]
+    assert settle.sql == "UPDATE t SET state = 'done', at = $1 WHERE id = ANY($2::bigint[]);"
+    assert settle.parameters == ("at", "ids")
     with pytest.raises(ValueError, match=r"fragment early names no fragment of the file: \{late\}"):
         load("-- fragment: early\n{late}\n-- fragment: late\na = 1\n")
-
-
-def test_the_plain_servers_claim_and_complete_are_written_once_for_alone_and_together() -> None:
-    postgres = DIALECTS["postgres"]
-    together = postgres["claim_complete"]
-    claim, complete = postgres["claim"], postgres["complete"]
-    parts = re.compile(r"\$\d+|(?<![:\w]):[a-z_]+\b")  # parameters, numbered or named
-    for alone, fragment in ((claim, "claims"), (complete, "completing")):
-        text = parts.sub("?", FRAGMENTS["postgres"][fragment])
-        assert text in parts.sub("?", alone.sql) and text in parts.sub("?", together.sql)
-    # In the combined statement the complete's arrays are its own (`answer_...`).
-    assert complete.parameters == ("keys", "ids", "tokens", "statuses", "headers", "bodies",
-                                   "stored", "sealed_with", "sealed_headers")  # fmt: skip
-    assert together.parameters == (
-        *claim.parameters,
-        *(f"answer_{name}" for name in complete.parameters),
-    )
-    # The claims are written before the completes (the lock order: queries.sql's comment).
-    assert together.sql.index("INSERT INTO oncegate_keys") < together.sql.index("UPDATE")
 
 
 def test_a_fragment_named_but_not_written_or_written_twice_or_per_server_does_not_load() -> None:

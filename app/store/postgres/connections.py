@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
 
-from ...settings import AnswerCommit, StoreOptions, database_url
+from ...settings import StoreOptions, database_url
 from ...settings.database_url import Host
 from .. import citus
 from ..errors import DRIVER_ERRORS, translated
@@ -44,9 +43,6 @@ LISTEN_RETRY = 1.0
 # own: it never takes a connection a request waits for, and its statements keep PostgreSQL's
 # per-call plans, which its optional filters (`:route IS NULL OR ...`) need to use an index.
 OPERATOR_POOL_SIZE = 3
-# synchronous_commit's values, from the least durable to the most (`settings.AnswerCommit`).
-# Without a synchronous standby the last three wait for the local WAL flush alone, as `local`.
-COMMIT_LEVELS: tuple[str, ...] = typing.get_args(AnswerCommit)
 
 
 @translated("connect", "cannot connect to PostgreSQL")
@@ -101,15 +97,6 @@ def reached(connection: asyncpg.Connection) -> object:
     return getattr(connection, "_addr", None)
 
 
-def commits_more_durably(first: str, second: str) -> bool:
-    """Whether a commit with `synchronous_commit = first` waits for more than one with
-    `second` (a value PostgreSQL does not have is refused, never guessed)."""
-    for value in (first, second):
-        if value not in COMMIT_LEVELS:
-            raise ValueError(f"synchronous_commit = {value!r} is none of {COMMIT_LEVELS}")
-    return COMMIT_LEVELS.index(first) > COMMIT_LEVELS.index(second)
-
-
 def request_settings(on_citus: bool) -> dict[str, str]:
     """The session settings of the request pools' connections (`Pools`).
 
@@ -156,9 +143,7 @@ class Pools:
     committed with the server's own `synchronous_commit` (the role's, the database's or
     postgresql.conf's: `on` by default); `answers`: completes, committed with
     `synchronous_commit` = the `store_answer_commit` setting (`off` by default: without waiting
-    for the WAL flush; `store.postgres.requests`); `operator`: everything else. A statement
-    that carries claims and answers together goes on whichever of the two commits more durably
-    (`claims_and_answers`), so neither waits for less than its own setting asks. The request
+    for the WAL flush; `store.postgres.requests`); `operator`: everything else. The request
     pools plan each statement once per connection (`plan_cache_mode = force_generic_plan`):
     left to choose, PostgreSQL re-plans the batched statements on every call (about 0.25 ms of
     its CPU, half a lone claim's round trip). On a Citus coordinator (`citus`) they plan each
@@ -170,18 +155,6 @@ class Pools:
     operator: asyncpg.Pool
     primary: Primary
     citus: bool = False
-    # `store_answer_commit` waits for more than the server's `synchronous_commit`, read when the
-    # pools opened (a change of the role's or database's setting counts from the next start).
-    answers_commit_more: bool = False
-
-    @property
-    def claims_and_answers(self) -> Pool:
-        """The pool of a statement that carries claims and answers: its one commit is both
-        kinds', so it goes where it commits with the stronger of the two settings. The claims'
-        (the server's) unless `store_answer_commit` waits for more (`remote_apply` where the
-        server commits `on`; `on` where the role commits `local`): then the answers'. By
-        default (`off`) the claims': a claim's commit is never weakened."""
-        return self.answers if self.answers_commit_more else self.requests
 
     @classmethod
     async def open(cls, url: str, options: StoreOptions, min_size: int) -> Pools:
@@ -189,10 +162,8 @@ class Pools:
         connection = await asyncpg.connect(url, timeout=options.connect_timeout)
         try:
             on_citus = await citus.has_citus(connection)
-            server_commit = await connection.fetchval("SHOW synchronous_commit")
         finally:
             await connection.close()
-        answers_commit_more = commits_more_durably(options.answer_commit, server_commit)
         session = request_settings(on_citus)
 
         def request_pool(size: int, settings: dict[str, str]) -> Awaitable[Pool]:
@@ -231,9 +202,7 @@ class Pools:
             if answers is not None:
                 await answers.close()
             raise
-        return cls(
-            requests, answers, operator, primary, on_citus, answers_commit_more=answers_commit_more
-        )
+        return cls(requests, answers, operator, primary, citus=on_citus)
 
     async def close(self) -> None:
         await self.operator.close()

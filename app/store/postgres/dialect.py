@@ -7,8 +7,8 @@ request path batches (one batcher per operation, or one per shard), the claim's 
 the three operator paths that take a different shape of work. The rooms of the store ask their
 dialect and never which server they are on.
 
-- Plain PostgreSQL: one batcher per operation, claims and completes sharing one (and one statement
-  when a batch holds both: `claim_complete`); the purge deletes a locked batch in one statement;
+- Plain PostgreSQL: one batcher per operation (claims and completes in statements of their own,
+  each on its pool: `requests`); the purge deletes a locked batch in one statement;
   a delete says in the same statement whether the row exists; rekey locks a batch and writes it
   back in one transaction.
 - Citus (the key table distributed by `key`): claims and completes batched per worker and sent
@@ -38,7 +38,7 @@ from ..queries import DIALECTS, Server, Statements
 from .connections import Pools
 from .operations import Claiming, OnKey
 from .pool import Pool
-from .rows import claimed_and_completed, claims_and_completes, content_of, touched
+from .rows import content_of, touched
 from .workers import ON_WORKERS, Rerouted, Workers
 
 Keyed = TypeVar("Keyed", bound=OnKey)
@@ -58,8 +58,9 @@ class Dialect(Protocol):
     server: Server
     statements: Statements
     # Claims and completes share one batcher and, where the dialect can, one statement
-    # (`fetch_both`): on plain PostgreSQL `claim_complete`; on Citus, one statement per worker
-    # carrying both.
+    # (`fetch_both`): on Citus, one statement per worker carrying both (one fence and one commit
+    # fewer). Plain PostgreSQL sends each kind in statements of its own: one statement of both
+    # saved its CPU nothing and cost the gateway's (docs/performance.md, "64 connections").
     together: bool
 
     def batcher(
@@ -75,11 +76,11 @@ class Dialect(Protocol):
         operation (Citus: its shards moved)."""
 
     async def fetch_both(
-        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
+        self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
         """A batch of claims and one of completes whose keys go to one place that takes them
-        in one statement (a batcher of both kinds, `batcher`): their rows, from that one
-        statement, on `pool` (the claims') or where the dialect sends it."""
+        in one statement (a batcher of both kinds, `batcher`, where `together`): their rows,
+        from that one statement."""
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
@@ -116,6 +117,11 @@ class _Server:
     async def close(self) -> None:
         pass
 
+    async def fetch_both(
+        self, claims: dict[str, object], completes: dict[str, object]
+    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+        raise TypeError("this server takes claims and completes in statements of their own")
+
     async def _fetch_on(
         self, pool: Pool, operation: str, values: dict[str, object]
     ) -> list[asyncpg.Record]:
@@ -137,7 +143,7 @@ class _Server:
 class Plain(_Server):
     server: Server = "postgres"
     statements = DIALECTS["postgres"]
-    together = True
+    together = False
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -150,13 +156,6 @@ class Plain(_Server):
         # The statement's own coroutine, not one that awaits it: one frame fewer for every
         # statement to pass through twice (sent, and resumed with its rows).
         return self._fetch_on(pool, operation, values)
-
-    async def fetch_both(
-        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
-    ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """`claim_complete`: the claims' rows (`n` set), then the completes'."""
-        rows = await self._fetch_on(pool, "claim_complete", claims_and_completes(claims, completes))
-        return claimed_and_completed(rows)
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {}
@@ -231,11 +230,11 @@ class OnCitus(_Server):
         return await self._fetch_on(pool, operation, values)
 
     async def fetch_both(
-        self, pool: Pool, claims: dict[str, object], completes: dict[str, object]
+        self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
-        """On the worker of their keys, one statement (on the worker's pools, not `pool`). A
-        shard whose worker can no longer take statements itself is refused before anything is
-        sent: each operation goes again."""
+        """On the worker of their keys, one statement (on the worker's pools). A shard whose
+        worker can no longer take statements itself is refused before anything is sent: each
+        operation goes again."""
         keys: Sequence[str] = claims["keys"]  # type: ignore[assignment]  # the batch's keys
         node = self.workers.route(keys[0])
         if node is None:

@@ -4,24 +4,18 @@ Design rules:
 - Every statement is autocommitted: one round trip, no transaction held open.
 - Concurrent claims share one statement and one commit, as do concurrent completes, releases,
   take-overs. A lone operation goes at once, alone. Each keeps its own result (`operations`);
-  the SQL is in queries.sql. Claims and completes share one batcher (`Dialect.together`), and a
-  batch that holds both is one statement (`claim_complete`; on Citus, a worker's): one pool
-  acquire, one round trip and one commit for a forward's complete and the next forwards'
-  claims. Where the dialect batches them apart (a Citus shard reached through the
-  coordinator), a batch holds one kind.
-- A claim commits synchronously, because a claim lost in a PostgreSQL crash could let a retry
-  forward twice. Completes sent without a claim beside them commit with `synchronous_commit` =
-  `store_answer_commit` (the `answers` pool): `off` by default, without waiting for the WAL
-  flush. That is every complete at 1 connection (a forward's complete comes after its claim
-  returned) and whenever no claim queued while a statement was in flight. A statement of
-  claims and completes commits once for both, with the stronger of the two settings
-  (`Pools.claims_and_answers`): by default the claims', synchronously (the flush is one the
-  claims wait for anyway); with a `store_answer_commit` stronger than the server's
-  `synchronous_commit` (`remote_apply`), the answers'. No answer commits with less than
-  `store_answer_commit`, no claim with less than the server's setting. A lost `complete` cannot
-  forward twice: the row falls back to its durable in-flight
-  claim, whose lease runs out into `unknown`. What a failover lost that way is counted and
-  logged (`failover.RecentAnswers`).
+  the SQL is in queries.sql. On plain PostgreSQL, and on Citus through the coordinator, each
+  kind has statements of its own. On a Citus worker claims and completes share one batcher
+  (`Dialect.together`), and a batch that holds both is one statement: one fence and one commit
+  for a forward's complete and the next forwards' claims. (On plain PostgreSQL one statement of
+  both saved PostgreSQL no CPU and cost the gateway more: docs/performance.md.)
+- A claim commits synchronously, with the server's own `synchronous_commit` (the `requests`
+  pool), because a claim lost in a PostgreSQL crash could let a retry forward twice. A complete
+  commits with `synchronous_commit` = `store_answer_commit` (the `answers` pool): `off` by
+  default, without waiting for the WAL flush. A lost `complete` cannot forward twice: the row
+  falls back to its durable in-flight claim, whose lease runs out into `unknown`. What a
+  failover lost that way is counted and logged (`failover.RecentAnswers`). A Citus worker's
+  statement of both commits with the worker's own setting (`workers`).
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
   `unknown` although nothing was forwarded. `close` ends the claims before those settles.
@@ -80,13 +74,12 @@ log = logging.getLogger("oncegate.store.postgres")
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
 
-# Answers, and the requests claims keep, are sent to PostgreSQL as one array per batch. The
-# queue that claims and completes share holds at most twice this many bytes of them in a batch
-# (8 MiB, whatever the mix: all of it bodies of completes, or kept requests of claims, or both);
-# a batch of one kind alone (a dialect that batches them apart) holds at most this; one
-# operation larger goes alone. So up to 128 large answers or kept requests never make one huge
-# parameter (PostgreSQL refuses a message past 1 GiB, and would fail every operation of the
-# batch with it).
+# Answers, and the requests claims keep, are sent to PostgreSQL as one array per batch. A batch
+# of one kind holds at most this many bytes of them; the queue a Citus worker's claims and
+# completes share holds twice this (8 MiB, whatever the mix: all of it bodies of completes, or
+# kept requests of claims, or both); one operation larger goes alone. So up to 64 large answers
+# or kept requests (128 on a worker) never make one huge parameter (PostgreSQL refuses a message
+# past 1 GiB, and would fail every operation of the batch with it).
 BATCH_BYTES = 4 * 1024 * 1024
 
 
@@ -105,7 +98,6 @@ class RequestPath:
         self._listener = listener  # closed by the store, after this room
         self._pool = pools.requests
         self._answer_pool = pools.answers
-        self._claims_and_answers_pool = pools.claims_and_answers
         self._options = options
         self.outage = outage
         self._dialect = dialect
@@ -115,9 +107,8 @@ class RequestPath:
         self._claims: Batcher[Any, Any] | PerShard[Any, Any]
         self._completes: Batcher[Any, Any] | PerShard[Any, Any]
         if dialect.together:
-            # One batcher, one statement for both where the dialect can (`claim_complete`; on
-            # Citus, a worker's claims and completes: one fence too): about twice the
-            # operations per statement, one commit for both. It closes with the claims
+            # One batcher, one statement for both where the dialect can (a Citus worker's claims
+            # and completes: one fence and one commit for both). It closes with the claims
             # (`close`); the gateway has drained its requests by then, so no complete comes
             # after. It carries what the two statements it replaces would: twice
             # `store_batch_size` operations and twice `BATCH_BYTES`, whatever the mix. With one
@@ -303,8 +294,8 @@ class RequestPath:
     async def _claim_complete_batch(
         self, batch: Sequence[Claiming | Completing]
     ) -> list[Claim | Record | bool | Exception | None]:
-        """Claims and completes of one place (`Dialect.together`: on Citus, one worker's), in
-        one statement when the batch has both; each operation keeps its own outcome (or
+        """Claims and completes of one place (`Dialect.together`: a Citus worker's), in one
+        statement when the batch has both; each operation keeps its own outcome (or
         failure), in the batch's order. Where they cannot share a statement (through the Citus
         coordinator) the dialect batches each kind apart, so a batch holds one kind: a failure
         of the completes' statement never touches claims that committed in another."""
@@ -317,7 +308,6 @@ class RequestPath:
         claimed, claim_arrays = self._claim_arrays(claims)
         completed, complete_arrays = self._complete_arrays(completes)
         claim_rows, complete_rows = await self._dialect.fetch_both(
-            self._claims_and_answers_pool,  # the stronger of the claims' and answers' commits
             {**claim_arrays, "keys": [each.key for each in claimed]},
             {**complete_arrays, "keys": [each.key for each in completed]},
         )

@@ -25,9 +25,8 @@ from .pool import Pool
 def claims_and_completes(
     claims: dict[str, object], completes: dict[str, object]
 ) -> dict[str, object]:
-    """The parameters of a statement of claims and completes (`claim_complete`, on the plain
-    server or a Citus worker): the claims' arrays as they are, the completes' named
-    `answer_...`."""
+    """The parameters of a statement of claims and completes (a Citus worker's
+    `claim_complete`): the claims' arrays as they are, the completes' named `answer_...`."""
     return {**claims, **{f"answer_{name}": value for name, value in completes.items()}}
 
 

@@ -249,7 +249,18 @@ def _complete(shards: Sequence[int]) -> str:
 
 def _claim_complete(shards: Sequence[int]) -> str:
     """Both in one statement: the claims' rows (`n`, the claim's position, set), then the
-    completes' (`n` NULL; their arrays are named `answer_...`). One fence, one commit."""
+    completes' (`n` NULL; their arrays are named `answer_...`). One fence, one commit.
+
+    The claims are written first, the completes after: the first branch of the UNION reads
+    `claimed` to its end before the second reads `completed`, and a part of a WITH that writes
+    runs as it is read. So a claim that waits on another transaction (the same new key claimed
+    there, or a row it holds) holds no row of this statement's completes meanwhile; a claim's
+    insert never locks a row that exists, so nothing waits on the claims of a statement in its
+    completes; and the completes lock their rows by id as every settle does: two such
+    statements, or one and a settle or take-over, wait for each other and never deadlock. A
+    claim reads the rows that hold its key on the statement's snapshot, before its completes: a
+    key whose complete is in the same statement reads in flight here, and the store reads it
+    again once committed (postgres/requests.py)."""
     completed = "\n    UNION ALL ".join(f"SELECT * FROM completed_{shard}" for shard in shards)
     return f"""WITH {_FENCE},
 {_claiming(shards)},

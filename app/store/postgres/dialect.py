@@ -39,7 +39,7 @@ from .connections import Pools
 from .operations import Claiming, OnKey
 from .pool import Pool
 from .rows import content_of, touched
-from .workers import ON_WORKERS, Rerouted, Workers
+from .workers import ON_WORKERS, Rerouted, Workers, split_away
 
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
@@ -225,9 +225,22 @@ class OnCitus(_Server):
             node = self.workers.route(keys[0])
             if node is not None:
                 return await self.workers.fetch(operation, node, values)
-        if len({self.shards.shard_of(key) for key in keys}) > 1:
+        shards = [self.shards.shard_of(key) for key in keys]
+        if len(set(shards)) > 1:
             raise Rerouted("the batch spans shards since the map changed")
-        return await self._fetch_on(pool, operation, values)
+        try:
+            return await self._fetch_on(pool, operation, values)
+        except asyncpg.PostgresError as exc:
+            if not split_away(exc):
+                raise
+            # Nothing was written. Sent again, operation by operation, where the map read again
+            # says (twice: a read begun by another refusal may predate the split's end); if it
+            # still says the same shard, the refusal stands (an outage to the caller), not a loop.
+            for _ in range(2):
+                await self.shards.refresh()
+                if [self.shards.shard_of(key) for key in keys] != shards:
+                    raise Rerouted(f"through the coordinator: {exc}") from exc
+            raise
 
     async def fetch_both(
         self, claims: dict[str, object], completes: dict[str, object]

@@ -40,7 +40,9 @@ Design rules:
   fragment `completed`, for both); tests/store/test_citus_shard_moves.py runs them.
 - Other request-path statements (reads, take-overs, releases, `mark_unknown`, `mark_waited`) stay
   on the coordinator, batched per shard: Citus routes and fences those itself, and they are the
-  rare ones.
+  rare ones. One that Citus refuses because the shard it was planned for is gone (`split_away`:
+  a split under way) is sent again, operation by operation, once the map has changed, as a
+  worker's refusal is (`dialect.OnCitus.fetch`).
 """
 
 from __future__ import annotations
@@ -214,6 +216,20 @@ class Workers:
 # after a move: `LoadShardInterval`, SQLSTATE XX000, raised before anything is written).
 # tests/store/test_citus_shard_moves.py splits shards under load: it fails if these words change.
 GONE = "could not find valid entry for shard "
+
+
+# Citus's words when a statement through the coordinator is planned for a shard a split has
+# just replaced (SQLSTATE 40001, "A concurrent shard split may have moved the data into a new set
+# of shards. Retry the query."), raised before anything is written.
+SPLIT = "shard for the given value does not exist"
+
+
+def split_away(exc: asyncpg.PostgresError) -> bool:
+    """Citus refused a statement through the coordinator because the shard it was planned for
+    is gone (split, or its metadata dropped after a move): nothing was written."""
+    return (exc.sqlstate == "40001" and str(exc).startswith(SPLIT)) or (
+        exc.sqlstate == "XX000" and str(exc).startswith(GONE)
+    )
 
 
 def _moved_away(exc: asyncpg.PostgresError) -> bool:

@@ -6,9 +6,13 @@ front of it, its `ONCEGATE_DATABASE_URL` the target: one plain PostgreSQL 15, or
 of a Citus cluster of two workers (tests/citus.py's servers, the same settings), its key table
 in `--shards` shards (a database per shard count). `POST /emails` with a new Idempotency-Key per
 request over `--connections` keep-alive connections (bench/quick.py's load generator) for
-`--duration` seconds after a warm-up, `--repeats` times, the targets in turn. From /proc: the
-CPU per forward of the gateway process and of every PostgreSQL node (postmasters, their
-children and the children they reaped; on the cluster the coordinator apart).
+`--duration` seconds after a warm-up, `--repeats` times, the targets in turn. Before the
+measured repeats, each target is driven once so, unmeasured, and `ANALYZE` runs on every node of
+its database (as bench/citus_pairs.py and bench/citus_scale.py do): no repeat runs on a fresh key
+table planned without statistics. Each repeat runs the targets in an order rotated by one, and
+each row's ratio is to the same repeat's one server. From /proc: the CPU per forward of the
+gateway process and of every PostgreSQL node (postmasters, their children and the children they
+reaped; on the cluster the coordinator apart).
 
     .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
         [--shards default,32]
@@ -50,27 +54,33 @@ WARMUP = 2.0
 @dataclass
 class Row:
     target: str
+    repeat: int
     forwards_per_second: float
     gateway_ms: float
     postgres_ms: float
     coordinator_ms: float | None
     load: float  # the machine's load average (1 min) at the end of the run
 
-    def line(self) -> str:
+    def line(self, rows: list[Row]) -> str:
         postgres = f"{self.postgres_ms:.3f}"
         if self.coordinator_ms is not None:
             postgres += (
                 f" ({self.coordinator_ms:.3f} + {self.postgres_ms - self.coordinator_ms:.3f})"
             )
+        one_server = [
+            row.postgres_ms for row in rows
+            if row.repeat == self.repeat and row.target == citus_pairs.ONE_SERVER
+        ]  # fmt: skip
+        times = f"{self.postgres_ms / one_server[0]:.2f}x" if one_server else "-"
         return (
-            f"| {self.target} | {self.forwards_per_second:,.0f} | {self.gateway_ms:.3f} |"
-            f" {postgres} | {self.load:.1f} |"
+            f"| {self.repeat} | {self.target} | {self.forwards_per_second:,.0f} |"
+            f" {self.gateway_ms:.3f} | {postgres} | {times} | {self.load:.1f} |"
         )
 
 
 def measure(
     target: str, url: str, postmasters: list[int], upstream_port: int, work: Path,
-    arguments: argparse.Namespace,
+    arguments: argparse.Namespace, repeat: int = 0,
 ) -> Row:  # fmt: skip
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith("ONCEGATE_")}  # fmt: skip
@@ -108,6 +118,7 @@ def measure(
     nodes = [name for name in groups if name != "gateway"]
     return Row(
         target,
+        repeat,
         result.requests / result.elapsed,
         used["gateway"] * 1000 / forwards,
         sum(used[name] for name in nodes) * 1000 / forwards,
@@ -134,7 +145,7 @@ def main() -> int:
     if why is not None:
         print(f"citus_gateway: no Citus here: {why}", file=sys.stderr)
         return 2
-    budget = 2 * STARTUP_TIMEOUT + (1 + len(arguments.shards)) * arguments.repeats * (
+    budget = 2 * STARTUP_TIMEOUT + (1 + len(arguments.shards)) * (arguments.repeats + 1) * (
         WARMUP + arguments.duration + STARTUP_TIMEOUT
     )
 
@@ -156,26 +167,38 @@ def main() -> int:
                 work / "upstream.log", os.environ.copy(), upstream,
             )  # fmt: skip
             quick.wait_listening(upstream[0], upstream_port, work / "upstream.log", STARTUP_TIMEOUT)
-            for _ in range(arguments.repeats):
-                for target, endpoint in targets.items():
+            for target, endpoint in targets.items():
+                row = measure(
+                    target, endpoint.url, endpoint.postmasters, upstream_port, work, arguments
+                )
+                asyncio.run(citus_pairs.analyze(endpoint))
+                run.progress(
+                    f"warm-up {target}: {row.forwards_per_second:,.0f} forwards/s, then ANALYZE"
+                    " on every node"
+                )
+            for repeat in range(1, arguments.repeats + 1):
+                for target in citus_pairs.in_order(list(targets), repeat):
+                    endpoint = targets[target]
                     row = measure(
-                        target, endpoint.url, endpoint.postmasters, upstream_port, work, arguments
-                    )
+                        target, endpoint.url, endpoint.postmasters, upstream_port, work,
+                        arguments, repeat,
+                    )  # fmt: skip
                     rows.append(row)
                     run.progress(f"{target}: {row.forwards_per_second:,.0f} forwards/s")
         print(
             f"one `oncegate serve` process per target, {arguments.connections} connections, a new"
-            f" key per request, {WARMUP:g} s warm-up + {arguments.duration:g} s per run; CPU"
-            " from /proc"
+            f" key per request, {WARMUP:g} s warm-up + {arguments.duration:g} s per run, every"
+            " database first driven once unmeasured and analyzed on every node, the order"
+            " rotated each repeat; CPU from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(
-            "| target | forwards/s | gateway CPU ms/forward | PostgreSQL CPU ms/forward"
-            " (coordinator + workers) | load average |"
+            "| repeat | target | forwards/s | gateway CPU ms/forward | PostgreSQL CPU ms/forward"
+            " (coordinator + workers) | x the repeat's one server | load average |"
         )
-        print("|---|---:|---:|---:|---:|")
+        print("|---:|---|---:|---:|---:|---:|---:|")
         for row in rows:
-            print(row.line())
+            print(row.line(rows))
         return 0
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"citus_gateway failed: {type(exc).__name__}: {exc}", file=sys.stderr)

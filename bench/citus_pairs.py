@@ -81,6 +81,7 @@ SCOPE = bytes(32)
 FINGERPRINT = bytes(32)
 ANSWER = plaintext([("content-type", "application/json")], b'{"id":"em_000001"}')
 DATABASE = "oncegate_bench"
+ONE_SERVER = "PostgreSQL 15, one server"
 APART = ", claims and completes apart"
 DEFAULT = 0  # a `--shards` of `default`: citus.shard_count left alone, migrate chooses
 STARTUP_TIMEOUT = 120.0
@@ -234,7 +235,7 @@ def servers(
         try:
             asyncio.run(pause_2pc_recovery(cluster))
             single.create_database(DATABASE)
-            one_server = "PostgreSQL 15, one server"
+            one_server = ONE_SERVER
             targets = {
                 one_server: Endpoint(
                     single.url(DATABASE), single.postmasters(), [single.url(DATABASE)]
@@ -293,7 +294,7 @@ def ratio(sample: Sample, samples: list[Sample]) -> float | None:
     the revision for a target at a revision; the one server, which always sends claims and
     completes apart, for a cluster apart)."""
     kind = re.search(f"{re.escape(at(''))}.*$", sample.target)
-    one_server = "PostgreSQL 15, one server" + (kind.group(0) if kind else "")
+    one_server = ONE_SERVER + (kind.group(0) if kind else "")
     for other in samples:
         if other.repeat == sample.repeat and other.target == one_server:
             return sample.postgres_ms_per_pair / max(other.postgres_ms_per_pair, 1e-9)

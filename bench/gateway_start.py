@@ -29,7 +29,6 @@ Design rules:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
 import shlex
@@ -40,13 +39,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncpg
 import quick  # bench/, on the path of a script run from it
 
 START_TIMEOUT = 60.0
@@ -128,46 +125,15 @@ def start_once(target: Target, work: Path, number: int, *, counted: bool = True)
             quick.stop(process)
 
 
-def with_database(url: str, name: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
-
-
-def migrate(python: Path, cwd: Path, url: str, work: Path) -> None:
-    environment = quick.server_environment(work / "unused-data")
-    environment["ONCEGATE_DATABASE_URL"] = url
-    result = subprocess.run(
-        [str(python), "-m", "oncegate.cli", "migrate"],
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"migrate in {cwd} failed:\n{result.stdout}{result.stderr}")
-
-
 @contextmanager
 def targets(arguments: argparse.Namespace, work: Path) -> Iterator[list[Target]]:
     with quick.embedded_postgres("oncegate-bench-start-", keep=arguments.keep) as server:
         this = Target("this checkout", "this", Path(sys.executable), quick.ROOT, server.url)
         found = [this]
         if arguments.baseline is not None:
-            url = with_database(server.url, "baseline")
-
-            async def create() -> None:
-                connection = await asyncpg.connect(server.url)
-                try:
-                    await connection.execute("CREATE DATABASE baseline")
-                finally:
-                    await connection.close()
-
-            asyncio.run(create())
             directory = arguments.baseline.resolve()
             python = directory / ".venv" / "bin" / "python"
-            migrate(python, directory, url, work)
+            url = quick.checkout_database(server.url, "baseline", directory, work, START_TIMEOUT)
             found.append(Target(f"baseline {directory}", "baseline", python, directory, url))
         yield found
 

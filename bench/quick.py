@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections import Counter
@@ -364,6 +365,41 @@ def server_environment(data_dir: Path) -> dict[str, str]:
     }
     environment["ONCEGATE_DATA_DIR"] = str(data_dir)
     return environment
+
+
+def checkout_database(
+    url: str, name: str, checkout: Path, work: Path, timeout: float = STARTUP_TIMEOUT
+) -> str:
+    """A database `name` of its own on the server of `url`, migrated by the checkout at
+    `checkout` (with its own .venv), and its URL: another checkout's gateway (a `--baseline`)
+    runs on the schema its own migrations make, whatever this checkout's are. A gateway refuses
+    a database at a schema revision it does not know."""
+    import asyncpg
+
+    async def create() -> None:
+        connection = await asyncpg.connect(url, timeout=10)
+        try:
+            await connection.execute(f'DROP DATABASE IF EXISTS "{name}"')  # an earlier run's
+            await connection.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await connection.close()
+
+    asyncio.run(create())
+    own = urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(path=f"/{name}"))
+    environment = server_environment(work / "unused-data")
+    environment["ONCEGATE_DATABASE_URL"] = own
+    result = subprocess.run(
+        [str(checkout / ".venv" / "bin" / "python"), "-m", "oncegate.cli", "migrate"],
+        cwd=checkout,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"migrate in {checkout} failed:\n{result.stdout}{result.stderr}")
+    return own
 
 
 def oncegate(*arguments: str) -> list[str]:

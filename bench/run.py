@@ -433,12 +433,16 @@ def servers(work: Path, arguments: argparse.Namespace) -> Iterator[Servers]:
                 started,
             )  # fmt: skip
         if arguments.baseline is not None:
+            # A database of its own on the same server, at the baseline's own schema.
+            baseline_url = quick.checkout_database(
+                database_url, "oncegate_baseline", arguments.baseline, work
+            )
             command = serve("baseline")
             command[0] = str(arguments.baseline / ".venv" / "bin" / "python")
             extra["baseline"] = quick.start(
                 command,
                 work / "baseline.log",
-                {**environment, "ONCEGATE_DATABASE_URL": database_url},
+                {**environment, "ONCEGATE_DATABASE_URL": baseline_url},
                 started,
                 cwd=arguments.baseline,
             )

@@ -46,6 +46,7 @@ import run  # noqa: E402
 from batch_shapes import load_line, machine_line  # noqa: E402
 
 from oncegate.kernel import keys  # noqa: E402
+from oncegate.model import reach  # noqa: E402
 from oncegate.model.answers import SealedAnswer, SealedRequest, StoredAnswer  # noqa: E402
 from oncegate.model.records import Claim  # noqa: E402
 from oncegate.settings import StoreOptions  # noqa: E402
@@ -129,6 +130,20 @@ def through(path: RequestPath) -> Pair:
     return pair
 
 
+def shielded(pair: Pair) -> Pair:
+    """The same pair from a task out of its client's reach (`reach.SHIELDED`), as the gateway
+    sends a keyed request's claim and complete: a lone operation goes in the caller's task."""
+
+    async def in_reach(key: str) -> tuple[int, int, int, bool]:
+        token = reach.SHIELDED.set(True)
+        try:
+            return await pair(key)
+        finally:
+            reach.SHIELDED.reset(token)
+
+    return in_reach
+
+
 def raw(claims: asyncpg.Connection, answers: asyncpg.Connection) -> Pair:
     """The floor's pair: the same statements on two bare connections (`run._floor`)."""
     plain = DIALECTS["postgres"]
@@ -197,8 +212,16 @@ async def measure(url: str, pairs: int, instant: bool) -> list[Row]:
     options = StoreOptions()
     store = await PostgresStore.connect(url, options)
     claims, answers = await run.floor_connections(url)
-    rows = {"raw": Row("raw: the floor's statements"), "store": Row("through the store")}
-    sends: dict[str, Pair] = {"raw": raw(claims, answers), "store": through(store.requests)}
+    rows = {
+        "raw": Row("raw: the floor's statements"),
+        "store": Row("through the store, a caller within its client's reach"),
+        "shielded": Row("through the store, a shielded task's (a keyed request's)"),
+    }
+    sends: dict[str, Pair] = {
+        "raw": raw(claims, answers),
+        "store": through(store.requests),
+        "shielded": shielded(through(store.requests)),
+    }
     if instant:
         rows["instant"] = Row("through the store, a connection that answers at once")
         sends["instant"] = through(await instant_path(options))
@@ -209,6 +232,9 @@ async def measure(url: str, pairs: int, instant: bool) -> list[Row]:
             # Which goes first alternates, so a drift of the machine falls on each alike.
             order = names if number % 2 == 0 else names[::-1]
             for name in order:
+                # A loop iteration between pairs, as between a gateway's requests: the batch task
+                # of the pair before ends (`Batcher._landed`) before this one's claim is called.
+                await asyncio.sleep(0)
                 STAMPS.clear()
                 cpu = time.process_time()
                 started, claimed, ended, done = await sends[name](f"{tag}-{name}-{number}")

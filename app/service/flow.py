@@ -28,24 +28,27 @@ on one clock, cell by cell.
 A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
 live request would read as `unknown`, and be taken over under `on_unknown: forward`.
 
-The forward and its settlement run in a task of their own, shielded from the request: a client
-that hangs up does not cancel them, so its retry finds the answer stored. `drain` waits for
-every such task at shutdown. If PostgreSQL is unreachable at claim time the request is refused
-(503) and never forwarded; if it fails at settle time the caller still gets its answer and the
-key turns `unknown` when its lease runs out: the safe direction.
+A keyed request's claim, and the forward and settlement of a claim it won, run in one task of
+their own, shielded from the request: a client that hangs up does not cancel them, so a claim in
+flight is never cut short, a claim won is always forwarded and settled, and the retry finds the
+answer stored. (The store sends a lone statement of that task in the task itself: no task of its
+own.) `drain` waits for every such task at shutdown. If PostgreSQL is unreachable at claim
+time the request is refused (503) and never forwarded; if it fails at settle time the caller
+still gets its answer and the key turns `unknown` when its lease runs out: the safe direction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import Awaitable
-from typing import assert_never
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar, assert_never
 
 from ..kernel import fingerprint, headers, keys
 from ..kernel.key_workers import KeyWorkers
 from ..kernel.sealing import Keyring, Sealer
-from ..model import errors
+from ..model import errors, reach
 from ..model.answers import SealedRequest, StoredAnswer
 from ..model.outcomes import Outcome
 from ..model.records import Claim, Record
@@ -62,6 +65,8 @@ from .tokens import Identities
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
 log = logging.getLogger("oncegate.service")
+
+Done = TypeVar("Done")
 
 # Claim, read, claim again: the row can change between two statements (released, expired, taken
 # over). Each lap means another request made progress, so a few laps are plenty.
@@ -100,7 +105,8 @@ class Gateway:
         self._upstream = upstream
         # Seals every stored answer when a keyring is set (ONCEGATE_ENCRYPTION_KEYS).
         self._sealer = Sealer(keyring)
-        self._inflight: set[asyncio.Task[Answer]] = set()
+        # The shielded tasks (`_shielded`): claims, forwards and settles, whoever waits for them.
+        self._inflight: set[asyncio.Task[Any]] = set()
         # The pumps of answers relayed as they come (`_relay`): each settles its key at the end.
         self._pumps: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,9 +160,11 @@ class Gateway:
     ) -> Answer:
         laps = 0
         while laps < CLAIM_ATTEMPTS:
-            found = await self._store.claim(
-                route.name, scope, key, digest.digest, route.lease_seconds, route.ttl, kept
+            found = await self._shielded(
+                self._claim_and_forward(route, request, scope, key, digest, kept)
             )
+            if isinstance(found, Answer):
+                return found  # claimed, forwarded and settled
             if found is None:
                 # Held by a claim that committed while ours ran: read it now.
                 found = await self._store.get(scope, key)
@@ -164,8 +172,6 @@ class Gateway:
                 case None:
                     laps += 1
                     continue  # and already released: claim again
-                case Claim():
-                    return await self._forward_protected(route, request, found, scope)
                 case Record():
                     decision = decide(found, digest, route, self._sealer, scope)
                 case _:
@@ -205,18 +211,47 @@ class Gateway:
             log.error("stored answers sealed with key %r cannot be opened: %s", error.key_name,
                       error.reason)  # fmt: skip
 
+    async def _claim_and_forward(
+        self,
+        route: Route,
+        request: ProxyRequest,
+        scope: bytes,
+        key: str,
+        digest: fingerprint.Fingerprint,
+        kept: SealedRequest | None,
+    ) -> Answer | Record | None:
+        """Claim the key and, when the claim wins it, forward and settle: the answer; otherwise
+        what the claim found (the row that holds the key, or None). Run shielded
+        (`_shielded`): a claim in flight is never cut short, and a claim won is always
+        forwarded and settled, whoever stops waiting."""
+        found = await self._store.claim(
+            route.name, scope, key, digest.digest, route.lease_seconds, route.ttl, kept
+        )
+        if isinstance(found, Claim):
+            return await self._forward_and_settle(route, request, found, scope)
+        return found
+
     async def _forward_protected(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
     ) -> Answer:
+        return await self._shielded(self._forward_and_settle(route, request, claim, scope))
+
+    def _shielded(self, work: Coroutine[Any, Any, Done]) -> Awaitable[Done]:
+        """Run `work` in a task of its own, shielded from the caller: a client that hangs up
+        (or a caller that cancels) stops waiting for it, never cancels it; `drain` waits for
+        it. The task says so in its context (`reach.SHIELDED`), so the store sends a lone
+        statement of it in the task itself rather than in one of its own."""
         loop = self._loop
-        if loop is None:  # the first forward's; kept (asking costs a getpid() on Python 3.11)
+        if loop is None:  # the first request's; kept (asking costs a getpid() on Python 3.11)
             loop = self._loop = asyncio.get_running_loop()
-        task = loop.create_task(self._forward_and_settle(route, request, claim, scope))
+        context = contextvars.copy_context()
+        context.run(reach.SHIELDED.set, True)
+        task = loop.create_task(work, context=context)
         self._inflight.add(task)
         task.add_done_callback(self._forget)
-        return await asyncio.shield(task)
+        return asyncio.shield(task)
 
-    def _forget(self, task: asyncio.Task[Answer]) -> None:
+    def _forget(self, task: asyncio.Task[Any]) -> None:
         self._inflight.discard(task)
         if not task.cancelled():
             # Retrieve the result so an answer nobody waits for (the client hung up) is not

@@ -20,13 +20,17 @@ import pytest
 from asyncpg.transaction import Transaction
 from prometheus_client import REGISTRY
 
+from oncegate import settings
+from oncegate.kernel import keys
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import SealedRequest, StoredAnswer
 from oncegate.model.records import Claim, Record
+from oncegate.service import Gateway, ProxyRequest
 from oncegate.settings import StoreOptions
 from oncegate.store.postgres import PostgresStore
 from tests.e2e.test_store_down import server, start, stop
+from tests.fake_upstream import FakeUpstream, Respond
 from tests.helpers import digest, new_key, stored
 
 __all__ = ["server"]  # the fixture: a PostgreSQL of this module's own, to stop
@@ -51,7 +55,7 @@ async def answered(pending: Awaitable[T]) -> T:
     return await asyncio.wait_for(pending, HANG)
 
 
-async def hold(connection: asyncpg.Connection, key: str) -> Transaction:
+async def hold(connection: asyncpg.Connection, key: str, scope: bytes = SCOPE) -> Transaction:
     """An uncommitted in-flight row for `key`, in a transaction left open: a claim of the key
     waits on it inside PostgreSQL until the transaction ends, and holds its whole batch there."""
     transaction = connection.transaction()
@@ -61,7 +65,7 @@ async def hold(connection: asyncpg.Connection, key: str) -> Transaction:
         "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
         "now() + interval '1 minute', now() + interval '1 hour')",
         ROUTE,
-        SCOPE,
+        scope,
         key,
         digest("held"),
     )
@@ -328,6 +332,75 @@ async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_
         assert isinstance(await claim(store, gone), Claim)
     finally:
         await holder.close()
+
+
+@pytest.mark.parametrize("held", ["claim", "settle"])
+async def test_a_caller_that_stops_waiting_mid_statement_leaves_its_key_forwarded_and_settled(
+    store: PostgresStore, database_url: str, held: str
+) -> None:
+    """A keyed request's claim, forward and settle run in one shielded task, and its lone
+    statements go in that task rather than in a batch task of their own: a caller cancelled
+    (its client hung up) while the claim, or the settle, waits inside PostgreSQL cuts neither
+    short. The claim is won, the request forwarded once and its answer stored; the retry is
+    replayed, never forwarded again, and no key is left `in_progress` to turn `unknown`."""
+    route = settings.Route(name=ROUTE, match="/", upstream="http://upstream.test")
+    key = new_key()
+    request = ProxyRequest(
+        method="POST", path="/emails", query="", body=b"{}",
+        headers=[("idempotency-key", key), ("content-type", "application/json")],
+    )  # fmt: skip
+    scope = keys.scope(route.name, [[] for _ in route.scope_headers])
+    arrived, answer_now = asyncio.Event(), asyncio.Event()
+    upstream = FakeUpstream()
+    upstream.will(Respond(arrived=arrived, until=answer_now))
+    gateway = Gateway(store.requests, upstream)
+    claims, completes = batches("claim"), batches("complete")
+    holder = await asyncpg.connect(database_url)
+    try:
+        if held == "claim":
+            # An uncommitted row of the key: the claim's statement waits on it in PostgreSQL.
+            lock = await hold(holder, key, scope)
+            caller = asyncio.create_task(gateway.handle(route, request))
+            await waiting_on_a_lock(holder)
+            answer_now.set()
+        else:
+            caller = asyncio.create_task(gateway.handle(route, request))
+            await answered(arrived.wait())  # claimed, and at the upstream
+            # The key's row locked: the complete's statement waits on it in PostgreSQL.
+            lock = holder.transaction()
+            await lock.start()
+            await holder.execute("SELECT 1 FROM oncegate_keys WHERE key = $1 FOR UPDATE", key)
+            answer_now.set()
+            await waiting_on_a_lock(holder)
+        caller.cancel()  # the client hangs up with the statement inside PostgreSQL
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await lock.rollback()
+        await answered(gateway.drain())
+    finally:
+        await holder.close()
+    row = await store.requests.get(scope, key)
+    assert row is not None and row.state == "completed"
+    assert len(upstream.requests(key)) == 1
+    # Each of the two went alone, in one statement of its own: none of them was resent.
+    assert batches("claim") == (claims[0] + 1, claims[1] + 1)
+    assert batches("complete") == (completes[0] + 1, completes[1] + 1)
+    retry = await answered(gateway.handle(route, request))
+    assert (retry.status, retry.outcome, retry.body) == (201, "replayed", b'{"performed": true}')
+    assert len(upstream.requests(key)) == 1
+
+
+async def waiting_on_a_lock(connection: asyncpg.Connection) -> None:
+    """Return once another session's statement waits on a lock (one this session holds)."""
+    for _ in range(int(HANG / 0.01)):
+        waiting = await connection.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no statement came to wait on the lock")
 
 
 async def test_postgres_stopped_while_a_batch_is_in_flight(server: Any) -> None:

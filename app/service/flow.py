@@ -160,9 +160,13 @@ class Gateway:
     ) -> Answer:
         laps = 0
         while laps < CLAIM_ATTEMPTS:
-            found = await self._shielded(
-                self._claim_and_forward(route, request, scope, key, digest, kept)
-            )
+            claiming = self._claim_and_forward(route, request, scope, key, digest, kept)
+            if self._store.claims_idle():
+                # Sent alone at once: from the task that forwards, without one of the store's.
+                found = await self._shielded(claiming)
+            else:
+                # Queued behind a statement in flight: awaited here, a task for a winner only.
+                found = await claiming
             if isinstance(found, Answer):
                 return found  # claimed, forwarded and settled
             if found is None:
@@ -222,14 +226,17 @@ class Gateway:
     ) -> Answer | Record | None:
         """Claim the key and, when the claim wins it, forward and settle: the answer; otherwise
         what the claim found (the row that holds the key, or None). Run shielded
-        (`_shielded`): a claim in flight is never cut short, and a claim won is always
-        forwarded and settled, whoever stops waiting."""
+        (`_shielded`), or in the caller's task, where the store's batch task carries the claim
+        and settles one won for nobody; either way a claim in flight is never cut short, and a
+        claim won for a caller still waiting is forwarded and settled, shielded."""
         found = await self._store.claim(
             route.name, scope, key, digest.digest, route.lease_seconds, route.ttl, kept
         )
-        if isinstance(found, Claim):
+        if not isinstance(found, Claim):
+            return found
+        if reach.SHIELDED.get():
             return await self._forward_and_settle(route, request, found, scope)
-        return found
+        return await self._forward_protected(route, request, found, scope)
 
     async def _forward_protected(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes

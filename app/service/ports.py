@@ -39,6 +39,12 @@ class RequestStore(Protocol):
         the row that already holds it. None when a concurrent claim committed it too recently
         to be read in the same statement: read it with `get`."""
 
+    def claims_idle(self) -> bool:
+        """Whether a claim made now would be sent at once, alone: no statement of claims in
+        flight or queued. The flow then claims from the shielded task that forwards, where a
+        lone statement goes without a task of the store's own (`model.reach.SHIELDED`); a claim
+        that would queue waits in its caller's task, where it costs no more."""
+
     async def get(self, scope: bytes, key: str) -> Record | None: ...
 
     async def reclaim_expired(

@@ -89,7 +89,7 @@ class Batcher(Generic[Item, Outcome]):
         """Queue `item`, and return its outcome once the statement that carried it returned."""
         if self._closed:
             raise RuntimeError(f"the {self.operation} batcher is closed")
-        if not self._queued and not self._in_flight and not self._here and SHIELDED.get():
+        if SHIELDED.get() and self.idle():
             return await self._alone_here(item)
         future: asyncio.Future[Outcome] = self._running_loop().create_future()
         self._queued.append((item, future))
@@ -103,6 +103,10 @@ class Batcher(Generic[Item, Outcome]):
         except asyncio.CancelledError:
             self._abandon(item, future)
             raise
+
+    def idle(self) -> bool:
+        """Whether an operation now would be sent at once, alone."""
+        return not (self._queued or self._in_flight or self._here)
 
     async def _alone_here(self, item: Item) -> Outcome:
         """Send a lone operation in its caller's task, which no client's cancellation reaches
@@ -249,6 +253,10 @@ class PerShard(Generic[Item, Outcome]):
         self._make = make
         self._batchers: dict[Hashable, Batcher[Item, Outcome]] = {}
         self._closed = False
+
+    def idle(self) -> bool:
+        """Whether no shard's batcher has an operation queued or in flight."""
+        return all(batcher.idle() for batcher in self._batchers.values())
 
     async def run(self, item: Item) -> Outcome:
         shard = self._shard_of(item)

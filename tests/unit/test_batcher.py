@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from oncegate.model import reach
 from oncegate.store.batching import Batcher
 
 
@@ -53,6 +54,65 @@ async def test_a_lone_operation_is_sent_at_once_alone() -> None:
     assert recorder.batches == [[1]]  # sent without waiting for company
     recorder.gate.set()
     assert await waiter == 10
+
+
+class Tasks:
+    """The tasks `send` runs in, by item: a lone shielded operation's is its caller's."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.seen: dict[int, asyncio.Task[object] | None] = {}
+
+    async def send(self, items: Sequence[int]) -> list[int]:
+        for item in items:
+            self.seen[item] = asyncio.current_task()
+        return await self.recorder.send(items)
+
+
+async def shielded(batcher: Batcher[int, int], item: int) -> int:
+    """`batcher.run(item)` from a task out of its client's reach, as a keyed request's is."""
+    reach.SHIELDED.set(True)  # in this task's own context
+    return await batcher.run(item)
+
+
+async def test_a_lone_operation_of_a_shielded_task_goes_in_that_task_and_others_queue_behind() -> (
+    None
+):
+    recorder = Recorder()
+    tasks = Tasks(recorder)
+    batcher = Batcher("test", tasks.send, max_size=8)
+    first = asyncio.create_task(shielded(batcher, 1))
+    await settle()
+    assert recorder.batches == [[1]] and tasks.seen[1] is first  # no batch task of its own
+    assert not batcher.idle()
+    later = [asyncio.create_task(shielded(batcher, 2)), asyncio.create_task(batcher.run(3))]
+    await settle()
+    assert recorder.batches == [[1]]  # behind the statement in flight, as behind any
+    recorder.gate.set()
+    assert await first == 10
+    assert await asyncio.gather(*later) == [20, 30]
+    assert recorder.batches == [[1], [2, 3]]
+    assert tasks.seen[2] is not later[0]  # queued: carried by a batch task
+    assert batcher.idle()
+    assert await asyncio.create_task(shielded(batcher, 4)) == 40  # idle again: alone, in place
+    await batcher.close()
+
+
+async def test_a_lone_shielded_operation_that_fails_raises_in_its_task_and_the_queue_goes_on() -> (
+    None
+):
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    recorder.fail = ConnectionError("gone")
+    first = asyncio.create_task(shielded(batcher, 1))
+    await settle()
+    queued = asyncio.create_task(batcher.run(2))
+    await settle()
+    recorder.gate.set()
+    with pytest.raises(ConnectionError):
+        await first
+    assert await queued == 20
+    assert recorder.batches == [[1], [2]]
 
 
 async def test_operations_arriving_while_one_is_in_flight_go_together_next() -> None:

@@ -204,6 +204,9 @@ class RequestPath:
     def watch(self, record_id: int) -> Watch:
         return self._listener.watch(record_id)
 
+    def claims_idle(self) -> bool:
+        return self._claims.idle()
+
     @translated("renew")
     async def renew(self, claim: Claim, lease: float) -> bool:
         row = await fetchrow(

@@ -2,15 +2,18 @@
 1-connection forward's store time goes beyond its two round trips.
 
 `bench/run.py`'s floor row sends the gateway's claim and complete on two bare asyncpg
-connections; a forward at 1 connection sends the same statements through the store (the
-batcher's task and future, the pool, the arrays, the outcome). This runs both in one process on
-the gateway's event loop (uvloop), pair by pair, alternating which goes first, against one
-embedded PostgreSQL, and prints per row the claim's and the complete's median and mean (µs),
+connections; a forward at 1 connection sends the same statements through the store (the pool,
+the arrays, the outcome; from a caller within its client's reach, the batcher's task and future
+too). This runs them in one process on the gateway's event loop (uvloop), pair by pair,
+alternating which goes first, against one embedded PostgreSQL: raw, through the store from a
+caller within its client's reach, and through the store from a task out of it, as a keyed
+request's claim and settle are sent (`model.reach.SHIELDED`: a lone statement in the caller's
+task). It prints per row the claim's and the complete's median and mean (µs),
 the pair's median, and this process's CPU per pair. `--steps` also prints, per row, the median
 time between stamps taken at the store's steps: the call, the batch task's start, the
 statement's start and end (asyncpg's `fetch`), the task's end, and the caller resumed.
 
-With `--instant`, a third row runs the store on a connection that answers at once (no
+With `--instant`, a fourth row runs the store on a connection that answers at once (no
 PostgreSQL): the store's own Python per lone pair on a warm CPU. At 1 connection the process
 sleeps while PostgreSQL works, and every step after a wake-up runs slower than it does warm.
 

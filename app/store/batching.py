@@ -229,11 +229,14 @@ class Batcher(Generic[Item, Outcome]):
             self._deliver(item, future, outcome)
 
     async def close(self) -> None:
-        """Wait for the batches in flight; refuse new operations. Queued ones are sent first."""
+        """Wait for the batches in flight; refuse new operations. Queued ones are sent first.
+        A close cancelled stops waiting and cancels nothing it waited for (`asyncio.wait`, not
+        `gather`): a lone operation's task is its caller's (a keyed request's, out of its
+        client's reach), and a batch's outcomes still reach its callers."""
         while self._queued or self._in_flight or self._here:
             if self._queued and not (self._in_flight or self._here):
                 self._dispatch()
-            await asyncio.gather(*self._in_flight, *self._here, return_exceptions=True)
+            await asyncio.wait({*self._in_flight, *self._here})
         self._closed = True
         if self._stall_timer is not None:
             self._stall_timer.cancel()

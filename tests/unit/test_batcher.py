@@ -115,6 +115,29 @@ async def test_a_lone_shielded_operation_that_fails_raises_in_its_task_and_the_q
     assert recorder.batches == [[1], [2]]
 
 
+async def test_a_close_cancelled_cancels_neither_a_shielded_callers_task_nor_a_batch() -> None:
+    """A close that stops waiting (its caller cancelled) leaves what it waited for running: the
+    task of a lone shielded operation (a keyed request's claim, forward and settle) and a batch
+    in flight, whose callers still get their outcomes."""
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    request = asyncio.create_task(shielded(batcher, 1))  # sent in its own task
+    await settle()
+    queued = asyncio.create_task(batcher.run(2))  # behind it; sent once it returns
+    await settle()
+    closing = asyncio.create_task(batcher.close())
+    await settle()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not request.done() and not queued.done()
+    recorder.gate.set()
+    assert await request == 10
+    assert await queued == 20
+    assert recorder.batches == [[1], [2]]
+    await batcher.close()
+
+
 async def test_operations_arriving_while_one_is_in_flight_go_together_next() -> None:
     recorder = Recorder()
     batcher = Batcher("test", recorder.send, max_size=8)

@@ -28,13 +28,16 @@ on one clock, cell by cell.
 A route's lease must outlive its upstream timeout (`settings.Route`): shorter, and a slow but
 live request would read as `unknown`, and be taken over under `on_unknown: forward`.
 
-A keyed request's claim, and the forward and settlement of a claim it won, run in one task of
-their own, shielded from the request: a client that hangs up does not cancel them, so a claim in
-flight is never cut short, a claim won is always forwarded and settled, and the retry finds the
-answer stored. (The store sends a lone statement of that task in the task itself: no task of its
-own.) `drain` waits for every such task at shutdown. If PostgreSQL is unreachable at claim
-time the request is refused (503) and never forwarded; if it fails at settle time the caller
-still gets its answer and the key turns `unknown` when its lease runs out: the safe direction.
+The forward and settlement of a claim won run in a task of their own, shielded from the request:
+a client that hangs up does not cancel them, so the retry finds the answer stored. A claim that
+would be sent alone (`RequestStore.claims_idle`) runs in that task too, before the forward, and
+the store sends a lone statement of that task in the task itself, without a task of its own; a
+claim that would queue behind a statement in flight waits in the request's task, and the store's
+batch task carries it (and settles it, if won for a caller that stopped waiting). Either way a
+claim in flight is never cut short. `drain` waits for every such task at shutdown. If
+PostgreSQL is unreachable at claim time the request is refused (503) and never forwarded; if it
+fails at settle time the caller still gets its answer and the key turns `unknown` when its lease
+runs out: the safe direction.
 """
 
 from __future__ import annotations

@@ -13,15 +13,20 @@ domain's constraint.
 column. The five checks across columns stay table checks too.
 
 Each column changes type without rewriting its table or its indexes: the domains are created
-without their checks, the columns become of those types (binary coercible: a catalog change),
-and only then do the domains get their checks, which PostgreSQL validates with one read of the
-rows (on Citus, each worker reads its shards); the table checks they replace are dropped last.
-All in the migration's one transaction, so no moment goes unchecked. On a Citus coordinator
-every statement here is propagated to the workers and their shards (the domains become Citus
-objects, so a worker added later gets them), over one connection per worker
+without their checks, the columns become of those types (binary coercible: a catalog change) in
+one ALTER TABLE that also drops the five column checks, and only then do the domains get their
+checks. That reads the key table five times, all under the ACCESS EXCLUSIVE lock the ALTER TABLE
+takes: once for the ALTER TABLE (PostgreSQL validates again every table check that names a
+retyped column, here the checks across columns), once per domain's constraint (validated column
+by column of the table; NOT VALID then VALIDATE would read as often, under the same SHARE lock
+on PostgreSQL 15). All in the migration's one transaction, so no moment goes unchecked. On a
+Citus coordinator every statement here is propagated to the workers and their shards (the
+domains become Citus objects, so a worker added later gets them), over one connection per worker
 (`citus.multi_shard_modify_mode` sequential: Citus runs no command on a domain after a parallel
-one on a distributed table in the same transaction). The downgrade puts the table checks back
-under their old names and drops the domains.
+one on a distributed table in the same transaction), each worker reading its shards. The
+downgrade puts the table checks back under their old names in one ALTER TABLE (one read; on
+Citus, which takes no ADD CONSTRAINT beside other subcommands, one more per check) and drops the
+domains.
 
 Revision ID: 0013
 Revises: 0012
@@ -62,7 +67,8 @@ COLUMNS = (
 BASE = {domain: base for domain, base, _, _ in DOMAINS}
 
 
-def _sequential_on_citus() -> None:
+def _sequential_on_citus() -> bool:
+    """Whether this database has Citus (its statements then go to the shards one at a time)."""
     has_citus = (
         op.get_bind()
         .execute(text("SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"))
@@ -70,26 +76,46 @@ def _sequential_on_citus() -> None:
     )
     if has_citus:
         op.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+    return bool(has_citus)
 
 
 def upgrade() -> None:
     _sequential_on_citus()
     for domain, base, _, _ in DOMAINS:
         op.execute(f"CREATE DOMAIN {domain} AS {base}")
-    for column, domain, _ in COLUMNS:
-        op.execute(f"ALTER TABLE oncegate_keys ALTER COLUMN {column} TYPE {domain}")
+    # One ALTER TABLE, one read: PostgreSQL re-creates and re-validates every table check that
+    # names a retyped column, once per ALTER TABLE statement (five statements read the table
+    # five times). The column checks are dropped in it, so only the checks across columns are
+    # validated again.
+    op.execute(
+        "ALTER TABLE oncegate_keys "
+        + ", ".join(
+            [f"DROP CONSTRAINT oncegate_keys_{column}_check" for column, _, _ in COLUMNS]
+            + [f"ALTER COLUMN {column} TYPE {domain}" for column, domain, _ in COLUMNS]
+        )
+    )
+    # One read each: PostgreSQL validates a domain's constraint column by column of a table at
+    # ADD CONSTRAINT, and at VALIDATE CONSTRAINT after a NOT VALID (under a SHARE lock either
+    # way on PostgreSQL 15): a NOT VALID then VALIDATE would read as often.
     for domain, _, constraint, check in DOMAINS:
         op.execute(f"ALTER DOMAIN {domain} ADD CONSTRAINT {constraint} CHECK ({check})")
-    for column, _, _ in COLUMNS:
-        op.execute(f"ALTER TABLE oncegate_keys DROP CONSTRAINT oncegate_keys_{column}_check")
 
 
 def downgrade() -> None:
-    _sequential_on_citus()
-    for column, domain, check in COLUMNS:
-        op.execute(f"ALTER TABLE oncegate_keys ALTER COLUMN {column} TYPE {BASE[domain]}")
-        op.execute(
-            f"ALTER TABLE oncegate_keys ADD CONSTRAINT oncegate_keys_{column}_check CHECK ({check})"
-        )
+    on_citus = _sequential_on_citus()
+    retypes = [f"ALTER COLUMN {column} TYPE {BASE[domain]}" for column, domain, _ in COLUMNS]
+    checks = [
+        f"ADD CONSTRAINT oncegate_keys_{column}_check CHECK ({check})"
+        for column, _, check in COLUMNS
+    ]
+    if not on_citus:
+        # One ALTER TABLE, one read: the checks it adds and those it re-creates, validated
+        # together.
+        op.execute("ALTER TABLE oncegate_keys " + ", ".join(retypes + checks))
+    else:
+        # Citus takes no ADD CONSTRAINT beside other subcommands: one read per check more.
+        op.execute("ALTER TABLE oncegate_keys " + ", ".join(retypes))
+        for check in checks:
+            op.execute(f"ALTER TABLE oncegate_keys {check}")
     for domain, _, _, _ in DOMAINS:
         op.execute(f"DROP DOMAIN {domain}")

@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
@@ -301,3 +302,41 @@ async def test_the_column_domains_come_and_go_without_rewriting_the_key_table(
     await asyncio.to_thread(migrate.downgrade, empty_database_url, "0012")
     assert await _files(empty_database_url) == files
     assert await _states(empty_database_url) == before
+
+
+async def _reads_of_the_key_table(url: str, change: Callable[[], Awaitable[None]]) -> int:
+    """How many times `change` read the key table from end to end (pg_stat_user_tables.seq_scan).
+
+    A backend reports its counts once out of its transaction, all of them at once, so the count
+    is read again until it moves: a migration is one transaction (env.py), one report."""
+    connection = await asyncpg.connect(url)
+    query = "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'oncegate_keys'"
+    try:
+        before = await connection.fetchval(query)
+        await change()
+        for _ in range(600):
+            await connection.execute("SELECT pg_stat_clear_snapshot()")
+            after: int = await connection.fetchval(query)
+            if after != before:
+                return after - before
+            await asyncio.sleep(0.05)
+        raise AssertionError("the key table's scan count never moved")
+    finally:
+        await connection.close()
+
+
+async def test_the_column_domains_read_the_key_table_five_times_up_and_once_down(
+    empty_database_url: str,
+) -> None:
+    # One ALTER TABLE for the five columns (the checks across columns validated again, once),
+    # then one read per domain's constraint. Five ALTER TABLE statements read it nine times.
+    await _upgrade(empty_database_url, "0012")
+    await _write_rows_of_every_state(empty_database_url)
+    up = await _reads_of_the_key_table(
+        empty_database_url, lambda: _upgrade(empty_database_url, "0013")
+    )
+    down = await _reads_of_the_key_table(
+        empty_database_url,
+        lambda: asyncio.to_thread(migrate.downgrade, empty_database_url, "0012"),
+    )
+    assert (up, down) == (5, 1)

@@ -60,6 +60,12 @@ async def hold(connection: asyncpg.Connection, key: str, scope: bytes = SCOPE) -
     waits on it inside PostgreSQL until the transaction ends, and holds its whole batch there."""
     transaction = connection.transaction()
     await transaction.start()
+    await hold_too(connection, key, scope)
+    return transaction
+
+
+async def hold_too(connection: asyncpg.Connection, key: str, scope: bytes = SCOPE) -> None:
+    """One more uncommitted in-flight row, in the transaction `hold` left open."""
     await connection.execute(
         "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token, "
         "lease_expires_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 1, "
@@ -69,7 +75,6 @@ async def hold(connection: asyncpg.Connection, key: str, scope: bytes = SCOPE) -
         key,
         digest("held"),
     )
-    return transaction
 
 
 @pytest.fixture
@@ -706,6 +711,117 @@ async def test_a_claim_that_waits_inside_postgresql_holds_up_no_complete(
     finally:
         await looker.close()
         await holder.close()
+
+
+async def test_claims_are_idle_only_while_no_claim_is_queued_or_in_flight(
+    store: PostgresStore, database_url: str
+) -> None:
+    """`claims_idle`: whether a claim now would be sent at once, alone (a keyed request claims
+    from its shielded task only then). A complete waiting inside PostgreSQL leaves claims idle;
+    a claim waiting there does not, nor one queued behind it; once every claim returned, claims
+    are idle again."""
+    requests = store.requests
+    assert requests.claims_idle()
+    completing = await claim(store, new_key())
+    assert isinstance(completing, Claim)
+    await asyncio.sleep(0)  # its batch task ends a step after the outcome reached its caller
+    assert requests.claims_idle()
+    blocked = new_key()
+    holder = await asyncpg.connect(database_url)
+    looker = await asyncpg.connect(database_url)
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "SELECT 1 FROM oncegate_keys WHERE key = $1 FOR UPDATE", completing.key
+        )
+        completed = asyncio.create_task(
+            requests.complete(completing, StoredAnswer(201, plaintext([], b"{}")))
+        )
+        assert await blocked_on(looker, holder, 1) == 1
+        assert requests.claims_idle()  # a complete in flight: not a claim
+        await hold_too(holder, blocked)
+        waits = asyncio.create_task(claim(store, blocked))
+        assert await blocked_on(looker, holder, 2) == 2
+        assert not requests.claims_idle()  # a claim in flight
+        behind = asyncio.create_task(claim(store, new_key()))  # queued, then sent beside it
+        assert isinstance(await answered(behind), Claim)
+        assert not requests.claims_idle()  # the first still waits
+        await lock.rollback()
+        assert await answered(completed) is True
+        assert isinstance(await answered(waits), Claim)
+        await asyncio.sleep(0)
+        assert requests.claims_idle()
+    finally:
+        await looker.close()
+        await holder.close()
+
+
+def keyed(key: str) -> ProxyRequest:
+    return ProxyRequest(
+        method="POST", path="/emails", query="", body=b"{}",
+        headers=[("idempotency-key", key), ("content-type", "application/json")],
+    )  # fmt: skip
+
+
+async def test_a_client_that_hangs_up_during_its_claim_has_it_performed_once_or_not_at_all(
+    store: PostgresStore, database_url: str
+) -> None:
+    """Where a keyed request's claim goes depends on the claims in flight: with none
+    (`claims_idle`) in the request's shielded task, otherwise in the request's own task, the
+    store's batch task carrying it. Two clients hang up while their claims wait inside
+    PostgreSQL, the first's sent alone, the second's after it. The first claim is won for its
+    shielded task: forwarded once, the answer stored, the retry replayed. The second is won for
+    nobody: the store releases the key, nothing reaches the upstream, and the retry is
+    forwarded, once. Neither request is performed twice."""
+    route = settings.Route(name=ROUTE, match="/", upstream="http://upstream.test")
+    scope = keys.scope(route.name, [[] for _ in route.scope_headers])
+    idle, busy = new_key(), new_key()
+    upstream = FakeUpstream()
+    gateway = Gateway(store.requests, upstream)
+    releases = batches("release")
+    holder = await asyncpg.connect(database_url)
+    looker = await asyncpg.connect(database_url)
+    try:
+        # Uncommitted rows of both keys: each claim's statement waits on its row in PostgreSQL.
+        lock = await hold(holder, idle, scope)
+        await hold_too(holder, busy, scope)
+        assert store.requests.claims_idle()
+        first = asyncio.create_task(gateway.handle(route, keyed(idle)))
+        assert await blocked_on(looker, holder, 1) == 1
+        assert not store.requests.claims_idle()
+        second = asyncio.create_task(gateway.handle(route, keyed(busy)))
+        assert await blocked_on(looker, holder, 2) == 2  # queued, then sent beside the first
+        for caller in (first, second):
+            caller.cancel()  # the client hangs up with its claim inside PostgreSQL
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        await lock.rollback()  # both claims win
+        await answered(gateway.drain())
+    finally:
+        await looker.close()
+        await holder.close()
+    performed = await store.requests.get(scope, idle)
+    assert performed is not None and performed.state == "completed"
+    assert len(upstream.requests(idle)) == 1
+    for _ in range(int(HANG / 0.05)):  # the release of the claim nobody received follows
+        unreceived = await store.requests.get(scope, busy)
+        if unreceived is None or unreceived.state != "in_progress":
+            break
+        await asyncio.sleep(0.05)
+    assert unreceived is None
+    assert batches("release") == (releases[0] + 1, releases[1] + 1)  # released, by the store
+    assert upstream.requests(busy) == []
+
+    replayed = await answered(gateway.handle(route, keyed(idle)))
+    assert (replayed.status, replayed.outcome) == (201, "replayed")
+    assert len(upstream.requests(idle)) == 1
+    forwarded = await answered(gateway.handle(route, keyed(busy)))
+    assert (forwarded.status, forwarded.outcome) == (201, "forwarded")
+    assert len(upstream.requests(busy)) == 1
+    again = await answered(gateway.handle(route, keyed(busy)))
+    assert (again.status, again.outcome, again.body) == (201, "replayed", b'{"performed": true}')
+    assert len(upstream.requests(busy)) == 1
 
 
 async def test_claims_and_completes_of_two_gateways_that_cross_never_deadlock(

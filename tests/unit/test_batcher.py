@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from oncegate.model import reach
-from oncegate.store.batching import Batcher
+from oncegate.store.batching import Batcher, PerShard
 
 
 class Recorder:
@@ -96,6 +96,74 @@ async def test_a_lone_operation_of_a_shielded_task_goes_in_that_task_and_others_
     assert batcher.idle()
     assert await asyncio.create_task(shielded(batcher, 4)) == 40  # idle again: alone, in place
     await batcher.close()
+
+
+async def test_a_batcher_is_idle_only_while_nothing_is_queued_or_in_flight() -> None:
+    """`idle`: whether an operation now would be sent at once, alone (a keyed request claims
+    from its shielded task only then). False while a statement is in flight, in a batch task or
+    in a shielded caller's own task, and while operations wait behind it; true once every
+    statement returned, a failed one too."""
+    recorder = Recorder()
+    batcher = Batcher("test", recorder.send, max_size=8)
+    assert batcher.idle()
+    first = asyncio.create_task(batcher.run(1))  # in a batch task of its own
+    await settle()
+    assert recorder.batches == [[1]]
+    assert not batcher.idle()
+    behind = asyncio.create_task(batcher.run(2))
+    quitter = asyncio.create_task(batcher.run(3))
+    await settle()
+    assert recorder.batches == [[1]] and not batcher.idle()  # 2 and 3 queued behind it
+    quitter.cancel()  # out of the queue: 2 still waits
+    await settle()
+    assert not batcher.idle()
+    recorder.gate.set()
+    assert await first == 10
+    assert await behind == 20
+    await settle()
+    assert recorder.batches == [[1], [2]]
+    assert batcher.idle()
+
+    recorder.gate.clear()
+    recorder.fail = ConnectionError("gone")
+    alone = asyncio.create_task(shielded(batcher, 4))  # in its caller's task, no batch task
+    await settle()
+    assert recorder.batches[-1] == [4]
+    assert not batcher.idle()
+    recorder.gate.set()
+    with pytest.raises(ConnectionError):
+        await alone
+    await settle()
+    assert batcher.idle()
+    await batcher.close()
+
+
+async def test_batchers_per_shard_are_idle_only_when_every_shard_is() -> None:
+    """`PerShard.idle`: true with no batcher made yet and once every shard's statements
+    returned; false while any one shard has a statement in flight, whatever the others do."""
+    recorders: list[Recorder] = []
+
+    def make() -> Batcher[int, int]:
+        recorders.append(Recorder())
+        return Batcher("test", recorders[-1].send, max_size=8)
+
+    shards: PerShard[int, int] = PerShard(lambda item: item % 2, make)
+    assert shards.idle()  # no shard's batcher yet
+    even = asyncio.create_task(shards.run(2))
+    await settle()
+    odd = asyncio.create_task(shards.run(1))
+    await settle()
+    assert [recorder.batches for recorder in recorders] == [[[2]], [[1]]]  # one batcher each
+    assert not shards.idle()
+    recorders[1].gate.set()
+    assert await odd == 10
+    await settle()
+    assert not shards.idle()  # the even shard's statement is still in flight
+    recorders[0].gate.set()
+    assert await even == 20
+    await settle()
+    assert shards.idle()
+    await shards.close()
 
 
 async def test_a_lone_shielded_operation_that_fails_raises_in_its_task_and_the_queue_goes_on() -> (

@@ -34,10 +34,12 @@ would be sent alone (`RequestStore.claims_idle`) runs in that task too, before t
 the store sends a lone statement of that task in the task itself, without a task of its own; a
 claim that would queue behind a statement in flight waits in the request's task, and the store's
 batch task carries it (and settles it, if won for a caller that stopped waiting). Either way a
-claim in flight is never cut short. `drain` waits for every such task at shutdown. If
-PostgreSQL is unreachable at claim time the request is refused (503) and never forwarded; if it
-fails at settle time the caller still gets its answer and the key turns `unknown` when its lease
-runs out: the safe direction.
+claim in flight is never cut short. So a client that hangs up while its claim waits inside
+PostgreSQL has its request forwarded (the claim went from the shielded task) or the key
+released (it queued), and its retry replayed or forwarded once: never performed twice. `drain`
+waits for every such task at shutdown. If PostgreSQL is unreachable at claim time the request
+is refused (503) and never forwarded; if it fails at settle time the caller still gets its
+answer and the key turns `unknown` when its lease runs out: the safe direction.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ Design rules:
   statement of both commits with the worker's own setting (`workers`).
 - A request that stops waiting after its claim was sent may still win it: the claim is then
   settled for nobody (`_claimed_for_nobody`, `_taken_for_nobody`), so nothing is left to turn
-  `unknown` although nothing was forwarded. `close` ends the claims before those settles.
+  `unknown` although nothing was forwarded, and the client's retry claims the key anew. Only a
+  claim a batch task carries can be abandoned: a keyed request's claim sent alone goes in its
+  shielded task, which never stops waiting, and is forwarded when won (`service.flow`).
+  `close` ends the claims before those settles.
 - The statements are the dialect's (`dialect.Dialect`), each naming the batch's keys, and the
   dialect sends them: on Citus, claims and completes per worker, straight to the worker's shard
   tables (`workers`), the rest per shard through the coordinator, which sends each to its shard

@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 import pytest
@@ -209,7 +209,14 @@ async def test_a_shard_split_under_load_loses_and_repeats_nothing_even_with_an_o
     assert len(load.completed) > 50
     await check_held(coordinator, load.completed)
     if path == "workers":
-        assert rerouted(caplog) > 0  # (the coordinator refuses only in a narrow race: below)
+        assert rerouted(caplog) > 0
+    # Through the coordinator, whether the race was met is not asserted: Citus refuses only a
+    # statement planned for the split shard before its metadata was switched and run after it
+    # (the load's writes wait on the blocking split's lock, then run). Run alone, this case met
+    # it in each of five runs (2-3 batches sent again); after the module's earlier tests, in none
+    # of three: an assertion would fail by the order the tests run in. What this case asserts
+    # holds either way: nothing lost or repeated, no 503 (`load.wrong`). The refusal is made on
+    # demand in the two tests below.
     # Each key on the shard whose range holds its hash now (the split's children).
     rows = await coordinator.fetch(
         "SELECT key, get_shard_id_for_distribution_column('oncegate_keys', key) AS shard"
@@ -217,6 +224,48 @@ async def test_a_shard_split_under_load_loses_and_repeats_nothing_even_with_an_o
         load.completed[:200],
     )
     assert all(hash_text(row["key"]) is not None for row in rows)
+
+
+async def a_split_to_come(
+    coordinator: asyncpg.Connection, shards: citus_store.ShardMap
+) -> tuple[int, dict[bool, list[str]], Callable[[], Awaitable[None]]]:
+    """A shard, three new keys of each half of its range (by half: True the lower), and what
+    splits it in those halves, both on its worker."""
+    placed = await placements(coordinator)
+    shard = max(placed)
+    low, high = await coordinator.fetchrow(
+        "SELECT shardminvalue::int, shardmaxvalue::int FROM pg_dist_shard WHERE shardid = $1",
+        shard,
+    )
+    middle = low + (high - low) // 2
+    keys: dict[bool, list[str]] = {True: [], False: []}
+    while min(len(half) for half in keys.values()) < 3:
+        key = str(uuid.uuid4())
+        if shards.shard_of(key) == shard:
+            keys[hash_text(key) <= middle].append(key)
+    node = await coordinator.fetchval(
+        "SELECT nodeid FROM pg_dist_node WHERE nodeport = $1", placed[shard]
+    )
+
+    async def split() -> None:
+        await coordinator.execute(
+            "SELECT citus_split_shard_by_split_points($1::bigint, ARRAY[$2::text],"
+            " ARRAY[$3, $3]::int[], 'block_writes')",
+            shard, str(middle), node,
+        )  # fmt: skip
+
+    return shard, keys, split
+
+
+async def refuse_as_citus_does(pool: object) -> None:
+    """Citus's refusal of a statement planned for a shard a split replaced, raised by PostgreSQL
+    on a connection of `pool` (the race itself is too narrow to meet on demand)."""
+    async with pool.acquire() as connection:  # type: ignore[attr-defined]
+        await connection.execute(
+            "DO $$ BEGIN RAISE EXCEPTION 'shard for the given value does not exist'"
+            " USING ERRCODE = '40001', DETAIL = 'A concurrent shard split may have"
+            " moved the data into a new set of shards.'; END $$"
+        )
 
 
 async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_sent_again(
@@ -236,27 +285,9 @@ async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_
     try:
         dialect = store.requests._dialect  # type: ignore[attr-defined]
         monkeypatch.setattr(dialect.workers, "route", lambda key: None)
-        placed = await placements(coordinator)
-        shard = max(placed)
-        low, high = await coordinator.fetchrow(
-            "SELECT shardminvalue::int, shardmaxvalue::int FROM pg_dist_shard WHERE shardid = $1",
-            shard,
-        )
-        middle = low + (high - low) // 2
-        keys: dict[bool, list[str]] = {True: [], False: []}  # by half of the shard's range
-        while min(len(half) for half in keys.values()) < 3:
-            key = str(uuid.uuid4())
-            if dialect.shards.shard_of(key) == shard:
-                keys[hash_text(key) <= middle].append(key)
+        shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
         batch = keys[True][:3] + keys[False][:3]
-        node = await coordinator.fetchval(
-            "SELECT nodeid FROM pg_dist_node WHERE nodeport = $1", placed[shard]
-        )
-        await coordinator.execute(
-            "SELECT citus_split_shard_by_split_points($1::bigint, ARRAY[$2::text],"
-            " ARRAY[$3, $3]::int[], 'block_writes')",
-            shard, str(middle), node,
-        )  # fmt: skip
+        await split()
         assert dialect.shards.shard_of(batch[0]) == shard  # the store's map is the old one
         refusals: list[str] = []
         sent = dialect._fetch_on
@@ -264,12 +295,7 @@ async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_
         async def refused_once(pool: object, operation: str, values: dict[str, object]) -> object:
             if len(refusals) < refuse:
                 refusals.append(operation)
-                async with pool.acquire() as connection:  # type: ignore[attr-defined]
-                    await connection.execute(
-                        "DO $$ BEGIN RAISE EXCEPTION 'shard for the given value does not exist'"
-                        " USING ERRCODE = '40001', DETAIL = 'A concurrent shard split may have"
-                        " moved the data into a new set of shards.'; END $$"
-                    )
+                await refuse_as_citus_does(pool)
             return await sent(pool, operation, values)
 
         refuse = 1
@@ -292,5 +318,75 @@ async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_
         with pytest.raises(errors.StoreUnavailable):
             await store.requests.claim("r", SCOPE, str(uuid.uuid4()), FINGERPRINT, 600, 600)
         assert refusals == ["claim"]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("operation", ["get", "mark_waited", "renew"])
+async def test_through_the_coordinator_a_single_key_statement_met_by_a_split_is_sent_again(
+    coordinator: asyncpg.Connection,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    operation: str,
+) -> None:
+    # The statements of one key outside the batchers (a key's read, `Prefer: wait`'s mark, a
+    # lease's renewal) meet the same refusal as a batch (test above): sent again once where the
+    # map read again says, else refused.
+    caplog.set_level(logging.INFO, "oncegate.store.postgres")
+    monkeypatch.setattr(citus_store, "REFRESH_INTERVAL", 3600.0)
+    store = await PostgresStore.connect(database_url)
+    try:
+        dialect = store.requests._dialect  # type: ignore[attr-defined]
+        monkeypatch.setattr(dialect.workers, "route", lambda key: None)
+        shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
+        done, held = keys[True][0], keys[False][0]
+        completed = await store.requests.claim("r", SCOPE, done, FINGERPRINT, 600, 600)
+        assert isinstance(completed, Claim)
+        assert await store.requests.complete(completed, ANSWER)
+        claim = await store.requests.claim("r", SCOPE, held, FINGERPRINT, 600, 600)
+        assert isinstance(claim, Claim)
+        record = await store.requests.get(SCOPE, held)
+        assert record is not None and record.state == "in_progress"
+        await split()
+        assert dialect.shards.shard_of(held) == shard  # the store's map is the old one
+        refusals: list[str] = []
+        sent = dialect._fetchrow_on
+
+        async def refused(pool: object, name: str, values: dict[str, object]) -> object:
+            if len(refusals) < refuse:
+                refusals.append(name)
+                await refuse_as_citus_does(pool)
+            return await sent(pool, name, values)
+
+        refuse = 1
+        monkeypatch.setattr(dialect, "_fetchrow_on", refused)
+        statements = {
+            "get": lambda: store.requests.get(SCOPE, done),
+            "mark_waited": lambda: store.requests.mark_waited(record),
+            "renew": lambda: store.requests.renew(claim, 600),
+        }
+        found = await statements[operation]()
+        if operation == "get":
+            assert found is not None and found.state == "completed" and found.key == done
+        else:
+            assert found is True
+        assert refusals == [operation]
+        assert "is sent again" in caplog.text
+        assert dialect.shards.shard_of(held) != shard  # the map was read again
+        # Refused where the map says nothing moved: the refusal stands, sent once.
+        refusals.clear()
+        refuse = 10
+        with pytest.raises(errors.StoreUnavailable):
+            await statements[operation]()
+        assert refusals == [operation]
+        # What the store holds: the completed key's answer, the held key still claimed.
+        monkeypatch.setattr(dialect, "_fetchrow_on", sent)
+        after = await store.requests.get(SCOPE, held)
+        assert after is not None and after.state == "in_progress" and after.token == claim.token
+        if operation == "mark_waited":
+            assert await coordinator.fetchval(
+                "SELECT waited FROM oncegate_keys WHERE key = $1", held
+            )
     finally:
         await store.close()

@@ -22,6 +22,7 @@ dialect and never which server they are on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -40,6 +41,8 @@ from .operations import Claiming, OnKey
 from .pool import Pool
 from .rows import content_of, touched
 from .workers import ON_WORKERS, Rerouted, Workers, split_away
+
+log = logging.getLogger("oncegate.store.postgres")
 
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
@@ -74,6 +77,11 @@ class Dialect(Protocol):
         """One batch of `operation` (its keys are `values["keys"]`), on `pool` or where the
         dialect sends it; raises `workers.Rerouted` when it must be sent again, operation by
         operation (Citus: its shards moved)."""
+
+    async def fetchrow(self, pool: Pool, name: str, values: dict[str, object]) -> Any:
+        """One statement of one key (`values["key"]`), not batched, on `pool`: its first row
+        (or None). On Citus, one refused because a split replaced the key's shard while it was
+        planned is sent again once, if the map read again says the key's shard changed."""
 
     async def fetch_both(
         self, claims: dict[str, object], completes: dict[str, object]
@@ -121,6 +129,13 @@ class _Server:
         self, claims: dict[str, object], completes: dict[str, object]
     ) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
         raise TypeError("this server takes claims and completes in statements of their own")
+
+    async def fetchrow(self, pool: Pool, name: str, values: dict[str, object]) -> Any:
+        return await self._fetchrow_on(pool, name, values)
+
+    async def _fetchrow_on(self, pool: Pool, name: str, values: dict[str, object]) -> Any:
+        query = self.statements[name]
+        return await pool.fetchrow(query.sql, *query.arguments(values))
 
     async def _fetch_on(
         self, pool: Pool, operation: str, values: dict[str, object]
@@ -231,16 +246,34 @@ class OnCitus(_Server):
         try:
             return await self._fetch_on(pool, operation, values)
         except asyncpg.PostgresError as exc:
-            if not split_away(exc):
-                raise
             # Nothing was written. Sent again, operation by operation, where the map read again
-            # says (twice: a read begun by another refusal may predate the split's end); if it
-            # still says the same shard, the refusal stands (an outage to the caller), not a loop.
-            for _ in range(2):
-                await self.shards.refresh()
-                if [self.shards.shard_of(key) for key in keys] != shards:
-                    raise Rerouted(f"through the coordinator: {exc}") from exc
-            raise
+            # says; if it still says the same shards, the refusal stands (an outage to the
+            # caller), not a loop.
+            if not split_away(exc) or not await self._moved(keys, shards):
+                raise
+            raise Rerouted(f"through the coordinator: {exc}") from exc
+
+    async def fetchrow(self, pool: Pool, name: str, values: dict[str, object]) -> Any:
+        key: str = values["key"]  # type: ignore[assignment]  # the statement's key
+        shard = self.shards.shard_of(key)
+        try:
+            return await self._fetchrow_on(pool, name, values)
+        except asyncpg.PostgresError as exc:
+            # As a batch's (`fetch`): nothing was written; sent again once, where Citus now
+            # routes it, if the map read again says the key's shard changed.
+            if not split_away(exc) or not await self._moved([key], [shard]):
+                raise
+            log.info("a %s statement is sent again: through the coordinator: %s", name, exc)
+        return await self._fetchrow_on(pool, name, values)
+
+    async def _moved(self, keys: Sequence[str], shards: Sequence[int]) -> bool:
+        """Whether the map, read again, puts `keys` on other shards than `shards` (read twice: a
+        read begun by another refusal may predate the split's end)."""
+        for _ in range(2):
+            await self.shards.refresh()
+            if [self.shards.shard_of(key) for key in keys] != list(shards):
+                return True
+        return False
 
     async def fetch_both(
         self, claims: dict[str, object], completes: dict[str, object]

@@ -68,7 +68,7 @@ from .operations import (
     to_send,
 )
 from .pool import Pool
-from .rows import answer_columns, fetchrow, record_of
+from .rows import answer_columns, record_of
 from .workers import Rerouted
 
 log = logging.getLogger("oncegate.store.postgres")
@@ -212,18 +212,17 @@ class RequestPath:
 
     @translated("renew")
     async def renew(self, claim: Claim, lease: float) -> bool:
-        row = await fetchrow(
-            self._pool, self._statements, "renew",
-            key=claim.key, id=claim.id, token=claim.token, lease=lease,
+        row = await self._dialect.fetchrow(
+            self._pool, "renew",
+            {"key": claim.key, "id": claim.id, "token": claim.token, "lease": lease},
         )  # fmt: skip
         return row is not None
 
     @translated("mark_waited")
     async def mark_waited(self, record: Record) -> bool:
-        row = await fetchrow(
-            self._pool, self._statements, "mark_waited",
-            key=record.key, id=record.id, token=record.token,
-        )  # fmt: skip
+        row = await self._dialect.fetchrow(
+            self._pool, "mark_waited", {"key": record.key, "id": record.id, "token": record.token}
+        )
         return row is not None
 
     async def _fetch_batch(
@@ -356,7 +355,7 @@ class RequestPath:
 
     @translated("get")
     async def get(self, scope: bytes, key: str) -> Record | None:
-        row = await fetchrow(self._pool, self._statements, "get", scope=scope, key=key)
+        row = await self._dialect.fetchrow(self._pool, "get", {"scope": scope, "key": key})
         return record_of(row, key) if row is not None else None
 
     @translated("reclaim_expired")

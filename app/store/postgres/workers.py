@@ -38,11 +38,12 @@ Design rules:
   run time, one part per shard the worker holds. Each part is the plain shape of queries.sql's
   `claim` or `complete` on one shard table (the columns a complete writes are queries.sql's
   fragment `completed`, for both); tests/store/test_citus_shard_moves.py runs them.
-- Other request-path statements (reads, take-overs, releases, `mark_unknown`, `mark_waited`) stay
-  on the coordinator, batched per shard: Citus routes and fences those itself, and they are the
-  rare ones. One that Citus refuses because the shard it was planned for is gone (`split_away`:
-  a split under way) is sent again, operation by operation, once the map has changed, as a
-  worker's refusal is (`dialect.OnCitus.fetch`).
+- Other request-path statements stay on the coordinator: take-overs (`reclaim_expired` too),
+  releases and `mark_unknown` batched per shard, `get`, `mark_waited` and `renew` one key a
+  statement. Citus routes and fences those itself, and they are the rare ones. One that Citus
+  refuses because the shard it was planned for is gone (`split_away`: a split under way) is sent
+  again once the map has changed: a batch operation by operation, as a worker's refusal is
+  (`dialect.OnCitus.fetch`), a statement of one key once (`dialect.OnCitus.fetchrow`).
 """
 
 from __future__ import annotations

@@ -13,10 +13,12 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from oncegate.kernel.sealing import plaintext
+from oncegate.model.answers import StoredAnswer
 from oncegate.model.records import Claim
 from oncegate.store import citus, migrate
 from oncegate.store.postgres import PostgresStore
-from tests.helpers import stored
+from tests.helpers import digest, new_key, stored
 from tests.store.test_store import BAD_ROWS, refusals
 
 
@@ -340,3 +342,40 @@ async def test_the_column_domains_read_the_key_table_five_times_up_and_once_down
         lambda: asyncio.to_thread(migrate.downgrade, empty_database_url, "0012"),
     )
     assert (up, down) == (5, 1)
+
+
+async def test_a_gateway_left_running_through_the_column_domains_keeps_working(
+    empty_database_url: str,
+) -> None:
+    # A 0012 gateway's pools and prepared statements, across `migrate` to 0013 (the result types
+    # of some statements change: asyncpg prepares them again and sends them again, each
+    # statement autocommitting) and back.
+    await _upgrade(empty_database_url, "0012")
+    store = await PostgresStore.connect(empty_database_url)
+    scope = digest("across the migration")
+    kept: list[str] = []
+
+    async def forward() -> None:
+        key = new_key()
+        claim = await store.requests.claim("r", scope, key, digest("f"), 60.0, 3600.0)
+        assert isinstance(claim, Claim)
+        assert await store.requests.complete(claim, StoredAnswer(201, plaintext([], b"kept")))
+        record = await store.requests.get(scope, key)
+        assert record is not None and record.state == "completed"
+        kept.append(key)
+
+    try:
+        for step in range(3):
+            for _ in range(3):
+                await forward()
+            if step == 0:
+                await _upgrade(empty_database_url, "0013")
+            elif step == 1:
+                await asyncio.to_thread(migrate.downgrade, empty_database_url, "0012")
+        for key in kept:
+            replay = await store.requests.claim("r", scope, key, digest("f"), 60.0, 3600.0)
+            assert not isinstance(replay, Claim) and replay is not None
+            assert replay.state == "completed"
+            assert stored(replay).body == b"kept"
+    finally:
+        await store.close()

@@ -26,9 +26,9 @@ domains become Citus objects, so a worker added later gets them), over one conne
 one on a distributed table in the same transaction), each worker reading its shards. The
 downgrade puts the table checks back under their old names in one ALTER TABLE (one read; on
 Citus, which takes no ADD CONSTRAINT beside other subcommands, one more per check) and drops the
-domains. On Citus the checks it adds come to each shard named after it (`..._check_102008`), where a
-shard table is made with the names as they are: the downgrade renames them on every shard after
-its transaction, as a fresh 0012 cluster names them.
+domains. On Citus the checks it adds come to each shard named after it
+(`..._check_102008`), where a shard table is made with the names as they are: the downgrade
+renames them on every shard after its transaction, as a fresh 0012 cluster names them.
 
 Revision ID: 0013
 Revises: 0012

@@ -268,9 +268,43 @@ async def refuse_as_citus_does(pool: object) -> None:
         )
 
 
+class Refusing:
+    """The dialect's `method` (its `_fetch_on` or `_fetchrow_on`) with Citus's refusal of a
+    split shard raised first for the next `count` statements sent through it; `names` says
+    which were refused, `sent` is the method itself."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, dialect: object, method: str) -> None:
+        self.names: list[str] = []
+        self.count = 1
+        self.sent = getattr(dialect, method)
+
+        async def refused(pool: object, name: str, values: dict[str, object]) -> object:
+            if len(self.names) < self.count:
+                self.names.append(name)
+                await refuse_as_citus_does(pool)
+            return await self.sent(pool, name, values)
+
+        monkeypatch.setattr(dialect, method, refused)
+
+
+@pytest.fixture
+async def through_coordinator(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> AsyncIterator[PostgresStore]:
+    """A store that sends every statement through the coordinator, its shard map read once."""
+    caplog.set_level(logging.INFO, "oncegate.store.postgres")
+    monkeypatch.setattr(citus_store, "REFRESH_INTERVAL", 3600.0)
+    store = await PostgresStore.connect(database_url)
+    monkeypatch.setattr(store.requests._dialect.workers, "route", lambda key: None)  # type: ignore[attr-defined]
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_sent_again(
     coordinator: asyncpg.Connection,
-    database_url: str,
+    through_coordinator: PostgresStore,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -279,53 +313,37 @@ async def test_through_the_coordinator_a_statement_planned_for_a_split_shard_is_
     # concurrent shard split may have moved the data...": the load test above met it as 503s).
     # That race is made here on demand: a real split behind the store's old map, then the
     # coordinator's refusal, raised by PostgreSQL, for the first statement sent after it.
-    caplog.set_level(logging.INFO, "oncegate.store.postgres")
-    monkeypatch.setattr(citus_store, "REFRESH_INTERVAL", 3600.0)
-    store = await PostgresStore.connect(database_url)
-    try:
-        dialect = store.requests._dialect  # type: ignore[attr-defined]
-        monkeypatch.setattr(dialect.workers, "route", lambda key: None)
-        shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
-        batch = keys[True][:3] + keys[False][:3]
-        await split()
-        assert dialect.shards.shard_of(batch[0]) == shard  # the store's map is the old one
-        refusals: list[str] = []
-        sent = dialect._fetch_on
-
-        async def refused_once(pool: object, operation: str, values: dict[str, object]) -> object:
-            if len(refusals) < refuse:
-                refusals.append(operation)
-                await refuse_as_citus_does(pool)
-            return await sent(pool, operation, values)
-
-        refuse = 1
-        monkeypatch.setattr(dialect, "_fetch_on", refused_once)
-        claims = await asyncio.gather(
-            *(store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in batch)
-        )
-        assert all(isinstance(claim, Claim) for claim in claims), claims
-        assert refusals == ["claim"]
-        assert rerouted(caplog) >= 1  # sent again, each claim to its shard of the split
-        assert dialect.shards.shard_of(batch[0]) != shard  # the map was read again
-        answered = await asyncio.gather(
-            *(store.requests.complete(claim, ANSWER) for claim in claims)  # type: ignore[arg-type]
-        )
-        assert all(answered)
-        await check_held(coordinator, batch)
-        # Refused where the map says nothing moved: an outage for that batch, not a loop.
-        refusals.clear()
-        refuse = 10
-        with pytest.raises(errors.StoreUnavailable):
-            await store.requests.claim("r", SCOPE, str(uuid.uuid4()), FINGERPRINT, 600, 600)
-        assert refusals == ["claim"]
-    finally:
-        await store.close()
+    store = through_coordinator
+    dialect = store.requests._dialect  # type: ignore[attr-defined]
+    shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
+    batch = keys[True][:3] + keys[False][:3]
+    await split()
+    assert dialect.shards.shard_of(batch[0]) == shard  # the store's map is the old one
+    refusing = Refusing(monkeypatch, dialect, "_fetch_on")
+    claims = await asyncio.gather(
+        *(store.requests.claim("r", SCOPE, key, FINGERPRINT, 600, 600) for key in batch)
+    )
+    assert all(isinstance(claim, Claim) for claim in claims), claims
+    assert refusing.names == ["claim"]
+    assert rerouted(caplog) >= 1  # sent again, each claim to its shard of the split
+    assert dialect.shards.shard_of(batch[0]) != shard  # the map was read again
+    answered = await asyncio.gather(
+        *(store.requests.complete(claim, ANSWER) for claim in claims)  # type: ignore[arg-type]
+    )
+    assert all(answered)
+    await check_held(coordinator, batch)
+    # Refused where the map says nothing moved: an outage for that batch, not a loop.
+    refusing.names.clear()
+    refusing.count = 10
+    with pytest.raises(errors.StoreUnavailable):
+        await store.requests.claim("r", SCOPE, str(uuid.uuid4()), FINGERPRINT, 600, 600)
+    assert refusing.names == ["claim"]
 
 
 @pytest.mark.parametrize("operation", ["get", "mark_waited", "renew"])
 async def test_through_the_coordinator_a_single_key_statement_met_by_a_split_is_sent_again(
     coordinator: asyncpg.Connection,
-    database_url: str,
+    through_coordinator: PostgresStore,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     operation: str,
@@ -333,60 +351,42 @@ async def test_through_the_coordinator_a_single_key_statement_met_by_a_split_is_
     # The statements of one key outside the batchers (a key's read, `Prefer: wait`'s mark, a
     # lease's renewal) meet the same refusal as a batch (test above): sent again once where the
     # map read again says, else refused.
-    caplog.set_level(logging.INFO, "oncegate.store.postgres")
-    monkeypatch.setattr(citus_store, "REFRESH_INTERVAL", 3600.0)
-    store = await PostgresStore.connect(database_url)
-    try:
-        dialect = store.requests._dialect  # type: ignore[attr-defined]
-        monkeypatch.setattr(dialect.workers, "route", lambda key: None)
-        shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
-        done, held = keys[True][0], keys[False][0]
-        completed = await store.requests.claim("r", SCOPE, done, FINGERPRINT, 600, 600)
-        assert isinstance(completed, Claim)
-        assert await store.requests.complete(completed, ANSWER)
-        claim = await store.requests.claim("r", SCOPE, held, FINGERPRINT, 600, 600)
-        assert isinstance(claim, Claim)
-        record = await store.requests.get(SCOPE, held)
-        assert record is not None and record.state == "in_progress"
-        await split()
-        assert dialect.shards.shard_of(held) == shard  # the store's map is the old one
-        refusals: list[str] = []
-        sent = dialect._fetchrow_on
-
-        async def refused(pool: object, name: str, values: dict[str, object]) -> object:
-            if len(refusals) < refuse:
-                refusals.append(name)
-                await refuse_as_citus_does(pool)
-            return await sent(pool, name, values)
-
-        refuse = 1
-        monkeypatch.setattr(dialect, "_fetchrow_on", refused)
-        statements = {
-            "get": lambda: store.requests.get(SCOPE, done),
-            "mark_waited": lambda: store.requests.mark_waited(record),
-            "renew": lambda: store.requests.renew(claim, 600),
-        }
-        found = await statements[operation]()
-        if operation == "get":
-            assert found is not None and found.state == "completed" and found.key == done
-        else:
-            assert found is True
-        assert refusals == [operation]
-        assert "is sent again" in caplog.text
-        assert dialect.shards.shard_of(held) != shard  # the map was read again
-        # Refused where the map says nothing moved: the refusal stands, sent once.
-        refusals.clear()
-        refuse = 10
-        with pytest.raises(errors.StoreUnavailable):
-            await statements[operation]()
-        assert refusals == [operation]
-        # What the store holds: the completed key's answer, the held key still claimed.
-        monkeypatch.setattr(dialect, "_fetchrow_on", sent)
-        after = await store.requests.get(SCOPE, held)
-        assert after is not None and after.state == "in_progress" and after.token == claim.token
-        if operation == "mark_waited":
-            assert await coordinator.fetchval(
-                "SELECT waited FROM oncegate_keys WHERE key = $1", held
-            )
-    finally:
-        await store.close()
+    store = through_coordinator
+    dialect = store.requests._dialect  # type: ignore[attr-defined]
+    shard, keys, split = await a_split_to_come(coordinator, dialect.shards)
+    done, held = keys[True][0], keys[False][0]
+    completed = await store.requests.claim("r", SCOPE, done, FINGERPRINT, 600, 600)
+    assert isinstance(completed, Claim)
+    assert await store.requests.complete(completed, ANSWER)
+    claim = await store.requests.claim("r", SCOPE, held, FINGERPRINT, 600, 600)
+    assert isinstance(claim, Claim)
+    record = await store.requests.get(SCOPE, held)
+    assert record is not None and record.state == "in_progress"
+    await split()
+    assert dialect.shards.shard_of(held) == shard  # the store's map is the old one
+    refusing = Refusing(monkeypatch, dialect, "_fetchrow_on")
+    statements = {
+        "get": lambda: store.requests.get(SCOPE, done),
+        "mark_waited": lambda: store.requests.mark_waited(record),
+        "renew": lambda: store.requests.renew(claim, 600),
+    }
+    found = await statements[operation]()
+    if operation == "get":
+        assert found is not None and found.state == "completed" and found.key == done
+    else:
+        assert found is True
+    assert refusing.names == [operation]
+    assert "is sent again" in caplog.text
+    assert dialect.shards.shard_of(held) != shard  # the map was read again
+    # Refused where the map says nothing moved: the refusal stands, sent once.
+    refusing.names.clear()
+    refusing.count = 10
+    with pytest.raises(errors.StoreUnavailable):
+        await statements[operation]()
+    assert refusing.names == [operation]
+    # What the store holds: the completed key's answer, the held key still claimed.
+    monkeypatch.setattr(dialect, "_fetchrow_on", refusing.sent)
+    after = await store.requests.get(SCOPE, held)
+    assert after is not None and after.state == "in_progress" and after.token == claim.token
+    if operation == "mark_waited":
+        assert await coordinator.fetchval("SELECT waited FROM oncegate_keys WHERE key = $1", held)

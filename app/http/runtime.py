@@ -166,11 +166,15 @@ async def _purge_forever(store: service.UpkeepStore, interval: float) -> None:
 
 
 async def _count_keys_forever(store: service.UpkeepStore, interval: float) -> None:
-    """Keep `oncegate_keys{state}` current: count at start, then every `interval`; and
-    `oncegate_store_failover_unsafe` with it."""
+    """Keep `oncegate_keys{state}` current, and `oncegate_store_failover_unsafe` with it: at
+    start, then every `interval`, try for the key count's turn; the one process per database
+    holding it sweeps the keys and announces the totals, and every process sets its gauge from
+    the announcement when it arrives (none is shown before the first). Each process reads the
+    primary's standbys itself (one cheap statement)."""
     while True:
         try:
-            await service.count_keys(store)
+            if await store.take_key_count():
+                await store.publish_key_count(await service.count_keys(store))
             await store.replication()
         except errors.StoreUnavailable:
             log.warning("key count skipped: the store is unavailable; again in %gs", interval)

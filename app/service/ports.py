@@ -100,6 +100,15 @@ class UpkeepStore(Protocol):
     async def count_keys(self, after: int, limit: int) -> KeyCount:
         """Count by state the first `limit` rows whose id is above `after`, in id order."""
 
+    async def take_key_count(self) -> bool:
+        """True when this process is the one to sweep the keys for the gauge now: one per
+        database holds the turn (PostgreSQL: an advisory lock on the process's listening
+        connection) until it stops or loses its connection; the others try again next time."""
+
+    async def publish_key_count(self, totals: dict[Listed, int]) -> None:
+        """Announce a sweep's totals to every gateway process on the database, this one
+        included: each sets `oncegate_keys{state}` from them when they arrive."""
+
 
 class OperatorStore(Protocol):
     """What the operator's desk needs: find a key, list the keys in a state, release a key, or

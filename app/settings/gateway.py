@@ -35,7 +35,8 @@ class Settings(DatabaseSettings, SealingSettings, StoreSettings):
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     purge_interval: Duration = 60.0
-    # How often each gateway process recounts `oncegate_keys{state}` (a paged sweep of the table).
+    # How often `oncegate_keys{state}` is recounted: each gateway process tries for the key
+    # count's lock this often, and the one per database holding it sweeps the table (paged).
     key_count_interval: Duration = 30.0
     # The most requests one gateway process lets wait for in-flight keys (`Prefer: wait`, a
     # route's `wait`), in all and on one key. A waiter costs a task, a little memory and a read

@@ -33,6 +33,7 @@ from ..model.records import (
     Replication,
     State,
 )
+from ..telemetry import metrics
 from . import claimant
 from .notify import Watch, Watchers
 
@@ -256,6 +257,13 @@ class MemoryStore:
     async def replication(self) -> Replication:
         return Replication(standbys=0, synchronous=0, synchronous_standby_names="",
                            synchronous_commit="on")  # fmt: skip
+
+    async def take_key_count(self) -> bool:
+        return True  # one process, its own keys
+
+    async def publish_key_count(self, totals: dict[Listed, int]) -> None:
+        for state, count in totals.items():
+            metrics.KEYS.labels(state).set(count)
 
     async def end_session(self, session: bytes, expires_at: datetime) -> None:
         await self._yield()

@@ -221,10 +221,11 @@ KEYS_PURGED = Counter(
 
 KEYS = Gauge(
     "oncegate_keys",
-    "Keys in the store by state, counted by a periodic sweep of the table (every "
-    "key_count_interval); the same database-wide figure from every gateway.",
+    "Keys in the store by state, counted every key_count_interval by a sweep of the table "
+    "that one gateway process per database runs and announces to every other; the same "
+    "database-wide figure from every gateway.",
     ["state"],
-    # Every worker sweeps the same table: the freshest figure is the one to show, not a sum.
+    # Every worker shows the same announced totals: the freshest is the one to show, not a sum.
     multiprocess_mode="livemostrecent",
 )
 

@@ -12,16 +12,18 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
 from oncegate.store import migrate
 from tests.conftest import start_embedded
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
+from tests.helpers import insert_completed_keys, scrape, value
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,78 @@ async def test_requests_fail_closed_while_postgres_is_down_and_resume_after(
     )
     assert log.count(f"{where} is back") == 1
     assert "Traceback" not in log and "Errno" not in log
+
+
+async def test_the_key_count_skips_while_postgres_is_down_and_resumes_after(
+    server: Any, module_dir: Path
+) -> None:
+    """The gateway's key count (`oncegate_keys{state}`, tests/e2e/test_key_count.py): PostgreSQL
+    stopped under it is a warning each interval, not a crash; started again, the gateway takes
+    the count's lock again, sweeps, and its gauge shows keys written after the restart."""
+    route = {"name": "mail", "match": "/", "upstream": "http://127.0.0.1:9"}
+    env = {"ONCEGATE_KEY_COUNT_INTERVAL": "0.2s"}
+    gateway = GatewayProcess(module_dir, server.get_uri(), [route], name="count", env=env)
+
+    async def completed_shown(wanted: int) -> bool:
+        async with httpx.AsyncClient(base_url=gateway.admin_url) as admin:
+            text = (await admin.get("/metrics")).text
+        return value(scrape(text), "oncegate_keys", state="completed") == wanted
+
+    async def completed_stored() -> int:
+        connection = await asyncpg.connect(server.get_uri())
+        try:
+            count: int = await connection.fetchval(
+                "SELECT count(*) FROM oncegate_keys"
+                " WHERE oncegate_key_state(state, lease_expires_at, expires_at) = 'completed'"
+            )
+        finally:
+            await connection.close()
+        return count
+
+    async def add_keys(prefix: str) -> None:
+        connection = await asyncpg.connect(server.get_uri())
+        try:
+            await insert_completed_keys(connection, 4, "now() + interval '1 day'", prefix=prefix)
+        finally:
+            await connection.close()
+
+    async def eventually(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+        for _ in range(300):  # a deadline only (30 s): each wait ends when its condition holds
+            if await condition():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"waited 30s for {what}:\n{gateway.process.output()}")
+
+    log = module_dir / "count.log"
+    skipped = "key count skipped: the store is unavailable"
+    try:
+        await add_keys(f"before-{uuid.uuid4()}-")
+        before = await completed_stored()
+        await eventually(lambda: completed_shown(before), "the gauge before the outage")
+
+        stop(server)
+
+        async def warned() -> bool:
+            return skipped in log.read_text()
+
+        await eventually(warned, "the warning")
+        assert gateway.process.popen.poll() is None, log.read_text()
+        # The last totals stay shown while nothing can be counted.
+        assert await completed_shown(before)
+
+        start(server)
+        await add_keys(f"after-{uuid.uuid4()}-")
+        after = await completed_stored()
+        assert after > before
+        await eventually(lambda: completed_shown(after), "the gauge after the restart")
+        assert gateway.process.popen.poll() is None
+    finally:
+        gateway.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "Errno" not in text, text
+    # The listening connection's failure is said once for the outage, and its return.
+    assert text.count("cannot listen for settled keys and the key count") == 1, text
+    assert "listening for settled keys and the key count again" in text
 
 
 @pytest.mark.slow  # three crashes in a row: `make test-all` (failing closed, above, stays)

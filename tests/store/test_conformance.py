@@ -24,7 +24,7 @@ from oncegate import service
 from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
 from oncegate.model.answers import SealedRequest, StoredAnswer
-from oncegate.model.records import Claim, Record
+from oncegate.model.records import Claim, Listed, Record
 from oncegate.service.ports import OperatorStore, RequestStore, UpkeepStore
 from oncegate.store.checkpoints import PostgresCheckpoints
 from oncegate.store.memory import MemoryStore
@@ -404,6 +404,42 @@ async def test_counting_keys_by_pages_misses_none_and_counts_none_twice(
     assert totals == whole.counts
     for state, count in totals.items():
         assert REGISTRY.get_sample_value("oncegate_keys", {"state": state}) == count
+
+
+async def test_one_store_per_database_takes_the_key_count_and_every_one_hears_it(
+    database_url: str,
+) -> None:
+    # Two gateway processes' stores on one database: the first to try holds the key count's
+    # lock (on its listening connection) and keeps it; the other is refused while it does, and
+    # takes it once the holder's session ends. An announcement reaches the gauge through the
+    # listening connection (both stores here set this one process's gauge).
+    first = await PostgresStore.connect(database_url)
+    second = await PostgresStore.connect(database_url)
+    open_ = [first, second]
+    try:
+        assert await first.upkeep.take_key_count()
+        assert not await second.upkeep.take_key_count()
+        assert await first.upkeep.take_key_count()
+        assert not await second.upkeep.take_key_count()
+        announced: dict[Listed, int] = {"in_progress": 1001, "completed": 1002, "unknown": 1003}
+        await first.upkeep.publish_key_count(announced)
+        for _ in range(200):  # a deadline only: the NOTIFY arrives in a few milliseconds
+            shown = {state: REGISTRY.get_sample_value("oncegate_keys", {"state": state})
+                     for state in announced}  # fmt: skip
+            if shown == announced:
+                break
+            await asyncio.sleep(0.05)
+        assert shown == announced
+
+        await open_.pop(0).close()
+        for _ in range(200):  # the server ends the holder's session, and its lock, by itself
+            if await second.upkeep.take_key_count():
+                break
+            await asyncio.sleep(0.05)
+        assert await second.upkeep.take_key_count()
+    finally:
+        for store in open_:
+            await store.close()
 
 
 def public_coroutines(kind: type) -> dict[str, Any]:

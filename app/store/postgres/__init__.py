@@ -9,9 +9,9 @@ set of pools, opened and closed together. The composition root hands each consum
 - `operator` (`operator.OperatorQueries`, `OperatorStore`): the operator's queries;
 - `rekeying` (`rekey.Rekeying`): re-sealing stored answers under the newest key (`oncegate rekey`).
 
-Beside them: `connections`, the three pools by job (`Pools`) and the connection that LISTENs
-(`Listener`); `dialect`, what differs between plain PostgreSQL and Citus, chosen once when the
-store opens; `rows`, one named query, and rows to records and back.
+Beside them: `connections`, the three pools by job (`Pools`) and the connection that LISTENs and
+holds the key count's lock (`Listener`); `dialect`, what differs between plain PostgreSQL and
+Citus, chosen once when the store opens; `rows`, one named query, and rows to records and back.
 
 Design rules:
 - Every statement is autocommitted but a rekey batch's: one round trip, no transaction held open.
@@ -55,7 +55,7 @@ class PostgresStore:
         self._dialect = dialect
         self._listener = Listener(url, options)
         self.requests = RequestPath(pools, options, self.outage, dialect, self._listener)
-        self.upkeep = Upkeep(pools.operator, options, self.outage, dialect)
+        self.upkeep = Upkeep(pools.operator, options, self.outage, dialect, self._listener)
         self.operator = OperatorQueries(pools.operator, options, self.outage, dialect)
         self.rekeying = Rekeying(pools.operator, options, self.outage, dialect)
 

@@ -1,12 +1,13 @@
 """The store's connections: three pools by job (`Pools`: the request path's two are the store's own
-`pool.Pool`, the operator's is asyncpg's), and the one connection that listens for settled keys
+`pool.Pool`, the operator's is asyncpg's), and the one connection per process that listens for
+settled keys and for the key count, and holds the key count's lock when it is this process's
 (`Listener`).
 
 Design rules:
 - The pools do not reset connections on release. Nothing in the store changes session state
   (no SET, no LISTEN, no advisory locks, no open transaction) on a pooled connection, so
-  asyncpg's reset query would only add a round trip to every request. The one LISTEN is on a
-  connection of its own (`Listener`).
+  asyncpg's reset query would only add a round trip to every request. The LISTENs and the one
+  advisory lock are on a connection of their own (`Listener`).
 - asyncpg prepares each statement once per connection and reuses it (its statement cache).
 - The pools replace broken connections by themselves, so service resumes when PostgreSQL comes
   back, with no restart. With several hosts in the URL (`target_session_attrs=read-write`) each
@@ -18,16 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
 
+from ...model.records import LISTED_STATES, Listed
 from ...settings import StoreOptions, database_url
 from ...settings.database_url import Host
+from ...telemetry import metrics
 from .. import citus
-from ..errors import DRIVER_ERRORS, translated
+from ..errors import DRIVER_ERRORS, reason, translated
 from ..notify import Watch, Watchers
 from .pool import Pool
 
@@ -39,6 +43,14 @@ log = logging.getLogger("oncegate.store.postgres")
 CHANNEL = "oncegate_settled"
 LISTENER_NAME = "oncegate-listener"  # its application_name, to find it in pg_stat_activity
 LISTEN_RETRY = 1.0
+# The gauge `oncegate_keys{state}`: one process per database sweeps the key table each interval,
+# the one whose listening connection holds this session-level advisory lock (pg_locks shows it
+# as locktype 'advisory', classid 1869505381, objid 1734440037, objsubid 1: the bytes of
+# "oncegate"). It announces the totals on KEY_COUNT_CHANNEL, and every process listening (itself
+# included) sets its gauge from them. The lock goes with its session: when the holder stops or
+# loses its connection, the next process to try takes it, with nothing to configure.
+KEY_COUNT_LOCK = int.from_bytes(b"oncegate", "big")
+KEY_COUNT_CHANNEL = "oncegate_key_count"
 # The operator's work (the admin API, the purger, the key count, rekey) runs on a pool of its
 # own: it never takes a connection a request waits for, and its statements keep PostgreSQL's
 # per-call plans, which its optional filters (`:route IS NULL OR ...`) need to use an index.
@@ -211,19 +223,53 @@ class Pools:
 
 
 class Listener:
-    """The connection that LISTENs for settled keys, opened when the first request waits and
-    opened again whenever it breaks; it wakes the `Watch` of each row announced."""
+    """The process's connection that LISTENs for settled keys and for the key count's totals,
+    opened when the first request waits or the key count starts, and opened again whenever it
+    breaks; it wakes the `Watch` of each row announced, sets `oncegate_keys{state}` from each
+    count announced, and holds the key count's lock while this process is the one to sweep."""
 
     def __init__(self, url: str, options: StoreOptions) -> None:
         self._url = url
         self._options = options
         self._watchers = Watchers()
         self._listening: asyncio.Task[None] | None = None
+        self._connection: asyncpg.Connection | None = None  # while it listens
+        self._connected = asyncio.Event()
+        self._counts_keys = False  # this connection holds KEY_COUNT_LOCK
+        self._failure: BaseException | None = None  # why the last attempt failed (said once)
 
-    def watch(self, record_id: int) -> Watch:
+    def start(self) -> None:
         if self._listening is None or self._listening.done():
             self._listening = asyncio.create_task(self._listen_forever())
+
+    def watch(self, record_id: int) -> Watch:
+        self.start()
         return self._watchers.watch(record_id)
+
+    async def take_key_count(self) -> bool:
+        """True while this process holds the key count's lock, which it tries for now if it
+        does not: the one process per database to sweep. Raises a driver error when the
+        listening connection is not up within the connect timeout."""
+        connection = await self._listening_connection()
+        if not self._counts_keys:
+            taken = await connection.fetchval(
+                "SELECT pg_try_advisory_lock($1)",
+                KEY_COUNT_LOCK,
+                timeout=self._options.connect_timeout,
+            )
+            self._counts_keys = bool(taken) and connection is self._connection
+        return self._counts_keys
+
+    async def publish_key_count(self, totals: dict[Listed, int]) -> None:
+        """Announce a sweep's totals to every process listening, on the database the gateways
+        LISTEN on (a Citus coordinator: never a worker)."""
+        connection = await self._listening_connection()
+        await connection.execute(
+            "SELECT pg_notify($1, $2)",
+            KEY_COUNT_CHANNEL,
+            json.dumps(totals, sort_keys=True),
+            timeout=self._options.connect_timeout,
+        )
 
     async def close(self) -> None:
         if self._listening is not None:
@@ -231,14 +277,30 @@ class Listener:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listening
 
+    async def _listening_connection(self) -> asyncpg.Connection:
+        self.start()
+        try:
+            await asyncio.wait_for(self._connected.wait(), self._options.connect_timeout)
+        except TimeoutError:
+            if self._failure is not None:
+                raise self._failure from None  # why it is not up: in the store's own words
+            raise
+        assert self._connection is not None  # set with the event, both in this one task
+        return self._connection
+
     async def _listen_forever(self) -> None:
         while True:
             try:
                 await self._listen_once()
             except DRIVER_ERRORS as exc:
-                log.warning("listening for settled keys failed: %s: %s", type(exc).__name__, exc)
+                # Said once per outage (the store's own lines say it is down and back): it is
+                # tried again every LISTEN_RETRY seconds meanwhile.
+                if self._failure is None:
+                    log.warning("cannot listen for settled keys and the key count: %s; trying "
+                                "again every %gs", reason(exc), LISTEN_RETRY)  # fmt: skip
+                self._failure = exc
             except Exception:  # a supervisor: logged, and listening again; waiters still poll
-                log.exception("listening for settled keys failed")
+                log.exception("listening for settled keys and the key count failed")
             self._watchers.wake_all()  # what settled while nobody listened: look again now
             await asyncio.sleep(LISTEN_RETRY)
 
@@ -252,12 +314,33 @@ class Listener:
         connection.add_termination_listener(lambda _: closed.set())
         try:
             await connection.add_listener(CHANNEL, self._notified)
+            await connection.add_listener(KEY_COUNT_CHANNEL, self._counted)
+            self._connection = connection
+            self._connected.set()
+            if self._failure is not None:
+                log.info("listening for settled keys and the key count again")
+                self._failure = None
             self._watchers.wake_all()
             await closed.wait()
-            log.warning("the connection listening for settled keys was lost; reconnecting")
+            log.warning("the connection listening for settled keys and the key count was lost; "
+                        "reconnecting")  # fmt: skip
         finally:
+            # The lock, if held, went (or goes now) with the session.
+            self._connected.clear()
+            self._connection = None
+            self._counts_keys = False
             with contextlib.suppress(*DRIVER_ERRORS):
                 await connection.close(timeout=self._options.connect_timeout)
 
     def _notified(self, connection: object, pid: int, channel: str, payload: str) -> None:
         self._watchers.settled(int(payload))
+
+    def _counted(self, connection: object, pid: int, channel: str, payload: str) -> None:
+        try:
+            totals = json.loads(payload)
+            counts = {state: int(totals[state]) for state in LISTED_STATES}
+        except (ValueError, TypeError, KeyError):
+            log.warning("ignored a key count announced as %r: not one of oncegate's", payload)
+            return
+        for state, count in counts.items():
+            metrics.KEYS.labels(state).set(count)

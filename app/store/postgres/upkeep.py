@@ -1,18 +1,46 @@
 """The gateway's upkeep (`service.ports.UpkeepStore`): the purger's batches, the key count, the
 primary's standbys and the schema's revision, for the purger, the gauges and the health checks.
 On the operator's pool, never on a connection a request waits for, one autocommitted statement
-each; the purge takes the dialect's shape of work (`dialect.Dialect`).
+each; the purge takes the dialect's shape of work (`dialect.Dialect`). The key count's lock and
+its announcement are on the process's listening connection (`connections.Listener`).
 """
 
 from __future__ import annotations
 
-from ...model.records import KeyCount, Replication
+import asyncpg
+
+from ...model.records import KeyCount, Listed, Replication
+from ...settings import StoreOptions
 from ...telemetry import metrics
-from ..errors import translated
+from ..errors import Outage, translated
+from .connections import Listener
+from .dialect import Dialect
 from .room import OperatorRoom
 
 
 class Upkeep(OperatorRoom):
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: StoreOptions,
+        outage: Outage,
+        dialect: Dialect,
+        listener: Listener,
+    ) -> None:
+        super().__init__(pool, options, outage, dialect)
+        self._listener = listener  # closed by the store
+
+    @translated("take_key_count")
+    async def take_key_count(self) -> bool:
+        """True when this process is the one to sweep the key table: it holds the key count's
+        advisory lock (`connections.KEY_COUNT_LOCK`), tried for now if it did not."""
+        return await self._listener.take_key_count()
+
+    @translated("publish_key_count")
+    async def publish_key_count(self, totals: dict[Listed, int]) -> None:
+        """Announce a sweep's totals: every gateway process sets `oncegate_keys` from them."""
+        await self._listener.publish_key_count(totals)
+
     @translated("purge")
     async def purge(self, batch_size: int) -> int:
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:

@@ -105,13 +105,17 @@ class Outage:
 
 
 def translated(
-    operation: str, failure: str = ""
+    operation: str, failure: str = "", *, on_the_pools: bool = True
 ) -> Callable[
     [Callable[Parameters, Coroutine[Any, Any, Result]]],
     Callable[Parameters, Coroutine[Any, Any, Result]],
 ]:
     """Measure the operation and turn a driver error into `StoreUnavailable` (whose detail is
-    `failure` and the error, when given: the caller's words for what could not be done)."""
+    `failure` and the error, when given: the caller's words for what could not be done).
+
+    An operation that is not `on_the_pools` (the listening connection's) says nothing to the
+    store's `Outage`: that connection has a host and a life of its own, so its success must not
+    say the store is back, nor name its host as the primary; its caller says its failure."""
 
     def decorate(
         method: Callable[Parameters, Coroutine[Any, Any, Result]],
@@ -120,7 +124,7 @@ def translated(
 
         @functools.wraps(method)
         async def run(*args: Parameters.args, **kwargs: Parameters.kwargs) -> Result:
-            outage = getattr(args[0], "outage", None) if args else None
+            outage = getattr(args[0], "outage", None) if args and on_the_pools else None
             started = time.perf_counter()
             try:
                 result = await method(*args, **kwargs)
@@ -137,8 +141,10 @@ def translated(
                               reason(exc))  # fmt: skip
                 if isinstance(outage, Outage):
                     outage.failed(operation, exc)
-                else:
+                elif on_the_pools:
                     log.warning("store %s failed: %s", operation, reason(exc))
+                else:
+                    log.debug("store %s failed: %s", operation, reason(exc))
                 raise unavailable(exc, failure) from exc
             finally:
                 timer.observe(time.perf_counter() - started)

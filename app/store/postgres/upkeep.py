@@ -30,13 +30,13 @@ class Upkeep(OperatorRoom):
         super().__init__(pool, options, outage, dialect)
         self._listener = listener  # closed by the store
 
-    @translated("take_key_count")
+    @translated("take_key_count", on_the_pools=False)
     async def take_key_count(self) -> bool:
         """True when this process is the one to sweep the key table: it holds the key count's
         advisory lock (`connections.KEY_COUNT_LOCK`), tried for now if it did not."""
         return await self._listener.take_key_count()
 
-    @translated("publish_key_count")
+    @translated("publish_key_count", on_the_pools=False)
     async def publish_key_count(self, totals: dict[Listed, int]) -> None:
         """Announce a sweep's totals: every gateway process sets `oncegate_keys` from them."""
         await self._listener.publish_key_count(totals)

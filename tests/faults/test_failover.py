@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
@@ -108,7 +109,8 @@ def deployed(
     with running_pair(synchronous=synchronous) as pair:
         pair.migrated_database()
         route = {**ROUTE, "upstream": upstream.url}
-        env = {"ONCEGATE_STORE_ANSWER_COMMIT": answer_commit}
+        # The key count every second: after the failover it must follow the new primary.
+        env = {"ONCEGATE_STORE_ANSWER_COMMIT": answer_commit, "ONCEGATE_KEY_COUNT_INTERVAL": "1s"}
         started: list[GatewayProcess] = []
         try:
             kind = f"{'sync' if synchronous else 'async'}-{answer_commit}"
@@ -291,12 +293,44 @@ async def test_a_failover_to_a_synchronous_standby_loses_no_claim(
     # The log counts answers stored and lost, and answers that could not be stored; not claims
     # whose commit was never acknowledged (their clients got 503, their keys turn unknown too).
     assert logged <= len(unknown)
+    # The key count follows the primary: one gateway sweeps the promoted standby (the old
+    # holder's lock went with its session) and both gauges show its totals.
+    await gauges_show_the_store(pair, started)
     print(  # noqa: T201 - the figures the docs quote (pytest -s)
         f"\nsynchronous standby, store_answer_commit={answer_commit}: {len(load.keys)} keys, "
         f"{len(refused)} answers 503, {len(unknown)} unknown ({len(unknown - in_flight)} of them "
         f"answered before the kill; in flight at the kill: {len(in_flight)}), logged {logged}, "
         "0 performed twice"
     )
+
+
+async def gauges_show_the_store(pair: Pair, gateways: list[GatewayProcess]) -> None:
+    """Wait until every gateway's `oncegate_keys` shows what the primary holds (a deadline only:
+    the wait ends as soon as it does)."""
+    shown: list[dict[str, float]] = []
+    wanted: dict[str, float] = {}
+    for _ in range(300):
+        connection = await asyncpg.connect(pair.url("oncegate"))
+        try:
+            rows = await connection.fetch(
+                "SELECT oncegate_key_state(state, lease_expires_at, expires_at) AS state,"
+                " count(*) FROM oncegate_keys GROUP BY 1"
+            )
+        finally:
+            await connection.close()
+        counts = {row["state"]: float(row["count"]) for row in rows}
+        wanted = {
+            state: counts.get(state, 0.0) for state in ("in_progress", "completed", "unknown")
+        }
+        shown = []
+        for gateway in gateways:
+            async with httpx.AsyncClient(base_url=gateway.admin_url) as admin:
+                text = (await admin.get("/metrics")).text
+            shown.append({state: total(text, "oncegate_keys", state=state) for state in wanted})
+        if all(figures == wanted for figures in shown):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the gauges {shown} never showed the primary's {wanted}")
 
 
 @pytest.mark.slow

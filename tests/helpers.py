@@ -8,8 +8,12 @@ times.)
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
+import random
 import socket
 import uuid
+from collections.abc import Iterator
 from typing import NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
@@ -22,12 +26,38 @@ from oncegate.model.records import KeyRecord, Record
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+# The ports `free_port` hands out: below Linux's ephemeral range (32768-60999), where the kernel
+# puts no socket of its own. A port from `bind(("127.0.0.1", 0))` was not enough: closed at once,
+# it can be handed straight to the next caller, so two xdist workers (or one gateway's proxy and
+# admin ports) could be given the same port, and a test then talked to another test's server
+# (404s, 502s and refused connections from a module that passes alone).
+PORTS = range(20000, 32000)
+
+
+def _ports() -> Iterator[int]:
+    """This process's turn of PORTS: xdist worker i of n takes every n-th port from i, in order
+    from a random start, so no two workers of a session, nor two calls in one, get the same one;
+    a port something else holds is skipped."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    mine = PORTS[worker::workers]
+    start = random.randrange(len(mine))
+    for port in itertools.cycle([*mine[start:], *mine[:start]]):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken by something outside the tests
+        yield port
+
+
+_TURN = _ports()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on right now and no other test of this
+    session was given (PORTS)."""
+    return next(_TURN)
 
 
 def digest(text: str) -> bytes:

@@ -24,20 +24,7 @@ sys.path.insert(0, str(ROOT))  # tests.citus: the servers the tests start
 
 from oncegate.store import migrate  # noqa: E402
 from tests import citus  # noqa: E402
-
-SCANS = "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'oncegate_keys'"
-
-
-async def reads(connection: asyncpg.Connection, before: int) -> int:
-    """The key table's reads since `before`, once the migration's backend has reported them
-    (all at once, out of its transaction)."""
-    for _ in range(600):
-        await connection.execute("SELECT pg_stat_clear_snapshot()")
-        after: int = await connection.fetchval(SCANS)
-        if after != before:
-            return after - before
-        await asyncio.sleep(0.05)
-    raise RuntimeError("the key table's scan count never moved")
+from tests.helpers import KEY_TABLE_SCANS, key_table_reads_since  # noqa: E402
 
 
 async def measure(url: str, rows: int, rounds: int) -> None:
@@ -57,14 +44,14 @@ async def measure(url: str, rows: int, rounds: int) -> None:
         times: dict[str, list[float]] = {"up": [], "down": []}
         for _ in range(rounds):
             for step, target in (("up", "0013"), ("down", "0012")):
-                before = await connection.fetchval(SCANS)
+                before = await connection.fetchval(KEY_TABLE_SCANS)
                 start = time.perf_counter()
                 if step == "up":
                     await asyncio.to_thread(migrate.upgrade, url, target)
                 else:
                     await asyncio.to_thread(migrate.downgrade, url, target)
                 times[step].append(time.perf_counter() - start)
-                count = await reads(connection, before)
+                count = await key_table_reads_since(connection, before)
                 print(f"  {step:4} {times[step][-1]:6.2f} s  {count} reads")
         for step, found in times.items():
             low, high = min(found), max(found)

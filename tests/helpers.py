@@ -7,6 +7,7 @@ times.)
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import os
@@ -144,3 +145,19 @@ class StoredParts(NamedTuple):
     headers: list[tuple[str, str]] | None
     body: bytes | None
     stored: bool
+
+
+KEY_TABLE_SCANS = "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'oncegate_keys'"
+
+
+async def key_table_reads_since(connection: asyncpg.Connection, before: int) -> int:
+    """How many times the key table was read from end to end since `before` (its
+    `KEY_TABLE_SCANS`). A backend reports its counts once out of its transaction, all at once,
+    so the count is read again until it moves: a migration is one transaction, one report."""
+    for _ in range(600):
+        await connection.execute("SELECT pg_stat_clear_snapshot()")
+        after: int = await connection.fetchval(KEY_TABLE_SCANS)
+        if after != before:
+            return after - before
+        await asyncio.sleep(0.05)
+    raise AssertionError("the key table's scan count never moved")

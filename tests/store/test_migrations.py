@@ -18,7 +18,7 @@ from oncegate.model.answers import StoredAnswer
 from oncegate.model.records import Claim
 from oncegate.store import citus, migrate
 from oncegate.store.postgres import PostgresStore
-from tests.helpers import digest, new_key, stored
+from tests.helpers import KEY_TABLE_SCANS, digest, key_table_reads_since, new_key, stored
 from tests.store.test_store import BAD_ROWS, refusals
 
 
@@ -307,22 +307,12 @@ async def test_the_column_domains_come_and_go_without_rewriting_the_key_table(
 
 
 async def _reads_of_the_key_table(url: str, change: Callable[[], Awaitable[None]]) -> int:
-    """How many times `change` read the key table from end to end (pg_stat_user_tables.seq_scan).
-
-    A backend reports its counts once out of its transaction, all of them at once, so the count
-    is read again until it moves: a migration is one transaction (env.py), one report."""
+    """How many times `change` read the key table from end to end (pg_stat_user_tables.seq_scan)."""
     connection = await asyncpg.connect(url)
-    query = "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'oncegate_keys'"
     try:
-        before = await connection.fetchval(query)
+        before = await connection.fetchval(KEY_TABLE_SCANS)
         await change()
-        for _ in range(600):
-            await connection.execute("SELECT pg_stat_clear_snapshot()")
-            after: int = await connection.fetchval(query)
-            if after != before:
-                return after - before
-            await asyncio.sleep(0.05)
-        raise AssertionError("the key table's scan count never moved")
+        return await key_table_reads_since(connection, before)
     finally:
         await connection.close()
 

@@ -8,28 +8,39 @@ quota, and again with the coordinator unlimited (what the workers carry when the
 not the limit). The load is the real store (`PostgresStore`, as bench/citus_pairs.py drives
 it: `--tasks` asyncio tasks, each claiming a new key and completing it) in this process.
 
-Every target is started first and stays up. A warm-up round, not measured, then drives each
-database as a measured run would and runs `ANALYZE` on every node of it (the one server's key
-table, a worker's shard tables), so every measured run finds its key table written and analyzed
-as a production server's is, rather than a fresh table planned without statistics (the first
-round's one server read twice the CPU a pair of the later ones). Then `--rounds` rounds (an odd
-number: the median is one round's figure) each drive every target in turn, the order rotated by
-one target a round so that no target always runs first or after the same one; a slow minute of
-the shared machine falls on every target of a round rather than on one, and each cluster's ratio
-is taken against the one server of the same round. The summary gives each target's median and
-range. (At a tenth of a core, the one server's pairs/s at its quota differed by 2x between runs
-minutes apart.)
+Every target is started first and stays up, with autovacuum off on every node. After every run,
+outside it, `VACUUM (ANALYZE)` runs on every node of the target's database (the one server's key
+table, a worker's shard tables), each node's quota lifted meanwhile; its CPU on the nodes that
+carry the writes is printed per pair the run wrote. So every measured run starts on a key table
+vacuumed and analyzed, on the one server as on the workers, and no vacuum falls inside a run:
+left on, autovacuum started whenever a node's tables crossed its thresholds (once a minute at
+most) and took a quota'd node's CPU inside whichever run was under way, a fourth of each
+worker's quota in some runs of four workers, which then carried half their pairs, while other
+runs, the one server's or the cluster's, happened to miss it. The vacuum's cost is not hidden:
+both sides pay it, and the column shows what it costs each per pair. A run during which an
+autovacuum or autoanalyze ran anyway gets no verdict. A warm-up round, not measured, drives
+each database as a measured run would, so every measured run finds its key table written and
+analyzed as a production server's is, rather than a fresh table planned without statistics
+(the first round's one server read twice the CPU a pair of the later ones). Then `--rounds`
+rounds (an odd number: the median is one round's figure) each drive every target in turn, the
+order rotated by one target a round so that no target always runs first or after the same one;
+a slow minute of the shared machine falls on every target of a round rather than on one, and
+each cluster's ratio is taken against the one server of the same round. The summary gives each
+target's median and range. (At a tenth of a core, the one server's pairs/s at its quota
+differed by 2x between runs minutes apart.)
 
 Printed per run: pairs/s and its ratio to the round's plain server; PostgreSQL's CPU per pair
 (the one server's, or the workers' together); each node's CPU as a share of its quota and the
 share of its cgroup's periods that were throttled (a node at its quota is the bound it stands
 for: `bound` when it used 85% or more); the store's operations per statement (claims / completes
-/ a worker's claims and completes together); and the load side's CPU (this process: it must not
-be the limit, `load-bound` when it used 85% of one core). The targets: 4 workers >= 3x the plain
-server, 2 workers >= 1.7x, judged on the median of the rounds' ratios, and only where the
-comparison is the one they name: every node of the cluster at the quota (a cluster with its
-coordinator unlimited prints its ratio and `n/a`), and in every round the one server and each
-worker bound at it, the load side not (otherwise `n/a`, saying which round and node).
+/ a worker's claims and completes together); the CPU of the `VACUUM (ANALYZE)` after the run
+per pair it wrote (warm-up and the last tasks' pairs included); and the load side's CPU (this
+process: it must not be the limit, `load-bound` when it used 85% of one core). The targets: 4
+workers >= 3x the plain server, 2 workers >= 1.7x, judged on the median of the rounds' ratios,
+and only where the comparison is the one they name: every node of the cluster at the quota (a
+cluster with its coordinator unlimited prints its ratio and `n/a`), and in every round the one
+server and each worker bound at it, the load side not, and no autovacuum during the run
+(otherwise `n/a`, saying which round and node).
 
     .venv/bin/python bench/citus_scale.py [--quota 0.25] [--duration 5] [--warmup 3]
         [--tasks 64] [--workers 1,2,4] [--shards-per-worker 2] [--rounds 3]
@@ -165,6 +176,9 @@ class Result:
     load_cores: float
     failures: int
     batch: dict[str, float]  # operation -> mean operations per statement, during the run
+    written: int = 0  # pairs the run wrote, warm-up and the last tasks' included
+    vacuum: float | None = None  # CPU seconds of the VACUUM after the run (the writing nodes)
+    autovacuums: int = 0  # autovacuum and autoanalyze runs on the nodes during the run
 
 
 @dataclass
@@ -176,27 +190,31 @@ class Target:
     url: str
     nodes: list[Node]
     coordinator_quota: float | None
-    node_urls: list[str]  # each node's URL of the database, for ANALYZE
+    node_urls: list[str]  # each node's URL of the database, for VACUUM
+    citus: bool
 
 
 async def drive(target: Target, arguments: argparse.Namespace, round_: int) -> Result:
     nodes = target.nodes
     nodes[0].cgroup.limit(target.coordinator_quota)
     nodes[0].quota = target.coordinator_quota
+    autovacuums_before = await autovacuums(target)
     store = await PostgresStore.connect(target.url)
     stop = asyncio.Event()
     measuring = False
-    pairs = failures = 0
+    pairs = failures = written = 0
 
     async def task() -> None:
-        nonlocal pairs, failures
+        nonlocal pairs, failures, written
         while not stop.is_set():
             claimed = await store.requests.claim(
                 "bench", citus_pairs.SCOPE, str(uuid.uuid4()), citus_pairs.FINGERPRINT, 30, 86_400
             )
             if not isinstance(claimed, Claim) or not await store.requests.complete(claimed, ANSWER):
                 failures += 1
-            elif measuring:
+                continue
+            written += 1
+            if measuring:
                 pairs += 1
 
     try:
@@ -233,7 +251,56 @@ async def drive(target: Target, arguments: argparse.Namespace, round_: int) -> R
         total_before, count_before = batches_before.get(operation, (0.0, 0.0))
         if count > count_before:
             batch[operation] = (total - total_before) / (count - count_before)
-    return Result(target.name, round_, pairs / elapsed, used, load, failures, batch)
+    return Result(
+        target.name, round_, pairs / elapsed, used, load, failures, batch, written,
+        autovacuums=await autovacuums(target) - autovacuums_before,
+    )  # fmt: skip
+
+
+async def autovacuums(target: Target) -> int:
+    """Autovacuum and autoanalyze runs so far on the target's nodes, of every table (a worker's
+    shard tables too: Citus hides them from `pg_class` unless told not to)."""
+    found = 0
+    for node_url in target.node_urls:
+        connection = await asyncpg.connect(node_url)
+        try:
+            if target.citus:
+                await connection.execute("SET citus.override_table_visibility = off")
+            found += await connection.fetchval(
+                "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)::bigint"
+                " FROM pg_stat_user_tables"
+            )
+        finally:
+            await connection.close()
+    return found
+
+
+async def vacuum(target: Target) -> float:
+    """`VACUUM (ANALYZE)` on every node of the target's database, each node's quota lifted
+    meanwhile and set back after: the CPU seconds it took on the nodes that carry the writes
+    (the one server, or the workers)."""
+    used = 0.0
+    for node, node_url in zip(target.nodes, target.node_urls, strict=True):
+        node.cgroup.limit(None)
+        try:
+            before = run.cpu_seconds({node.name: [node.pid]})[node.name]
+            connection = await asyncpg.connect(node_url)
+            try:
+                await connection.execute("VACUUM (ANALYZE)")
+            finally:
+                await connection.close()
+            if node.name != "coordinator" or not target.citus:
+                used += run.cpu_seconds({node.name: [node.pid]})[node.name] - before
+        finally:
+            node.cgroup.limit(node.quota)
+    return used
+
+
+def measure(target: Target, arguments: argparse.Namespace, round_: int) -> Result:
+    """One run of the target, then `VACUUM (ANALYZE)` of what it wrote, outside the run."""
+    result = asyncio.run(drive(target, arguments, round_))
+    result.vacuum = asyncio.run(vacuum(target))
+    return result
 
 
 def nodes_of(cluster: citus.Cluster, quota: float, prefix: str) -> list[Node]:
@@ -262,40 +329,45 @@ def start_targets(
         shards = max(1, arguments.shards_per_worker * workers)
         asyncio.run(citus_pairs.set_shard_count(url, shards))
     migrate.upgrade(url)
+    asyncio.run(autovacuum_off([node.url() for node in cluster.nodes]))
     nodes = nodes_of(cluster, arguments.quota, f"oncegate-scale-{os.getpid()}-{workers}")
     cgroups.extend(node.cgroup for node in nodes)
     node_urls = [node.url(citus_pairs.DATABASE) for node in cluster.nodes]
     if not with_citus:
-        return [Target(SINGLE, url, nodes, arguments.quota, node_urls)]
+        return [Target(SINGLE, url, nodes, arguments.quota, node_urls, False)]
     name = f"Citus, {workers} worker{'s' if workers > 1 else ''} ({shards} shards)"
     return [
-        Target(f"{name}{AT_QUOTA}", url, nodes, arguments.quota, node_urls),
-        Target(f"{name}{UNLIMITED}", url, nodes, None, node_urls),
+        Target(f"{name}{AT_QUOTA}", url, nodes, arguments.quota, node_urls, True),
+        Target(f"{name}{UNLIMITED}", url, nodes, None, node_urls, True),
     ]
 
 
-async def analyze(target: Target) -> None:
-    """`ANALYZE` on every node of the target's database: the one server's key table, or the
-    coordinator's and each worker's shard tables (a worker's shards are tables of its own)."""
-    for node_url in target.node_urls:
+async def autovacuum_off(node_urls: list[str]) -> None:
+    """No autovacuum on these servers: the bench vacuums after each run instead (`measure`).
+    Left on, it started when a node's tables crossed its thresholds, once a minute at most, and
+    took a quota'd node's CPU inside whichever run was under way: a fourth of each worker's
+    quota in a run of four workers (0.20-0.36 of its 0.8 CPU seconds), which then carried half
+    its pairs, while the one server's runs happened to miss it, or the other way round."""
+    for node_url in node_urls:
         connection = await asyncpg.connect(node_url)
         try:
-            await connection.execute("ANALYZE")
+            await connection.execute("ALTER SYSTEM SET autovacuum = off")
+            await connection.execute("SELECT pg_reload_conf()")
         finally:
             await connection.close()
 
 
 def warm_up(targets: list[Target], arguments: argparse.Namespace) -> None:
-    """The unmeasured round: each database driven as a measured run drives it, then analyzed."""
+    """The unmeasured round: each database driven as a measured run drives it, then vacuumed
+    and analyzed."""
     first: dict[str, Target] = {}
     for target in targets:
         first.setdefault(target.url, target)  # a cluster's coordinator at the quota
     for target in first.values():
-        result = asyncio.run(drive(target, arguments, 0))
-        asyncio.run(analyze(target))
+        result = measure(target, arguments, 0)
         run.progress(
-            f"warm-up {target.name}: {result.pairs_per_second:,.0f} pairs/s, then ANALYZE"
-            " on every node"
+            f"warm-up {target.name}: {result.pairs_per_second:,.0f} pairs/s, then VACUUM"
+            " (ANALYZE) on every node"
         )
 
 
@@ -329,6 +401,12 @@ def _per_pair(result: Result) -> str:
     return f"{cores * 1000 / max(result.pairs_per_second, 1e-9):.3f}"
 
 
+def _vacuum_shown(result: Result) -> str:
+    if result.vacuum is None or not result.written:
+        return "-"
+    return f"{result.vacuum * 1000 / result.written:.3f}"
+
+
 def ratios(results: list[Result]) -> dict[str, list[float]]:
     """Per target, each round's pairs/s over the same round's one server."""
     single = {
@@ -347,9 +425,9 @@ def table(results: list[Result]) -> str:
     lines = [
         "| round | target | pairs/s | x the round's one server | PostgreSQL CPU ms per pair (the"
         " one server, or the workers together) | each node: CPU used of its quota, throttled"
-        " periods | operations per statement (claim / complete / both) | load side (cores)"
-        " | failures |",
-        "|---:|---|---:|---:|---:|---|---|---:|---:|",
+        " periods | operations per statement (claim / complete / both) | VACUUM (ANALYZE) after"
+        " the run, CPU ms per pair it wrote | load side (cores) | failures |",
+        "|---:|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     single = {
         result.round: result.pairs_per_second for result in results if result.target == SINGLE
@@ -359,8 +437,8 @@ def table(results: list[Result]) -> str:
         load = f"{result.load_cores:.2f}{' (load-bound)' if result.load_cores >= BOUND else ''}"
         lines.append(
             f"| {result.round} | {result.target} | {result.pairs_per_second:,.0f} | {ratio:.2f}x |"
-            f" {_per_pair(result)} | {_nodes_shown(result)} | {_batch_shown(result)} | {load} |"
-            f" {result.failures} |"
+            f" {_per_pair(result)} | {_nodes_shown(result)} | {_batch_shown(result)} |"
+            f" {_vacuum_shown(result)} | {load} | {result.failures} |"
         )
     return "\n".join(lines)
 
@@ -393,6 +471,8 @@ def unfit(result: Result) -> str | None:
         writes = name != "coordinator" or result.target == SINGLE  # a worker, or the one server
         if writes and quota is not None and cores / quota < BOUND:
             return f"round {result.round}: the {name} at {cores / quota:.0%} of its quota"
+    if result.autovacuums:
+        return f"round {result.round}: {result.autovacuums} autovacuum runs during the run"
     if result.load_cores >= BOUND:
         return f"round {result.round}: the load side bound ({result.load_cores:.2f} cores)"
     return None
@@ -487,7 +567,7 @@ def main() -> int:
         warm_up(targets, arguments)
         for round_ in range(1, arguments.rounds + 1):
             for target in citus_pairs.in_order(targets, round_):
-                result = asyncio.run(drive(target, arguments, round_))
+                result = measure(target, arguments, round_)
                 results.append(result)
                 run.progress(f"{round_} {target.name}: {result.pairs_per_second:,.0f} pairs/s")
         print(
@@ -495,8 +575,9 @@ def main() -> int:
             f" {arguments.tasks} asyncio tasks on PostgresStore in this process, each a claim"
             f" then a complete of a new key; {arguments.warmup:g} s warm-up +"
             f" {arguments.duration:g} s per run, {arguments.rounds} rounds, every target in"
-            " each, the order rotated each round, after a warm-up round and ANALYZE on every"
-            f" node; {arguments.shards_per_worker} shards per worker; a node is `bound` at"
+            " each, the order rotated each round, after a warm-up round; autovacuum off, and"
+            " VACUUM (ANALYZE) on every node after every run, outside it;"
+            f" {arguments.shards_per_worker} shards per worker; a node is `bound` at"
             f" {BOUND:.0%} of its quota"
         )
         print(f"\n$ {quick.command_line()}\n")

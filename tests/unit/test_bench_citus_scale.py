@@ -110,3 +110,21 @@ def test_each_round_rotates_the_order_of_the_targets() -> None:
     ]
     # Over as many rounds as targets, each target runs first once.
     assert sorted(order[0] for order in orders[:3]) == sorted(targets)
+
+
+def test_a_run_an_autovacuum_fell_in_leaves_no_verdict() -> None:
+    # Autovacuum is off on the bench's servers; one that ran anyway took a node's quota inside
+    # the run, so that round's comparison is not the one the target names.
+    measured = rounds(1800.0, 1800.0, 1800.0)
+    measured[2].autovacuums = 2
+    line = bench.verdicts(measured)[0]
+    assert line.startswith("n/a")
+    assert line.endswith("no verdict: round 2: 2 autovacuum runs during the run")
+
+
+def test_the_vacuum_after_a_run_is_shown_per_pair_it_wrote() -> None:
+    measured = rounds(1800.0)
+    measured[0].written, measured[0].vacuum = 20_000, 0.2
+    row = bench.table(measured).splitlines()[2]
+    assert "| 0.010 |" in row
+    assert "| - |" in bench.table(measured).splitlines()[3]  # not vacuumed: nothing to show

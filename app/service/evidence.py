@@ -29,9 +29,16 @@ from .messages import ProxyRequest
 # Shown masked to operators: whoever reads the admin API or the page sees that a credential was
 # sent, not the credential. A header or query parameter is taken for one by its name, as vendors
 # spell them (`Authorization`, `X-Api-Key`, `X-Shopify-Access-Token`, `Ocp-Apim-Subscription-Key`,
-# `PRIVATE-TOKEN`, `?access_token=`); the key that names the request is not one.
-_CREDENTIAL = re.compile(r"auth|token|secret|passw|key|cookie|session|signature|credential", re.I)
+# `PRIVATE-TOKEN`, `?access_token=`, Azure's `?sig=`); the key that names the request is not one.
+_CREDENTIAL = re.compile(
+    r"auth|token|secret|passw|key|cookie|session|signature|credential|jwt|bearer"
+    # Short ones as words of their own (`pwd`, `user_pass`, `sig`), not inside others (`compass`).
+    r"|(?:^|[^a-z])(?:sig|pwd|pass|otp)(?:[^a-z]|$)",
+    re.I,
+)
 _NOT_A_CREDENTIAL = re.compile(r"idempotency|request-id", re.I)
+# What a masked value reads.
+MASK = "***"
 _LENGTH = 4  # bytes of the head's length before it
 # `json.dumps` of the head, with the encoder made once (`model.jsontext`).
 _write_json = jsontext.writer()
@@ -78,8 +85,9 @@ class KeptRequest:
         }
 
     def readable_body(self) -> str:
-        """The body for a person: JSON indented, a form as its fields one a line, other UTF-8
-        text as it is; else its size and base64."""
+        """The body for a person: JSON indented, a form as its fields one a line, each with the
+        values of credential names masked (`is_credential`, at any depth of the JSON); other
+        UTF-8 text as it is; else its size and base64."""
         content_type = next(
             (value for name, value in self.headers if name.lower() == "content-type"), ""
         )
@@ -93,12 +101,15 @@ class KeptRequest:
             )
         if media == "application/json" or media.endswith("+json"):
             try:
-                return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+                document = json.loads(text)
             except ValueError:
                 return text
+            return json.dumps(_masked_members(document), indent=2, ensure_ascii=False)
         if media == "application/x-www-form-urlencoded":
             fields = parse_qsl(text, keep_blank_values=True)
-            return "\n".join(f"{name} = {value}" for name, value in fields)
+            return "\n".join(
+                f"{name} = {MASK if is_credential(name) else value}" for name, value in fields
+            )
         return text
 
 
@@ -107,13 +118,25 @@ def is_credential(name: str) -> bool:
     return _CREDENTIAL.search(name) is not None and _NOT_A_CREDENTIAL.search(name) is None
 
 
+def _masked_members(value: Any) -> Any:
+    """A JSON document with the values of its credential-named members masked, at any depth."""
+    if isinstance(value, dict):
+        return {
+            name: MASK if is_credential(name) else _masked_members(member)
+            for name, member in value.items()
+        }
+    if isinstance(value, list):
+        return [_masked_members(item) for item in value]
+    return value
+
+
 def masked(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """Header pairs with credentials masked: a scheme (`Bearer`) kept, the secret not."""
     shown = []
     for name, value in pairs:
         if is_credential(name):
             scheme, space, _ = value.partition(" ")
-            value = f"{scheme} ***" if space and name.lower().endswith("authorization") else "***"
+            value = f"{scheme} {MASK}" if space and name.lower().endswith("authorization") else MASK
         shown.append((name, value))
     return shown
 
@@ -125,7 +148,7 @@ def masked_query(query: str) -> str:
     parts = []
     for part in query.split("&"):
         name, equals, _ = part.partition("=")
-        parts.append(f"{name}=***" if equals and is_credential(unquote_plus(name)) else part)
+        parts.append(f"{name}={MASK}" if equals and is_credential(unquote_plus(name)) else part)
     return "&".join(parts)
 
 

@@ -1,11 +1,12 @@
 """What an operator is shown of the request behind a key: every credential masked, however a
-vendor names it, in the headers and in the query; the key that names the request shown."""
+vendor names it, in the headers, the query and the page's readable body; the key that names the
+request shown."""
 
 from __future__ import annotations
 
 import pytest
 
-from oncegate.service.evidence import masked, masked_query
+from oncegate.service.evidence import KeptRequest, masked, masked_query
 
 
 @pytest.mark.parametrize(
@@ -42,3 +43,51 @@ def test_a_query_is_shown_with_its_credential_parameters_masked_and_the_rest_as_
         masked_query("currency=eur&access_token=ya29.81&api%5Fkey=81&flag&Session=9")
         == "currency=eur&access_token=***&api%5Fkey=***&flag&Session=***"
     )
+
+
+@pytest.mark.parametrize(
+    ("query", "shown"),
+    [
+        # Azure Storage's shared access signature: the signature grants the access.
+        ("sv=2022-11-02&sr=b&sp=w&sig=Zm9vYmFy", "sv=2022-11-02&sr=b&sp=w&sig=***"),
+        ("user=ann&pwd=hunter2", "user=ann&pwd=***"),
+        ("user=ann&pass=hunter2&user_pass=h2", "user=ann&pass=***&user_pass=***"),
+        ("jwt=eyJhbGciOiJIUzI1NiJ9.e30.c2ln&otp=123456", "jwt=***&otp=***"),
+        # The short names as parts of other words are not credentials.
+        ("compass=n&passenger=ann&bypass=1", "compass=n&passenger=ann&bypass=1"),
+    ],
+)
+def test_a_credential_s_short_name_in_the_query_is_masked_and_words_that_hold_it_are_not(
+    query: str, shown: str
+) -> None:
+    assert masked_query(query) == shown
+
+
+def _kept(content_type: str, body: bytes) -> KeptRequest:
+    return KeptRequest("POST", "/oauth/token", "", [("content-type", content_type)], body)
+
+
+def test_the_readable_form_body_masks_the_fields_the_query_would() -> None:
+    # An OAuth token request (RFC 6749, section 2.3.1: the client's secret in the form body).
+    kept = _kept(
+        "application/x-www-form-urlencoded",
+        b"grant_type=client_credentials&client_id=app&client_secret=s3cr3t-81&password=pw81",
+    )
+    assert kept.readable_body().splitlines() == [
+        "grant_type = client_credentials",
+        "client_id = app",
+        "client_secret = ***",
+        "password = ***",
+    ]
+
+
+def test_the_readable_json_body_masks_credential_members_at_any_depth() -> None:
+    kept = _kept(
+        "application/json; charset=utf-8",
+        b'{"to": "ann", "auth": {"user": "u", "pass": "p81"}, '
+        b'"hooks": [{"url": "https://x", "secret": "s81"}], "api_key": 81}',
+    )
+    shown = kept.readable_body()
+    assert "p81" not in shown and "s81" not in shown and "81" not in shown.replace('"***"', "")
+    assert '"to": "ann"' in shown and '"url": "https://x"' in shown
+    assert '"auth": "***"' in shown and '"secret": "***"' in shown and '"api_key": "***"' in shown

@@ -39,7 +39,8 @@ Rules (contract sections 4 and 11; docs/security.md lists every equivalence belo
   any order, `name=a` as `name="a"`; quoted values compare as sent (no escape is decoded).
 - A multipart body that is not strictly well formed (no boundary, a delimiter line with
   anything after it, a part without `Content-Disposition: form-data; name=...`, a header given
-  twice, a folded header line, no closing delimiter, more than `MULTIPART_PART_LIMIT` parts) is
+  twice, a folded header line, no closing delimiter, more than `MULTIPART_PART_LIMIT` parts or
+  `MULTIPART_HEADS_LIMIT` bytes of part heads, `--boundary` anywhere but at a delimiter) is
   fingerprinted as its bytes, as malformed JSON and form data are: parsers disagree on what it
   means, and whether it is acceptable is the upstream's to say, not the gateway's. Its retries
   send the same bytes and match; only a client that redraws the boundary of a malformed body is
@@ -63,21 +64,25 @@ from urllib.parse import parse_qsl, unquote_to_bytes
 
 from ..model import jsontext
 
-# 64 KiB of JSON canonicalize in about 5 ms (measured: 0.4 ms for 10 KiB, 10 ms for 100 KiB,
-# 85 ms for 1 MiB); larger API requests than that are rare, and a stall longer than that is not.
+# The limits bound the longest stall one body can buy (the event loop, or the interpreter, held
+# while it is canonicalised): the dearest bodies within them cost 3-25 ms of CPU
+# (bench/fingerprint_cost.py; docs/security.md). Larger API requests than 64 KiB of JSON or form
+# data are rare, and such a body is fingerprinted as its bytes: its retries send the same bytes.
 CANONICAL_JSON_LIMIT = 64 * 1024
-# Form bodies cost about what JSON costs to canonicalise (measured: 4 ms for 64 KiB of 4,000 short
-# fields), so the same limit, for the same reason.
 CANONICAL_FORM_LIMIT = 64 * 1024
 # Multipart bodies are split with bytes.find whatever their size (about 1.2 ms a MiB, searched a
 # window at a time so that a worker thread lets go of the interpreter between windows), but each
-# part costs some Python: 1,000 short parts took 6 ms (timeit). Real uploads have a handful of
-# parts; a body of more than 500 (about 3 ms) is its bytes, so no body can buy a longer stall.
+# part costs some Python: 500 short parts about 3 ms. Real uploads have a handful of parts.
 MULTIPART_PART_LIMIT = 500
 # How much of a body one bytes.find searches before the interpreter may switch threads.
 _SEARCH_WINDOW = 1024 * 1024
 # A part's header block longer than this is malformed: real ones are a few hundred bytes.
 MULTIPART_HEAD_LIMIT = 16 * 1024
+# A body whose parts' header blocks add up to more than this is its bytes: each head line and
+# parameter costs some Python, so it is what they hold that must be bounded, not the parts
+# (500 parts of 280 parameters each, 0.95 MB of heads, took 150 ms). Real uploads' heads are a
+# few hundred bytes a part.
+MULTIPART_HEADS_LIMIT = 64 * 1024
 # An exponent of more digits than this is no number an API means; its body is its bytes.
 EXPONENT_DIGITS_LIMIT = 15
 FORM = "application/x-www-form-urlencoded"
@@ -381,10 +386,16 @@ def _part_spans(body: bytes, boundary: bytes) -> list[tuple[int, int, int, int]]
             return None
         position = found + len(separator)
     spans: list[tuple[int, int, int, int]] = []
+    heads = 0
     while True:
         after = body[position : position + 2]
         if after == b"--":
-            return spans or None  # the epilogue after it is no part either
+            # The epilogue after it is no part either. But `--boundary` anywhere else (in the
+            # preamble, the epilogue, a part after a bare LF or CR) is a delimiter to a lenient
+            # parser: such a body means different parts to different parsers.
+            if not spans or _occurrences(body, delimiter, len(spans) + 2) != len(spans) + 1:
+                return None
+            return spans
         if after != b"\r\n" or len(spans) == MULTIPART_PART_LIMIT:
             return None
         head_start = position + 2
@@ -396,6 +407,9 @@ def _part_spans(body: bytes, boundary: bytes) -> list[tuple[int, int, int, int]]
             if head_end < 0:
                 return None
             content_start = head_end + 4
+        heads += head_end - head_start
+        if heads > MULTIPART_HEADS_LIMIT:
+            return None
         content_end = _find(body, separator, content_start)
         if content_end < 0 or body.find(separator, head_start - 2, head_end) >= 0:
             return None
@@ -412,6 +426,15 @@ def _find(body: bytes, needle: bytes, start: int) -> int:
             return found
         start += _SEARCH_WINDOW + 1
     return -1
+
+
+def _occurrences(body: bytes, needle: bytes, most: int) -> int:
+    """How many times `needle` occurs in `body`, counting no further than `most`."""
+    count, position = 0, _find(body, needle, 0)
+    while position >= 0 and count < most:
+        count += 1
+        position = _find(body, needle, position + len(needle))
+    return count
 
 
 def _canonical_part_head(head: bytes) -> bytes | None:

@@ -719,6 +719,22 @@ MALFORMED = {
     "unterminated-quote": multipart([(b'Content-Disposition: form-data; name="a\\"', b"x")]),
     "no-parts": (_CONTENT_TYPE, b"--b0undary--\r\n"),
     "too-many-parts": multipart([part("a", b"")] * (fingerprint.MULTIPART_PART_LIMIT + 1)),
+    # Part heads past the limit, however few the parts: what they hold costs Python to read.
+    "heads-too-long": multipart(
+        [(part("a", b"")[0] + b"".join(b"; p%d=v" % n for n in range(1_000)), b"")] * 12
+    ),
+    # `--boundary` where a lenient parser (one that takes a bare LF or CR, or any text, before
+    # it) reads a delimiter and a strict one does not: in the preamble, a part, the epilogue.
+    "delimiter-in-the-preamble": (_CONTENT_TYPE, b"note\n" + _BODY),
+    "delimiter-after-a-bare-line-feed": (
+        _CONTENT_TYPE,
+        _BODY.replace(b"dispute_evidence", b"dispute_evidence\n--b0undary\r\n\r\nx", 1),
+    ),
+    "delimiter-after-a-bare-carriage-return": (
+        _CONTENT_TYPE,
+        _BODY.replace(b"dispute_evidence", b"dispute_evidence\r--b0undary\r\n\r\nx", 1),
+    ),
+    "delimiter-in-the-epilogue": (_CONTENT_TYPE, _BODY + b"--b0undary\r\n"),
 }
 
 
@@ -731,6 +747,26 @@ def test_a_malformed_multipart_body_is_its_bytes(case: tuple[str, bytes]) -> Non
     assert request.digest == request.as_bytes
     assert request.matches(fingerprint.compute("POST", "/files", "", content_type, body))
     assert digest(body + b"\r\n", content_type=content_type) != request.digest
+
+
+def test_a_part_only_a_lenient_parser_reads_makes_two_bodies_two_requests() -> None:
+    # After the preamble's bare LF, a part a strict parser leaves out and a lenient one (Python's
+    # email parser, Werkzeug) reads: the amounts differ, so the requests must.
+    amount = part("amount", b"100")
+    to = part("to", b"ann")
+    content_type, body = multipart([to])
+    hidden = b"--b0undary\r\n" + amount[0] + b"\r\n\r\n" + amount[1] + b"\r\n"
+    one = b"note\n" + hidden + body
+    other = b"note\n" + hidden.replace(b"100", b"999999") + body
+    assert digest(one, content_type=content_type) != digest(other, content_type=content_type)
+
+
+def test_the_heads_limit_is_a_limit_not_a_failure() -> None:
+    head = part("a", b"")[0]
+    padded = head + b"; p=" + b"v" * (fingerprint.MULTIPART_HEADS_LIMIT // 8 - len(head) - 4)
+    assert len(padded) * 8 == fingerprint.MULTIPART_HEADS_LIMIT
+    assert fingerprint.canonical_multipart(*multipart([(padded, b"")] * 8)) is not None
+    assert fingerprint.canonical_multipart(*multipart([(padded + b"v", b"")] * 8)) is None
 
 
 def test_the_part_limit_is_a_limit_not_a_failure() -> None:

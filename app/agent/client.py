@@ -10,7 +10,9 @@ Rules:
   out), or the gateway already holds the key and will replay, hold or refuse the retry. Without a
   key, only a failed connect is retried: anything later may have been performed.
 - 502 and 503 (`upstream-unavailable`, `store-unavailable`, an upstream's 503 that released the
-  key): retry with backoff. The gateway released the key or never claimed it.
+  key): retry with backoff. The gateway released the key or never claimed it. But not one that
+  says a retry cannot change it: a replayed answer (an upstream's 502 the gateway stored) or
+  `x-should-retry: false` (503 `answer-sealed`): `ActionRejected`.
 - Never retried: 422 `key-reused` (`ActionKeyReused`), `outcome-unknown` in any status (the
   504/502 to the first caller, the 409 to a retry: `ActionOutcomeUnknown`), any other answer
   (`ActionRejected`).
@@ -83,6 +85,14 @@ class RetryPolicy:
     wait: int = 10
     # Overall bound on one action, retries and waits included.
     deadline: float = 60.0
+
+
+def _final(response: httpx.Response) -> bool:
+    """Whether an answer says no retry can change it: a stored answer replayed (`Idempotent-
+    Replayed: true`), or `x-should-retry: false` (on every gateway problem that a retry cannot
+    help, such as 503 `answer-sealed`)."""
+    replayed = response.headers.get("idempotent-replayed", "").lower() == "true"
+    return replayed or response.headers.get("x-should-retry", "").lower() == "false"
 
 
 def problem_name(response: httpx.Response) -> str | None:
@@ -208,7 +218,7 @@ class Attempts:
                 wait = (
                     self._backoff() if hinted is None else min(hinted, self._policy.max_retry_after)
                 )
-            elif status in (502, 503):
+            elif status in (502, 503) and not _final(response):
                 reason = f"{status} {name or 'from the upstream'}"
                 wait = self._backoff()
             else:

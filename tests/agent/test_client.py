@@ -5,6 +5,7 @@ What the upstream performed is counted by the demo upstream itself (`GET /action
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -18,6 +19,7 @@ from oncegate.agent.client import (
     ActionKeyReused,
     ActionOutcomeUnknown,
     ActionRejected,
+    Attempts,
     GaveUp,
     KeyLifetime,
     RetryPolicy,
@@ -152,6 +154,37 @@ async def test_503_from_the_upstream_is_retried_with_backoff_then_given_up(
         )
     assert released() - before >= 3  # the same request, sent again and again
     assert upstream.actions(key) == []  # a 503 performs nothing
+
+
+async def test_an_upstream_502_stored_and_replayed_is_final_not_retried_to_the_deadline(
+    gateway: GatewayProcess, http: httpx.AsyncClient
+) -> None:
+    # 502 is not among the route's release statuses: the gateway stores it, and every retry is
+    # that answer replayed, which no further retry can change.
+    client, key = client_for(http, gateway.url, deadline=60.0), new_action_key()
+    with pytest.raises(ActionRejected, match="502") as caught:
+        await client.send(
+            "/emails", {"to": "ed@example.com"}, key, headers={"X-Demo-Status": "502"}
+        )
+    assert caught.value.response is not None
+    # The first attempt's 502 was retried once and met its own answer replayed: final there
+    # (a client that kept retrying would end in GaveUp after its 60 s).
+    assert caught.value.response.headers["idempotent-replayed"] == "true"
+
+
+def test_an_answer_that_says_no_retry_can_change_it_is_final() -> None:
+    # 503 `answer-sealed`: performed, its answer cannot be opened, never performed again.
+    sealed = httpx.Response(
+        503,
+        headers={"content-type": "application/problem+json", "x-should-retry": "false"},
+        json={"type": "urn:oncegate:problem:answer-sealed", "status": 503},
+    )
+    attempts = Attempts(RetryPolicy(), random.Random(0), "http://gw", "/charges", "k-81")
+    with pytest.raises(ActionRejected, match="503 answer-sealed"):
+        attempts.after(sealed)
+    # Without the header, a 503 is retried (the gateway released the key or never claimed it).
+    fresh = Attempts(RetryPolicy(), random.Random(0), "http://gw", "/charges", "k-81")
+    assert isinstance(fresh.after(httpx.Response(503)), float)
 
 
 async def test_connection_refused_is_retried_until_the_deadline(http: httpx.AsyncClient) -> None:

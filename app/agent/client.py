@@ -91,8 +91,9 @@ def _final(response: httpx.Response) -> bool:
     """Whether an answer says no retry can change it: a stored answer replayed (`Idempotent-
     Replayed: true`), or `x-should-retry: false` (on every gateway problem that a retry cannot
     help, such as 503 `answer-sealed`)."""
-    replayed = response.headers.get("idempotent-replayed", "").lower() == "true"
-    return replayed or response.headers.get("x-should-retry", "").lower() == "false"
+    replayed: bool = response.headers.get("idempotent-replayed", "").lower() == "true"
+    hopeless: bool = response.headers.get("x-should-retry", "").lower() == "false"
+    return replayed or hopeless
 
 
 def problem_name(response: httpx.Response) -> str | None:

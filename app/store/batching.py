@@ -44,8 +44,12 @@ Item = TypeVar("Item")
 Outcome = TypeVar("Outcome")
 
 # A statement that has not returned after this long is stuck (a row lock, a slow disk): what
-# queued behind it is sent beside it. Several times a batch's usual round trip (~1 ms), so under
-# normal load it never fires.
+# queued behind it is sent beside it (`oncegate_store_stalled_batches_total` counts it). Several
+# times a batch's usual round trip (~1 ms), so under normal load it never fires. A database held
+# to a CPU quota holds statements past it whenever its cgroup throttles it (at a tenth of a core,
+# 90 ms of every 100): there it sent 5-8% of a Citus worker's statements, and without it the
+# worker's statements were no larger nor its pairs cheaper (docs/scaling.md, "Scale-out at
+# equal CPU per node").
 STALL = 0.05
 
 
@@ -80,6 +84,7 @@ class Batcher(Generic[Item, Outcome]):
         self._here: set[asyncio.Task[Any]] = set()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
+        self._stalls = metrics.STORE_STALLED_BATCHES.labels(operation)
         self._closed = False
         # The loop of the first operation, kept: a batcher's futures belong to one loop, and
         # asking for it again costs a getpid() system call per call on Python 3.11.
@@ -166,6 +171,7 @@ class Batcher(Generic[Item, Outcome]):
     def _stalled(self) -> None:
         self._stall_timer = None
         if self._queued and not self._closed:
+            self._stalls.inc()
             self._send_next()  # what waited `stall` behind a statement that has not returned
         self._dispatch()
 

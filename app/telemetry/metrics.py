@@ -188,6 +188,13 @@ STORE_BATCH_SIZE = Histogram(
     ["operation"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+STORE_STALLED_BATCHES = Counter(
+    "oncegate_store_stalled_batches_total",
+    "Store statements sent beside one of their kind that had not returned within the stall "
+    "time (50 ms: stuck on a row lock, a slow disk, or a database short of CPU), carrying what "
+    "had queued behind it, by operation.",
+    ["operation"],
+)
 INFLIGHT = Gauge(
     "oncegate_inflight_requests",
     "Requests being forwarded upstream right now.",

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import REGISTRY
 
 from oncegate.model import reach
 from oncegate.store.batching import Batcher, PerShard
@@ -322,9 +323,16 @@ async def test_close_sends_what_is_queued_then_refuses_more() -> None:
         await batcher.run(4)
 
 
-async def test_what_waits_behind_a_stuck_statement_is_sent_beside_it() -> None:
+def stalls(operation: str) -> float:
+    """`oncegate_store_stalled_batches_total` of `operation` so far."""
+    labels = {"operation": operation}
+    return REGISTRY.get_sample_value("oncegate_store_stalled_batches_total", labels) or 0.0
+
+
+async def test_what_waits_behind_a_stuck_statement_is_sent_beside_it_and_counted() -> None:
     recorder = Recorder()
-    batcher = Batcher("test", recorder.send, max_size=8, stall=0.01)
+    batcher = Batcher("stuck", recorder.send, max_size=8, stall=0.01)
+    counted = stalls("stuck")
     stuck = asyncio.create_task(batcher.run(1))
     await settle()
     behind = [asyncio.create_task(batcher.run(item)) for item in (2, 3)]
@@ -335,9 +343,27 @@ async def test_what_waits_behind_a_stuck_statement_is_sent_beside_it() -> None:
             break
         await asyncio.sleep(0.01)
     assert recorder.batches == [[1], [2, 3]]  # sent while [1] is still in flight
+    assert stalls("stuck") == counted + 1
     recorder.gate.set()
     assert await stuck == 10
     assert await asyncio.gather(*behind) == [20, 30]
+    assert stalls("stuck") == counted + 1
+
+
+async def test_a_batch_sent_beside_because_it_is_full_is_no_stall() -> None:
+    recorder = Recorder()
+    batcher = Batcher("full", recorder.send, max_size=2, stall=60)
+    counted = stalls("full")
+    first = asyncio.create_task(batcher.run(1))
+    await settle()
+    behind = [asyncio.create_task(batcher.run(item)) for item in (2, 3, 4)]
+    await settle()
+    assert recorder.batches == [[1], [2, 3]]  # a full batch beside the one in flight
+    recorder.gate.set()
+    assert await first == 10
+    assert await asyncio.gather(*behind) == [20, 30, 40]
+    assert recorder.batches == [[1], [2, 3], [4]]
+    assert stalls("full") == counted
 
 
 async def test_a_batch_holds_at_most_its_weight_and_a_heavy_operation_goes_alone() -> None:

@@ -45,6 +45,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # The associated data's version, after the key's name in `sealed_with`: 2 binds the claim (row id
 # and fencing token); a name alone is the row binding of earlier releases.
 CLAIM_BINDING = "2"
+# The same for kept requests, in `request_sealed_with`: `f` binds the request's fingerprint (with
+# its scope and key), so a kept request of an earlier claim of the key written back into the row
+# does not open unless it is the same request; a name alone binds scope and key, as releases
+# before did.
+REQUEST_BINDING = "f"
 _NONCE_BYTES = 12  # the size GCM is designed for; random per value, never reused in practice
 _TAG_BYTES = 16  # GCM's tag, after the ciphertext
 KEY_BYTES = 32
@@ -140,25 +145,46 @@ class Keyring:
             return header_pairs(headers), None
         return header_pairs(headers), _open(cipher, stored, stored.body, bound(b"body"))
 
-    def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
-        cipher = self._ciphers[self.current]
-        return SealedRequest(self.current, _seal(cipher, data, _request_bound(scope, key)))
+    @property
+    def request_sealed_with(self) -> str:
+        """What new kept requests' `request_sealed_with` says: the newest key, and the binding."""
+        return f"{self.current}:{REQUEST_BINDING}"
 
-    def open_request(self, scope: bytes, key: str, stored: SealedRequest) -> bytes:
+    def seal_request(
+        self, scope: bytes, key: str, fingerprint: bytes, data: bytes
+    ) -> SealedRequest:
+        cipher = self._ciphers[self.current]
+        bound = _request_bound(scope, key, fingerprint)
+        return SealedRequest(self.request_sealed_with, _seal(cipher, data, bound))
+
+    def open_request(
+        self, scope: bytes, key: str, fingerprint: bytes, stored: SealedRequest
+    ) -> bytes:
         if stored.key_name is None:
             return stored.data
-        cipher = self._ciphers.get(stored.key_name)
+        name, _, binding = stored.key_name.partition(":")
+        cipher = self._ciphers.get(name)
         if cipher is None:
             raise Unopenable(
-                f"sealed with key {stored.key_name!r}, which ONCEGATE_ENCRYPTION_KEYS does not "
-                "hold",
-                stored.key_name,
+                f"sealed with key {name!r}, which ONCEGATE_ENCRYPTION_KEYS does not hold", name
             )
-        return _open_bytes(cipher, stored.key_name, stored.data, _request_bound(scope, key))
+        if binding == REQUEST_BINDING:
+            bound = _request_bound(scope, key, fingerprint)
+        elif binding == "":
+            # Sealed by a release before the fingerprint was bound: opened as it was sealed
+            # (`oncegate rekey` re-seals it under the binding; a claim's kept request lives
+            # only until its key settles).
+            bound = _request_bound(scope, key)
+        else:
+            raise Unopenable(f"sealed under a binding this release does not know ({binding})", name)
+        return _open_bytes(cipher, name, stored.data, bound)
 
-    def reseal_request(self, scope: bytes, key: str, stored: SealedRequest) -> SealedRequest:
-        """A kept request sealed again under the newest key (`oncegate rekey`)."""
-        return self.seal_request(scope, key, self.open_request(scope, key, stored))
+    def reseal_request(
+        self, scope: bytes, key: str, fingerprint: bytes, stored: SealedRequest
+    ) -> SealedRequest:
+        """A kept request sealed again under the newest key and binding (`oncegate rekey`)."""
+        opened = self.open_request(scope, key, fingerprint, stored)
+        return self.seal_request(scope, key, fingerprint, opened)
 
     def reseal(self, claim: Claimed, scope: bytes, stored: SealedAnswer) -> SealedAnswer:
         """A stored answer sealed again under the newest key and the claim binding (`oncegate
@@ -190,14 +216,18 @@ class Sealer:
             return open_plain(stored)
         return self._keyring.open(claim, scope, stored)
 
-    def seal_request(self, scope: bytes, key: str, data: bytes) -> SealedRequest:
+    def seal_request(
+        self, scope: bytes, key: str, fingerprint: bytes, data: bytes
+    ) -> SealedRequest:
         if self._keyring is None:
             return SealedRequest(None, data)
-        return self._keyring.seal_request(scope, key, data)
+        return self._keyring.seal_request(scope, key, fingerprint, data)
 
-    def open_request(self, scope: bytes, key: str, stored: SealedRequest) -> bytes:
+    def open_request(
+        self, scope: bytes, key: str, fingerprint: bytes, stored: SealedRequest
+    ) -> bytes:
         if self._keyring is not None:
-            return self._keyring.open_request(scope, key, stored)
+            return self._keyring.open_request(scope, key, fingerprint, stored)
         if stored.key_name is not None:
             raise Unopenable(
                 f"sealed with key {stored.key_name!r}, and ONCEGATE_ENCRYPTION_KEYS is not set",
@@ -235,8 +265,11 @@ def _seal(cipher: AESGCM, data: bytes, associated: bytes) -> bytes:
     return nonce + cipher.encrypt(nonce, data, associated)
 
 
-def _request_bound(scope: bytes, key: str) -> bytes:
-    return b"oncegate:request:" + scope + b":" + key.encode()
+def _request_bound(scope: bytes, key: str, fingerprint: bytes | None = None) -> bytes:
+    """A kept request's associated data: its scope and key, and its fingerprint (None: the
+    binding of earlier releases)."""
+    bound = b"oncegate:request:" + scope + b":" + key.encode()
+    return bound if fingerprint is None else b"oncegate:request:f:" + fingerprint + b":" + bound
 
 
 def _open(cipher: AESGCM, stored: SealedAnswer, data: bytes, associated: bytes) -> bytes:

@@ -44,8 +44,9 @@ class StoredAnswer:
 class SealedRequest:
     """A kept request (the request behind a key, `service.evidence` encodes it) as stored:
     sealed under `key_name`, or in plaintext when `key_name` is None. It is bound to its key
-    (scope and key) rather than to a claim: the claim's insert writes it before the row has an
-    id. Copied into another key's row, it does not open."""
+    (scope and key) and its request's fingerprint rather than to a claim: the claim's insert
+    writes it before the row has an id. Copied into another key's row, or written back into its
+    own after a claim of another request, it does not open."""
 
     key_name: str | None
     data: bytes

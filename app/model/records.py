@@ -65,6 +65,8 @@ class KeyRecord:
     request: SealedRequest | None = None
     claimed_by: str | None = None
     failure: str | None = None
+    # The fingerprint of the request the row's claim stood for (a kept request is bound to it).
+    fingerprint: bytes = b""
 
     @property
     def scope_fingerprint(self) -> str:

@@ -138,7 +138,7 @@ class Gateway:
         kept = None
         if route.keep_request != "never":
             encoded = evidence.KeptRequest.of(route, request).encode()
-            kept = self._sealer.seal_request(scope, key, encoded)
+            kept = self._sealer.seal_request(scope, key, digest.digest, encoded)
         wait = Wait.asked(request, route, self._store, self._waiting)
         try:
             answer = await self._claim_or_answer(route, request, scope, key, digest, wait, kept)

@@ -127,7 +127,9 @@ class Operator:
             return None
         try:
             return KeptRequest.decode(
-                self._sealer.open_request(record.scope, record.key, record.request)
+                self._sealer.open_request(
+                    record.scope, record.key, record.fingerprint, record.request
+                )
             )
         except sealing.Unopenable:
             return None

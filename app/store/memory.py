@@ -304,6 +304,7 @@ class MemoryStore:
             request=row.request,
             claimed_by=row.claimed_by,
             failure=row.failure,
+            fingerprint=row.fingerprint,
         )
 
     async def delete(self, record_id: int) -> bool | None:

@@ -310,6 +310,7 @@ SELECT id,
        route,
        scope,
        key,
+       fingerprint,
        oncegate_key_state(state, lease_expires_at, expires_at) AS state,
        response_status,
        response_headers,
@@ -335,6 +336,7 @@ SELECT id,
        route,
        scope,
        key,
+       fingerprint,
        oncegate_key_state(state, lease_expires_at, expires_at) AS state,
        response_status,
        response_headers,
@@ -558,7 +560,7 @@ SELECT EXISTS (SELECT FROM oncegate_ended_sessions WHERE session = :session) AS 
 -- name: rekey_request_batch
 -- `oncegate rekey`: the next batch (by id) of kept requests not sealed under the newest key.
 -- Read without a lock: each is written back by a compare-and-set on its bytes (rekey_request).
-SELECT id, key, scope, request, request_sealed_with
+SELECT id, key, scope, fingerprint, request, request_sealed_with
 FROM oncegate_keys
 WHERE request IS NOT NULL AND request_sealed_with IS DISTINCT FROM :newest AND id > :after
 ORDER BY id

@@ -358,18 +358,51 @@ async def test_take_over_keeps_the_key_alive_for_its_lease(
     )
 
 
+async def test_a_kept_request_of_an_earlier_claim_written_back_does_not_open(
+    store: PostgresStore,
+) -> None:
+    # Sealed like answers: an answer is bound to its claim, a kept request (written by the
+    # claim's insert, before the row has an id) to its scope, key and request's fingerprint. The
+    # key expired and was claimed again for another request; someone with write access to the
+    # table puts the earlier claim's sealed request back into the row: it must not open, or an
+    # operator's re-send would forward the earlier request under the key.
+    ring = Keyring([("k1", bytes(range(32)))])
+    key, earlier, now = new_key(), digest("amount=100000"), digest("amount=5")
+    first = await store.requests.claim(
+        ROUTE, SCOPE, key, earlier, 0.1, 0.2, ring.seal_request(SCOPE, key, earlier, b"100000")
+    )
+    assert isinstance(first, Claim)
+    (row,) = await store.operator.find(key, None)
+    written_back = row.request
+    assert written_back is not None
+    await asyncio.sleep(0.3)  # expired
+    expired = await store.requests.claim(ROUTE, SCOPE, key, now, LEASE, TTL)
+    assert isinstance(expired, Record)
+    again = await store.requests.reclaim_expired(
+        expired, ROUTE, now, LEASE, TTL, ring.seal_request(SCOPE, key, now, b"5")
+    )
+    assert isinstance(again, Claim)
+    (record,) = await store.operator.find(key, None)
+    assert record.fingerprint == now and record.request is not None
+    assert ring.open_request(SCOPE, key, record.fingerprint, record.request) == b"5"
+    with pytest.raises(Unopenable):
+        ring.open_request(SCOPE, key, record.fingerprint, written_back)
+    assert await store.requests.release(again)  # no kept request left for other tests' rekey
+
+
 async def test_kept_requests_are_sealed_rekeyed_and_purged_with_their_keys(
     store: PostgresStore, database_url: str
 ) -> None:
     old = Keyring([("k1", bytes(range(32)))])
     newer = Keyring([("k2", bytes(range(1, 33))), ("k1", bytes(range(32)))])
     key, plain_key = new_key(), new_key()
-    data = b"POST /charges {card: tok_visa}"
-    sealed = old.seal_request(SCOPE, key, data)
-    assert data not in sealed.data and old.open_request(SCOPE, key, sealed) == data
+    data, fingerprint = b"POST /charges {card: tok_visa}", digest("r")
+    sealed = old.seal_request(SCOPE, key, fingerprint, data)
+    assert data not in sealed.data and old.open_request(SCOPE, key, fingerprint, sealed) == data
     with pytest.raises(Unopenable):
-        old.open_request(SCOPE, plain_key, sealed)  # moved to another key: it does not open
-    owner = await store.requests.claim(ROUTE, SCOPE, key, digest("r"), LEASE, TTL, sealed)
+        # Moved to another key: it does not open.
+        old.open_request(SCOPE, plain_key, fingerprint, sealed)
+    owner = await store.requests.claim(ROUTE, SCOPE, key, fingerprint, LEASE, TTL, sealed)
     plain = await store.requests.claim(
         ROUTE, SCOPE, plain_key, digest("r"), 0.1, 0.3, SealedRequest(None, data)
     )
@@ -382,8 +415,9 @@ async def test_kept_requests_are_sealed_rekeyed_and_purged_with_their_keys(
         remaining - await store.rekeying.rekey_remaining(newer) == 2
     )  # kept requests count as left
     (record,) = await store.operator.find(key, None)
-    assert record.request is not None and record.request.key_name == "k2"
-    assert newer.open_request(SCOPE, key, record.request) == data
+    assert record.request is not None and record.request.key_name == "k2:f"
+    assert record.fingerprint == fingerprint
+    assert newer.open_request(SCOPE, key, fingerprint, record.request) == data
     assert (
         await store.rekeying.rekey_requests(newer, 100, 0)
     ).resealed == 0  # nothing left under k1

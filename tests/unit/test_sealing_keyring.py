@@ -11,7 +11,7 @@ import pytest
 from oncegate.kernel import sealing
 from oncegate.kernel.sealing import Keyring, Unopenable
 from oncegate.model import errors
-from oncegate.model.answers import SealedAnswer
+from oncegate.model.answers import SealedAnswer, SealedRequest
 
 SCOPE = b"s" * 32
 HEADERS = [("content-type", "application/json"), ("location", "/charges/ch_1")]
@@ -159,3 +159,31 @@ def test_an_answer_of_an_earlier_release_opens_only_for_rekey_which_binds_it_to_
     # Nor does a gateway open it when sealed_with is rewritten to claim the new binding.
     with pytest.raises(Unopenable, match="does not open"):
         ring.open((7, 1), SCOPE, SealedAnswer("k1:2", old.headers, old.body))
+
+
+def test_a_kept_request_opens_for_its_scope_key_and_fingerprint_alone() -> None:
+    ring, fingerprint = keyring("k1"), b"f" * 32
+    sealed = ring.seal_request(SCOPE, "k-81", fingerprint, b"POST /charges amount=5")
+    assert sealed.key_name == "k1:f"
+    assert ring.open_request(SCOPE, "k-81", fingerprint, sealed) == b"POST /charges amount=5"
+    for scope, key, other in ((b"t" * 32, "k-81", fingerprint), (SCOPE, "k-82", fingerprint),
+                              (SCOPE, "k-81", b"g" * 32)):  # fmt: skip
+        with pytest.raises(Unopenable):
+            ring.open_request(scope, key, other, sealed)
+
+
+def test_a_kept_request_of_an_earlier_release_opens_and_rekey_binds_its_fingerprint() -> None:
+    # Releases before bound a kept request to its scope and key alone, `request_sealed_with`
+    # the key's name: it opens as it was sealed (it lives only until its key settles) and
+    # rekey re-seals it under the fingerprint binding.
+    ring, fingerprint = keyring("k1"), b"f" * 32
+    bound = sealing._request_bound(SCOPE, "k-81")
+    earlier = SealedRequest("k1", sealing._seal(ring._ciphers["k1"], b"amount=5", bound))
+    assert ring.open_request(SCOPE, "k-81", fingerprint, earlier) == b"amount=5"
+    resealed = ring.reseal_request(SCOPE, "k-81", fingerprint, earlier)
+    assert resealed.key_name == "k1:f"
+    assert ring.open_request(SCOPE, "k-81", fingerprint, resealed) == b"amount=5"
+    with pytest.raises(Unopenable):
+        ring.open_request(SCOPE, "k-81", b"g" * 32, resealed)
+    with pytest.raises(Unopenable, match="does not know"):
+        ring.open_request(SCOPE, "k-81", fingerprint, SealedRequest("k1:9", resealed.data))

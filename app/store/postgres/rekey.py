@@ -36,13 +36,19 @@ class Rekeying(OperatorRoom):
             rows = await connection.fetch(
                 batch.sql,
                 *batch.arguments(
-                    {"newest": keyring.current, "batch_size": batch_size, "after": after}
+                    {
+                        "newest": keyring.request_sealed_with,
+                        "batch_size": batch_size,
+                        "after": after,
+                    }
                 ),
             )
             for row in rows:
                 stored = SealedRequest(row["request_sealed_with"], row["request"])
                 try:
-                    sealed = keyring.reseal_request(bytes(row["scope"]), row["key"], stored)
+                    sealed = keyring.reseal_request(
+                        bytes(row["scope"]), row["key"], bytes(row["fingerprint"]), stored
+                    )
                 except sealing.Unopenable as exc:
                     unopenable.append((row["id"], f"its kept request {exc}"))
                     continue
@@ -64,6 +70,8 @@ class Rekeying(OperatorRoom):
         query = self._statements["rekey_remaining"]
         remaining: int = await self._pool.fetchval(
             query.sql,
-            *query.arguments({"newest": keyring.sealed_with, "newest_request": keyring.current}),
+            *query.arguments(
+                {"newest": keyring.sealed_with, "newest_request": keyring.request_sealed_with}
+            ),
         )
         return remaining

@@ -92,6 +92,7 @@ def key_record_of(row: asyncpg.Record) -> KeyRecord:
         request=None if request is None else SealedRequest(row["request_sealed_with"], request),
         claimed_by=row["claimed_by"],
         failure=row["failure"],
+        fingerprint=bytes(row["fingerprint"]),
     )
 
 

@@ -14,6 +14,7 @@ the store exports it); `--json PATH` writes every row's figures as one JSON obje
     .venv/bin/python bench/run.py                       # the main table + 1-connection latency
     .venv/bin/python bench/run.py --sweep concurrency   # 1, 16, 64, 256 connections
     .venv/bin/python bench/run.py --sweep keys          # 10^4, 10^6, 10^7 stored keys
+    .venv/bin/python bench/run.py --sweep mix           # 0-100% retries, PostgreSQL and in memory
     .venv/bin/python bench/run.py --all                 # all of the above in one run
     .venv/bin/python bench/run.py --json bench.json     # and the figures as JSON
 
@@ -119,6 +120,9 @@ FOREIGN_NOTICEABLE = 0.2
 
 CONCURRENCY_SWEEP = (1, 16, 64, 256)
 KEY_SWEEP = (10**4, 10**6, 10**7)
+# The mix sweep's shares of retries: each mix read against its parts, the forward (0) and the
+# replay (100) of the same round.
+MIX_SWEEP = (0, 20, 50, 80, 100)
 
 
 # --- what is measured ----------------------------------------------------------------------
@@ -164,6 +168,14 @@ MAIN = (
 FLOOR = Configuration("raw claim+complete floor (asyncpg)", "floor", 0)
 LATENCY = (BARE, FORWARD, IN_MEMORY, REPLAY, MIX, FLOOR)
 SWEPT = (BARE, FORWARD, REPLAY)
+# `--sweep mix`: the gateway from every request a new key to every request a retry of a stored
+# key (`MIX_SWEEP`), interleaved among themselves: rows of their own, so that a mix is read
+# against its parts measured in the same rounds. (Not on the in-memory store: it drops its
+# oldest keys past its capacity, the stored keys a replay retries among them.)
+MIXED = {
+    percent: Configuration(f"oncegate, {percent}% retries", "gateway", percent)
+    for percent in MIX_SWEEP
+}
 PEERS = {FORWARD: IDEMKIT_FORWARD, REPLAY: IDEMKIT_REPLAY, MIX: IDEMKIT_MIX}
 # The same rows with two worker processes per proxy (`serve --workers 2`, the bare proxy's
 # uvicorn workers): what a second core gives each. Measured when the run's --workers is 1.
@@ -1277,6 +1289,44 @@ def concurrency_table(results: Results, levels: Sequence[int]) -> str:
     return "\n".join(rows)
 
 
+def mix_table(results: Results, connections: int) -> str:
+    """Each mix against its parts: the forward and the replay of the same round, weighted by
+    the mix's shares ((100 - p)% of the one, p% of the other), and the difference per round,
+    its median (min-max) in µs of the proxy's CPU per request."""
+    rows = [
+        "| retries | req/s | proxy CPU ms/req | its parts ms/req | mix - parts µs/req "
+        "| PostgreSQL CPU ms/req | its parts ms/req | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    forwards = results.get(MIXED[0], connections)
+    replays = results.get(MIXED[100], connections)
+
+    def parts(share: float, metric: Callable[[Sample], float]) -> list[float]:
+        return [
+            (1 - share) * metric(forward) + share * metric(replay)
+            for forward, replay in zip(forwards, replays, strict=False)
+        ]
+
+    for percent, configuration in MIXED.items():
+        samples = results.get(configuration, connections)
+        if not samples:
+            continue
+        proxy = parts(percent / 100, _proxy_ms)
+        excess = [
+            round((sample.proxy_ms_per_request - part) * 1000, 6) or 0.0  # never "-0"
+            for sample, part in zip(samples, proxy, strict=False)
+        ]
+        rows.append(
+            f"| {percent}% | {spread([s.per_second for s in samples], 0, thousands=True)} "
+            f"| {spread([s.proxy_ms_per_request for s in samples], 3)} "
+            f"| {spread(proxy, 3)} | {spread(excess, 0)} "
+            f"| {spread([s.postgres_ms_per_request for s in samples], 3)} "
+            f"| {spread(parts(percent / 100, lambda s: s.postgres_ms_per_request), 3)} "
+            f"| {_errors(samples)} |"
+        )
+    return "\n".join(rows)
+
+
 def key_table(
     results: Results, steps: Sequence[tuple[int, int, float, str]], connections: int
 ) -> str:
@@ -1635,6 +1685,8 @@ def budget_seconds(arguments: argparse.Namespace) -> float:
         runs += len(SWEPT) * len(CONCURRENCY_SWEEP)
     if "keys" in arguments.sweep:
         runs += len(arguments.key_sizes)
+    if "mix" in arguments.sweep:
+        runs += len(MIXED)
     per_run = arguments.warmup + arguments.duration + 10  # wrk start, CPU and action counts
     fill = arguments.fill_budget + 300 if "keys" in arguments.sweep else 0
     leak = LEAK_BUDGET + 2 * LEAK_CHUNK if arguments.leak else 0
@@ -1664,7 +1716,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--sweep",
         action="append",
-        choices=["concurrency", "keys"],
+        choices=["concurrency", "keys", "mix"],
         default=[],
         help="run this sweep instead of the main tables (repeatable)",
     )
@@ -1714,7 +1766,7 @@ def parse_arguments() -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1")
     arguments.warmup = max(arguments.warmup, 0)
     if arguments.all:
-        arguments.sweep = ["concurrency", "keys"]
+        arguments.sweep = ["concurrency", "keys", "mix"]
         arguments.leak = arguments.leak or 10**6
     arguments.main = arguments.all or not arguments.sweep
     arguments.run = uuid.uuid4().hex[:10]  # keys unique across runs, for a persistent database
@@ -1810,6 +1862,14 @@ def main() -> int:
                 print("concurrency sweep:\n")
                 print(concurrency_table(results, CONCURRENCY_SWEEP))
                 print_batch_lines(results, SWEPT, CONCURRENCY_SWEEP)
+            if "mix" in arguments.sweep:
+                mixed = list(MIXED.values())
+                run_plan(running, [(each, arguments.connections) for each in mixed], arguments,
+                         results)  # fmt: skip
+                print(f"\n$ {command}\n")
+                print(f"mix sweep, proxy CPU per request at {arguments.connections} connections:\n")
+                print(mix_table(results, arguments.connections))
+                print_batch_lines(results, mixed, [arguments.connections])
             if "keys" in arguments.sweep:
                 print(f"\n$ {command}\n")
                 if running.embedded:

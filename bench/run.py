@@ -17,6 +17,7 @@ the store exports it); `--json PATH` writes every row's figures as one JSON obje
     .venv/bin/python bench/run.py --sweep mix           # 0-100% retries, PostgreSQL and in memory
     .venv/bin/python bench/run.py --all                 # all of the above in one run
     .venv/bin/python bench/run.py --json bench.json     # and the figures as JSON
+    .venv/bin/python bench/run.py --rows bare-proxy,oncegate-replay   # those rows alone
 
 Design rules:
 - One load generator for every configuration: wrk, its threads capped at the connections.
@@ -191,6 +192,29 @@ BASE_REPLAY = Configuration("baseline replay", "baseline", 100)
 BASE_MIX = Configuration("baseline mix 80/20", "baseline", 20)
 BASELINE = (BASE_FORWARD, BASE_REPLAY, BASE_MIX)
 ONE_WORKER = {BARE_2: BARE, FORWARD_2: FORWARD, REPLAY_2: REPLAY, MIX_2: MIX}
+# What `--rows` names: the main tables' rows (64 connections, two workers, 1 connection), each by
+# its label's slug (`oncegate-mix-80-20`, `baseline-forward`).
+NAMED_ROWS = {row.slug: row for row in (*MAIN, *LATENCY, *TWO_WORKERS, *BASELINE)}
+
+
+def main_plan(arguments: argparse.Namespace) -> list[tuple[Configuration, int]]:
+    """The main tables' (configuration, connections) pairs, in the order they are measured:
+    the 64-connection rows, the two-worker rows (one worker per proxy), the 1-connection rows;
+    only those `--rows` names when it is given."""
+    main_rows = MAIN if arguments.baseline is None else MAIN + BASELINE
+    latency_rows = LATENCY
+    if arguments.workers > 1:  # no in-memory gateway (`servers`)
+        main_rows = tuple(row for row in main_rows if row is not IN_MEMORY)
+        latency_rows = tuple(row for row in LATENCY if row is not IN_MEMORY)
+    plan = [(configuration, arguments.connections) for configuration in main_rows]
+    if arguments.workers == 1:
+        plan += [(two, arguments.connections) for two in TWO_WORKERS]
+    plan += [(configuration, 1) for configuration in latency_rows]
+    if arguments.baseline is not None:
+        plan.append((BASE_FORWARD, 1))
+    if arguments.rows:
+        plan = [(row, connections) for row, connections in plan if row.slug in arguments.rows]
+    return plan
 
 
 @dataclass
@@ -1679,8 +1703,7 @@ def ensure_idemkit() -> None:
 def budget_seconds(arguments: argparse.Namespace) -> float:
     runs = 0
     if arguments.main:
-        runs += len(MAIN) + len(LATENCY) + (len(TWO_WORKERS) if arguments.workers == 1 else 0)
-        runs += len(BASELINE) + 1 if arguments.baseline is not None else 0
+        runs += len(main_plan(arguments))
     if "concurrency" in arguments.sweep:
         runs += len(SWEPT) * len(CONCURRENCY_SWEEP)
     if "keys" in arguments.sweep:
@@ -1720,7 +1743,16 @@ def parse_arguments() -> argparse.Namespace:
         default=[],
         help="run this sweep instead of the main tables (repeatable)",
     )
-    parser.add_argument("--all", action="store_true", help="the main tables and both sweeps")
+    parser.add_argument("--all", action="store_true", help="the main tables and the sweeps")
+    parser.add_argument(
+        "--rows",
+        type=lambda text: {name.strip() for name in text.split(",") if name.strip()},
+        default=set(),
+        metavar="NAME,...",
+        help="measure only these rows of the main tables, named by their labels as slugs "
+        "(bare-proxy, oncegate-replay, oncegate-mix-80-20, baseline-forward, ...); a row named "
+        "is measured at every level it has (64 connections and 1)",
+    )
     parser.add_argument(
         "--key-sizes",
         type=lambda text: [int(float(part)) for part in text.split(",")],
@@ -1761,6 +1793,11 @@ def parse_arguments() -> argparse.Namespace:
         "DIR, and print where each proxy's CPU went per request (bench/profiling.py)",
     )
     arguments = parser.parse_args()
+    unknown = sorted(arguments.rows - NAMED_ROWS.keys())
+    if unknown:
+        parser.error(f"--rows: no row {', '.join(unknown)}; rows: {', '.join(NAMED_ROWS)}")
+    if arguments.baseline is None and arguments.rows & {row.slug for row in BASELINE}:
+        parser.error("--rows: the baseline rows are measured with --baseline DIR")
     for name in ("duration", "repeats", "connections", "threads", "pool", "workers"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1")
@@ -1808,13 +1845,7 @@ def main() -> int:
                 if arguments.workers > 1:  # no in-memory gateway (`servers`)
                     main_rows = tuple(row for row in main_rows if row is not IN_MEMORY)
                     latency_rows = tuple(row for row in LATENCY if row is not IN_MEMORY)
-                plan = [(configuration, arguments.connections) for configuration in main_rows]
-                if arguments.workers == 1:
-                    plan += [(two, arguments.connections) for two in TWO_WORKERS]
-                plan += [(configuration, 1) for configuration in latency_rows]
-                if arguments.baseline is not None:
-                    plan.append((BASE_FORWARD, 1))
-                run_plan(running, plan, arguments, results)
+                run_plan(running, main_plan(arguments), arguments, results)
                 print(f"\n$ {command}\n")
                 print(f"{arguments.connections} connections:\n")
                 print(main_table(results, arguments.connections, main_rows))

@@ -11,6 +11,7 @@ total time, request id) and never with its body or credentials. The request id i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -76,7 +77,7 @@ class ProxyApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": response_headers})  # fmt: skip
         if isinstance(said, Answer) and said.stream is not None:
-            if await _stream(said.stream, send, route_name, request_id):
+            if await _stream(said.stream, send, receive, route_name, request_id):
                 said.outcome = Outcome.UNKNOWN  # counted as what the key now is
         elif len(body) > SLICE:
             # A large stored answer goes out in slices of the one copy read from PostgreSQL, so
@@ -159,21 +160,35 @@ def _key_header(route: Route | None) -> str | None:
     return None if route.key_pointer is not None else route.key_header_shown
 
 
-async def _stream(relay: Relay, send: Send, route_name: str, request_id: str) -> bool:
+async def _stream(
+    relay: Relay, send: Send, receive: Receive, route_name: str, request_id: str
+) -> bool:
     """Relay a body as the upstream sends it; chunked, so an answer that breaks off ends
     without the last chunk and the client sees it cut short (the connection is closed).
-    True when the upstream's answer broke off (its key is then `unknown`)."""
+    The client's hang-up lets the relay go at once (`Relay.abandon`): after it, the server's
+    `send` returns without a word, so only the disconnect says so. True when the key (if any)
+    turned `unknown` with the answer."""
+    watch = asyncio.get_running_loop().create_task(_hung_up(receive))
+
+    def hung_up(done: asyncio.Task[None]) -> None:
+        if not done.cancelled():
+            done.exception()  # retrieved: a receive that failed says the client is gone too
+            relay.abandon()
+
+    watch.add_done_callback(hung_up)
     try:
         async for chunk in relay:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except Broken:
+    except Broken as broken:
         if not relay.abandoned:
-            log.warning("%s: the upstream's answer broke off while it was relayed; the "
-                        "connection is closed (request %s)", route_name, request_id)  # fmt: skip
-        return not relay.abandoned  # without the body's end: the server closes the connection
+            log.warning("%s: %s; the connection is closed (request %s)",
+                        route_name, broken.reason, request_id)  # fmt: skip
+        return broken.unknown and not relay.abandoned  # the server closes the connection
     except BaseException:
-        relay.abandon()  # the client's side is gone: the pump reads on and settles the key
+        relay.abandon()  # the client's side is gone: the pump settles the key
         raise
+    finally:
+        watch.cancel()
     await send({"type": "http.response.body", "body": b""})
     return False
 

@@ -7,7 +7,8 @@ for as long as the gateway runs; the proxy application is given the service and 
 the admin application reaches the runtime through `app.state.runtime` (the `Annotated`
 dependency of `deps.py`, which the route modules import instead of this module). On the way out
 it waits for every forward still in flight before letting go of anything, so a request whose
-client hung up is still finished and stored.
+client hung up is still finished and stored; an answer still relayed the longest route timeout
+after the stop began is cut (`relaying_grace`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
             RouteTable(settings.routes),
         )
     finally:
-        await gateway.drain()
+        await gateway.drain(relaying_grace(settings))
         for task in (purger, counter):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -81,6 +82,14 @@ async def running(settings: Settings, database_url: str) -> AsyncIterator[Runtim
         await identities.close()
         await upstream.aclose()
         await store.close()
+
+
+def relaying_grace(settings: Settings) -> float:
+    """How long answers still relayed when the gateway is told to stop may take to end before
+    they are cut (`Gateway.stop_relaying`): the longest route `timeout`, the time a forward
+    sent just before the signal may take to bring its head; docs/operations.md tells
+    orchestrators to wait longer than that."""
+    return max((route.timeout for route in settings.routes), default=0.0)
 
 
 def gateway_of(

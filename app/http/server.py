@@ -1,7 +1,8 @@
 """Running the proxy and admin applications together under uvicorn, in one event loop.
 
 Both servers stop on the first SIGTERM or SIGINT: they stop accepting, finish the requests they
-have, then `running` waits for forwards still in flight and closes the pool. A second signal
+have (answers still relayed the longest route timeout later are cut), then `running` waits for
+forwards still in flight and closes the pool. A second signal
 forces the exit. The process then ends normally, so `finally` blocks and atexit handlers run and
 the embedded PostgreSQL is stopped; `run` returns the signal that stopped it, and the CLI's exit
 status says which (0 after SIGTERM, 130 after SIGINT: a shell's parent learns it was interrupted).
@@ -33,7 +34,7 @@ from ..model import errors
 from ..settings import Settings
 from ..telemetry import metrics, tracing
 from . import protocol
-from .runtime import create_admin_app, create_proxy_app, running
+from .runtime import create_admin_app, create_proxy_app, relaying_grace, running
 
 # See `quiet_collector`.
 YOUNG_COLLECTIONS_EVERY = 20_000
@@ -197,6 +198,8 @@ async def _serve_traced(
                 if server.should_exit:
                     server.force_exit = True
                 server.should_exit = True
+            # The servers wait for every request, and an endless answer never ends by itself.
+            runtime.gateway.stop_relaying(relaying_grace(settings))
 
         for number in _SIGNALS:
             loop.add_signal_handler(number, _recorded, number, received, stop)

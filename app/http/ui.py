@@ -182,6 +182,8 @@ FAILURES = {
     "read_timeout": "the upstream's answer did not come back in time",
     "no_answer": "the connection broke (reset, closed or a malformed answer) before a status line",
     "answer_broken": "the connection broke while the answer's body came",
+    "answer_cut": "the gateway stopped reading the answer's body (it was shutting down, or the "
+    "client had gone and the key reached its ttl); the rest of the body was lost",
 }
 
 

@@ -160,11 +160,21 @@ def failure(exc: AnswerLost) -> str:
         kind = "no_answer"  # reset, closed or malformed before a status line came back
     else:
         kind = "answer_broken"  # reset or closed while the answer's body came
+    return _seen(kind, exc.status, exc.received, str(exc))
+
+
+def cut(why: str, status: int, received: int) -> str:
+    """What the gateway saw of an answer it stopped reading itself (`streaming.Reading.cut`):
+    its status, and the bytes of its body that came before; the rest was lost."""
+    return _seen("answer_cut", status, received, f"the gateway stopped reading it: {why}")
+
+
+def _seen(kind: str, status: int | None, received: int, detail: str) -> str:
     seen: dict[str, Any] = {
         "kind": kind,
-        "status_line_received": exc.status is not None,
-        "status": exc.status,
-        "bytes_received": exc.received,
-        "detail": str(exc),
+        "status_line_received": status is not None,
+        "status": status,
+        "bytes_received": received,
+        "detail": detail,
     }
     return json.dumps(seen)

@@ -37,9 +37,11 @@ batch task carries it (and settles it, if won for a caller that stopped waiting)
 claim in flight is never cut short. So a client that hangs up while its claim waits inside
 PostgreSQL has its request forwarded (the claim went from the shielded task) or the key
 released (it queued), and its retry replayed or forwarded once: never performed twice. `drain`
-waits for every such task at shutdown. If PostgreSQL is unreachable at claim time the request
-is refused (503) and never forwarded; if it fails at settle time the caller still gets its
-answer and the key turns `unknown` when its lease runs out: the safe direction.
+waits for every such task at shutdown, and for the pumps of answers relayed as they come
+(`streaming`), cutting those still relayed a grace period after the stop began. If PostgreSQL
+is unreachable at claim time the request is refused (503) and never forwarded; if it fails at
+settle time the caller still gets its answer and the key turns `unknown` when its lease runs
+out: the safe direction.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from .decision import IN_PROGRESS_RETRY_AFTER, InFlight, Reclaim, Refuse, Replay
 from .messages import Answer, ProxyRequest
 from .ports import RequestStore
 from .routing import upstream_url
-from .streaming import Broken, Relay
+from .streaming import SHUTDOWN, Broken, Reading, Relay
 from .tokens import Identities
 from .waiting import PREFERENCE_APPLIED, Wait, WaitingRoom
 
@@ -112,8 +114,12 @@ class Gateway:
         self._sealer = Sealer(keyring)
         # The shielded tasks (`_shielded`): claims, forwards and settles, whoever waits for them.
         self._inflight: set[asyncio.Task[Any]] = set()
-        # The pumps of answers relayed as they come (`_relay`): each settles its key at the end.
-        self._pumps: set[asyncio.Task[None]] = set()
+        # The pumps of answers relayed as they come (`_relay`), each with its reading: each
+        # settles its key at the end.
+        self._pumps: dict[asyncio.Task[None], Reading] = {}
+        # Past the grace period of a shutdown: answers still relayed are cut (`stop_relaying`).
+        self._cutting = False
+        self._cut_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unopenable_logged: set[str] = set()
         # Who waits for a key in flight, at most `waiters` (in all, on one key).
@@ -270,10 +276,29 @@ class Gateway:
             # reported as "never retrieved"; the store already holds what matters.
             task.exception()
 
-    async def drain(self) -> None:
-        """Wait for every forward in flight to finish and be settled."""
+    def stop_relaying(self, grace: float) -> None:
+        """The gateway is stopping: in `grace` seconds, cut every answer still relayed (an
+        endless stream would hold the shutdown for ever), and any whose head comes later. Each
+        settles as `streaming` says. A forward still waiting for its head is left to finish:
+        the route's timeout bounds it."""
+        if self._cut_timer is None:
+            self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut)
+
+    def _cut(self) -> None:
+        self._cutting = True
+        for reading in list(self._pumps.values()):
+            reading.stop(SHUTDOWN)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Wait for every forward in flight to finish and be settled; answers still relayed
+        `grace` seconds after the gateway was told to stop (`stop_relaying`, or now) are cut
+        (None: none is cut here)."""
+        if grace is not None:
+            self.stop_relaying(grace)
         while self._inflight or self._pumps:
             await asyncio.gather(*self._inflight, *self._pumps, return_exceptions=True)
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
 
     async def _forward_and_settle(
         self, route: Route, request: ProxyRequest, claim: Claim, scope: bytes
@@ -378,16 +403,31 @@ class Gateway:
         scope: bytes,
     ) -> Answer:
         """The answer, its body relayed as it comes by a pump of its own (`streaming`), which
-        settles `claim` when the body ends or breaks (an unprotected forward has none)."""
+        settles `claim` when the body ends, breaks or is cut (an unprotected forward has none)."""
+        stream = response.stream
+        assert stream is not None
         relay = Relay(route.timeout)
+        # A copy for the store only of a body it will hold: not of one stored as its status
+        # (`store: status_only`), nor of an answer whose status releases the key.
+        copying = route.store == "full" and response.status not in route.release_statuses
+        limit = route.max_stored_response if claim is not None else None
+        reading = Reading(stream, limit, copying, route.ttl)
+        relay.when_abandoned(reading.let_go)
         pump = asyncio.get_running_loop().create_task(
-            self._pump(route, response, claim, scope, relay)
+            self._pump(route, response, claim, scope, relay, reading)
         )
-        self._pumps.add(pump)
-        pump.add_done_callback(self._pumps.discard)
+        self._pumps[pump] = reading
+        pump.add_done_callback(self._pump_done)
+        if self._cutting:
+            reading.stop(SHUTDOWN)  # its head came after the grace period: nothing is relayed
         answer = _answer(response, outcome)
         answer.stream = relay
         return answer
+
+    def _pump_done(self, pump: asyncio.Task[None]) -> None:
+        reading = self._pumps.pop(pump, None)
+        if reading is not None:
+            reading.forget()
 
     async def _pump(
         self,
@@ -396,12 +436,13 @@ class Gateway:
         claim: Claim | None,
         scope: bytes,
         relay: Relay,
+        reading: Reading,
     ) -> None:
         renewing = None
         if claim is not None:
             renewing = asyncio.get_running_loop().create_task(self._renew(route, claim))
         try:
-            await self._relay_body(route, response, claim, scope, relay, renewing)
+            await self._relay_body(route, response, claim, scope, relay, reading, renewing)
         except Exception:  # a bug: the client's copy must not look complete, nor hang
             log.exception("route %s: relaying an answer failed unexpectedly", route.name)
             relay.abandon()
@@ -410,9 +451,10 @@ class Gateway:
                 renewing.cancel()
 
     async def _renew(self, route: Route, claim: Claim) -> None:
-        """Keep the claim's lease running while its answer is relayed, however long that
-        takes: a lease that ran out would make the key `unknown` (a retry told so, or sent
-        again under `on_unknown: forward`) while its first answer is still arriving."""
+        """Keep the claim's lease running while its answer is relayed (and read on for the store
+        after its client left, `streaming.Reading`): a lease that ran out would make the key
+        `unknown` (a retry told so, or sent again under `on_unknown: forward`) while its first
+        answer is still arriving."""
         lease = route.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
@@ -440,43 +482,66 @@ class Gateway:
         claim: Claim | None,
         scope: bytes,
         relay: Relay,
+        reading: Reading,
         renewing: asyncio.Task[None] | None,
     ) -> None:
         stream = response.stream
         assert stream is not None
-        kept: list[bytes] | None = [] if claim is not None else None
-        # A copy for the store only of a body it will hold: not of one stored as its status
-        # (`store: status_only`), nor of an answer whose status releases the key.
-        copying = route.store == "full" and response.status not in route.release_statuses
-        size = 0
         try:
             async for chunk in stream:
-                if kept is not None:
-                    size += len(chunk)
-                    if size <= route.max_stored_response:
-                        if copying:
-                            kept.append(chunk)
-                    else:
-                        kept = None  # too large to store: the status and headers only
+                reading.take(chunk)
                 await relay.put(chunk)
+                if reading.cut is not None:
+                    break
         except AnswerLost as exc:
-            log.warning("route %s: %s %s: the answer broke off after %d bytes: %s",
-                        route.name, response.status, route.upstream, exc.received, exc)  # fmt: skip
-            if renewing is not None:
-                renewing.cancel()
-            if claim is not None:
-                seen = evidence.failure(exc)
-                await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
-            await relay.end(broken=True)
-            return
+            if reading.cut is None:  # not ours: the upstream's answer broke off
+                log.warning("route %s: %s %s: the answer broke off after %d bytes: %s",
+                            route.name, response.status, route.upstream, exc.received,
+                            exc)  # fmt: skip
+                if renewing is not None:
+                    renewing.cancel()
+                if claim is not None:
+                    seen = evidence.failure(exc)
+                    await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
+                await relay.end(Broken())
+                return
         except BaseException:
-            await stream.aclose()
+            stream.close()
             raise
         if renewing is not None:
-            renewing.cancel()  # the answer is whole: the settle does not need the lease
-        if claim is not None:
-            await self._settle_streamed(route, response, claim, scope, kept)
-        await relay.end()
+            renewing.cancel()  # the answer is whole, or cut: the settle does not need the lease
+        if reading.cut is not None:
+            await relay.end(await self._settle_cut(route, response, claim, scope, reading))
+        elif claim is not None:
+            await self._settle_streamed(route, response, claim, scope, reading.kept)
+            await relay.end()
+        else:
+            await relay.end()
+
+    async def _settle_cut(
+        self,
+        route: Route,
+        response: UpstreamResponse,
+        claim: Claim | None,
+        scope: bytes,
+        reading: Reading,
+    ) -> Broken:
+        """Settle the key of an answer the gateway stopped reading (`Reading.cut`) as what is
+        known of it, and say so to its client, if one is still there."""
+        why = reading.cut
+        assert why is not None
+        log.info("route %s: %s %s: stopped reading the answer after %d bytes: %s",
+                 route.name, response.status, route.upstream, reading.received, why)  # fmt: skip
+        said = f"the gateway stopped relaying the answer: {why}"
+        if claim is None or response.status in route.release_statuses or not reading.storable:
+            # Nothing of it would have been stored beyond its status and headers: settled as
+            # if it had been read to its end.
+            if claim is not None:
+                await self._settle_streamed(route, response, claim, scope, reading.kept)
+            return Broken(said, unknown=False)
+        seen = evidence.cut(why, response.status, reading.received)
+        await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
+        return Broken(said, unknown=True)
 
     async def _settle_streamed(
         self,

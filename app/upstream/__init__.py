@@ -47,8 +47,9 @@ class BodyStream(Protocol):
     def received(self) -> int:
         """Bytes of the body received so far."""
 
-    async def aclose(self) -> None:
-        """Stop reading and give the connection up (not reused: its answer was not read)."""
+    def close(self) -> None:
+        """Stop reading now and give the connection up (not reused: its answer was not read
+        whole). A read waiting for the upstream ends at once, with `AnswerLost`."""
 
 
 @dataclass(frozen=True, slots=True)

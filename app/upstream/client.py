@@ -128,7 +128,7 @@ class _Stream:
         finally:
             response.release()
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         self._response.close()
 
 

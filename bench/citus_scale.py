@@ -3,10 +3,12 @@ same CPU, for one plain server and for clusters of 1, 2 and 4 workers.
 
 Every node (the plain server, a cluster's coordinator and each worker) runs in a cgroup of its
 own with the same CPU quota (`--quota` cores: cgroup v1 `cpu.cfs_quota_us`, or v2 `cpu.max`),
-so a node stands for one machine of that size. Each cluster runs twice: its coordinator at the
-quota, and again with the coordinator unlimited (what the workers carry when the coordinator is
-not the limit). The load is the real store (`PostgresStore`, as bench/citus_pairs.py drives
-it: `--tasks` asyncio tasks, each claiming a new key and completing it) in this process.
+so a node stands for one machine of that size, and with the CPU weight its processes had at the
+bench's own nice (a cgroup otherwise weighs as a process at nice 0: on a busy machine a node then
+got less than its quota). Each cluster runs twice: its coordinator at the quota, and again with
+the coordinator unlimited (what the workers carry when the coordinator is not the limit). The
+load is the real store (`PostgresStore`, as bench/citus_pairs.py drives it: `--tasks` asyncio
+tasks, each claiming a new key and completing it) in this process.
 
 Every target is started first and stays up, with autovacuum off on every node. After every run,
 outside it, `VACUUM (ANALYZE)` runs on every node of the target's database (the one server's key
@@ -94,6 +96,15 @@ class Cgroup:
         self.v2 = (CGROUP_ROOT / "cgroup.controllers").exists()
         self.path = (CGROUP_ROOT if self.v2 else CGROUP_ROOT / "cpu") / name
         self.path.mkdir()
+        # The weight the node's processes had at this process's nice, before they left its
+        # autogroup for the cgroup: a cgroup weighs as a process at nice 0, so on a busy machine
+        # a node at its quota got less than the quota (workers at 34-87% of it while other jobs
+        # ran) and the run got no verdict. The quota still caps what it takes.
+        weight = 1024 * 1.25 ** -os.getpriority(os.PRIO_PROCESS, 0)
+        if self.v2:
+            (self.path / "cpu.weight").write_text(str(min(10_000, max(1, round(weight / 10.24)))))
+        else:
+            (self.path / "cpu.shares").write_text(str(max(2, round(weight))))
 
     def limit(self, cores: float | None) -> None:
         quota = -1 if cores is None else int(cores * PERIOD_US)

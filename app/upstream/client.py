@@ -33,7 +33,14 @@ from . import AnswerLost, NotSent, UpstreamResponse
 # Connecting to an upstream on the same network takes milliseconds; waiting longer than this
 # for a TCP handshake means it is down, and saying so quickly is kinder than the route timeout.
 CONNECT_TIMEOUT = 5.0
-MAX_CONNECTIONS = 512
+# Connections to one upstream (scheme, host and port: every route to it together), and to all of
+# them together. An upstream whose answers are long (server-sent events: one connection per
+# listener for as long as it listens) or that stops answering holds at most its own share: the
+# other upstreams keep at least MAX_CONNECTIONS - MAX_CONNECTIONS_PER_HOST, where one pool for
+# all let one upstream's 512 listeners leave every other route 502. A gateway with one upstream
+# keeps the 512 it always had.
+MAX_CONNECTIONS_PER_HOST = 512
+MAX_CONNECTIONS = 768
 # An idle pooled connection is dropped before common servers drop it (uvicorn and Node close
 # idle connections after 5 s): a request sent on a connection the server is closing at that
 # moment gets no answer, and its key would turn `unknown` for nothing.
@@ -166,7 +173,9 @@ class HttpUpstream:
     def __init__(self) -> None:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_TIMEOUT
+                limit=MAX_CONNECTIONS,
+                limit_per_host=MAX_CONNECTIONS_PER_HOST,
+                keepalive_timeout=KEEPALIVE_TIMEOUT,
             ),
             auto_decompress=False,
             response_class=_Response,

@@ -348,3 +348,47 @@ async def test_hung_up_listeners_leave_the_upstream_connections_to_other_routes(
     finally:
         gateway.stop()
         events.close()
+
+
+async def test_one_upstreams_listeners_leave_connections_to_the_other_upstreams(
+    module_dir: Path, database_url: str, upstream: DemoUpstream
+) -> None:
+    """512 clients stay connected to a server-sent-events stream (GET, passthrough): its
+    upstream holds the most connections one upstream may (512), and a 513th request to it waits
+    for one, then gets 502 upstream-unavailable (nothing sent); a keyed POST on another route,
+    to another upstream, is served as usual from the connections left."""
+    events = EndlessEvents(interval=1.0)
+    routes = [
+        prefix_route("events", events.url, timeout="2s"),
+        prefix_route("emails", upstream.url, timeout="2s"),
+    ]
+    gateway = GatewayProcess(module_dir, database_url, routes, name="per-host")
+    listeners: list[asyncio.StreamWriter] = []
+    try:
+
+        async def listen() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+            listeners.append(writer)
+            writer.write(b"GET /events/stream HTTP/1.1\r\nHost: gateway\r\n\r\n")
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")  # the head: the stream is open upstream
+
+        for _ in range(8):
+            await asyncio.gather(*(listen() for _ in range(64)))
+        await eventually("512 upstream connections", lambda: events.open == 512)
+        key = str(uuid.uuid4())
+        async with httpx.AsyncClient(timeout=30) as client:
+            another = await client.get(gateway.url + "/events/stream")
+            answer = await client.post(
+                gateway.url + "/emails/emails", json={"to": "a@example.com"},
+                headers={"Idempotency-Key": key},
+            )  # fmt: skip
+        assert (another.status_code, problem_name(another)) == (502, "upstream-unavailable")
+        assert answer.status_code == 201, answer.text
+        assert len(upstream.actions(key)) == 1
+        assert events.open == 512
+    finally:
+        for writer in listeners:
+            writer.close()
+        gateway.stop()
+        events.close()

@@ -23,7 +23,7 @@ from ..model.outcomes import Outcome
 from ..service import Answer, ClientGone, Gateway, ProxyRequest
 from ..service.routing import RouteTable
 from ..service.streaming import Broken, Relay
-from ..settings import Route
+from ..settings import DEFAULT_TIMEOUT, Route
 from ..telemetry import logs, metrics, tracing
 from . import problems
 
@@ -80,12 +80,16 @@ class ProxyApp:
             if await _stream(said.stream, send, receive, route_name, request_id):
                 said.outcome = Outcome.UNKNOWN  # counted as what the key now is
         elif len(body) > SLICE:
-            # A large stored answer goes out in slices of the one copy read from PostgreSQL, so
-            # the server's write buffer never holds a second copy of it.
-            view = memoryview(body)
-            for start in range(0, len(body), SLICE):
-                await send({"type": "http.response.body", "body": view[start : start + SLICE],
-                            "more_body": start + SLICE < len(body)})  # fmt: skip
+            route = self._routes.named(route_name)
+            patience = DEFAULT_TIMEOUT if route is None else float(route.timeout)
+            if not await _slices(body, send, patience):
+                log.warning(
+                    "%s: the client took nothing of the answer for %gs; the connection is closed "
+                    "(request %s)", route_name, patience, request_id,
+                    extra={"fields": {"route": route_name, "request_id": request_id}},
+                )  # fmt: skip
+                # Counted as answered all the same; the server closes a connection whose answer
+                # did not end.
         else:
             await send({"type": "http.response.body", "body": body})
         elapsed = time.perf_counter() - started
@@ -191,6 +195,24 @@ async def _stream(
         watch.cancel()
     await send({"type": "http.response.body", "body": b""})
     return False
+
+
+async def _slices(body: bytes, send: Send, patience: float) -> bool:
+    """Send a large answer in slices of `SLICE` bytes, each copied out of `body`: the server's
+    write buffer holds a slice or two, never a view that keeps all of `body` alive. False when
+    a slice waited `patience` seconds for the client to take what came before (a client that
+    reads nothing, or too slowly): the caller drops the answer, and with it its copy, rather
+    than hold it as long as the client keeps the connection (as `streaming.Relay` lets a
+    relayed answer go after the route's timeout)."""
+    view = memoryview(body)
+    for start in range(0, len(body), SLICE):
+        message = {"type": "http.response.body", "body": bytes(view[start : start + SLICE]),
+                   "more_body": start + SLICE < len(body)}  # fmt: skip
+        try:
+            await asyncio.wait_for(send(message), patience)
+        except TimeoutError:
+            return False
+    return True
 
 
 def _relayed(

@@ -13,6 +13,10 @@ class RouteTable:
 
     def __init__(self, routes: Sequence[Route]) -> None:
         self._routes = sorted(routes, key=lambda route: len(route.match), reverse=True)
+        self._by_name = {route.name: route for route in routes}
+
+    def named(self, name: str) -> Route | None:
+        return self._by_name.get(name)
 
     def match(self, path: str) -> Route | None:
         for route in self._routes:

@@ -151,6 +151,8 @@ def gateway(module_dir: Path, database_url: str, paced: PacedUpstream) -> Iterat
         # A lease far shorter than the answers relayed on it, and a retry of an `unknown` key
         # forwarded again: what a lease that ran out mid-answer would cost is a second request.
         prefix_route("long", paced.url, timeout="2s", lease="3s", on_unknown="forward"),
+        # A client that takes nothing of an answer is let go after the route's timeout.
+        prefix_route("patient", paced.url, timeout="2s"),
     ]
     with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
@@ -422,3 +424,62 @@ async def test_an_answer_too_large_to_store_keeps_its_headers_for_the_operator(
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == found.json()
+
+
+# What the gateway logs when it lets a client that reads nothing go.
+LET_GO = "the client took nothing of the answer for 2s"
+
+
+def _stalled_replay(port: int, target: str, key: str) -> socket.socket:
+    """A client that asks for the replay and reads nothing (a 4 KiB receive window)."""
+    connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection.connect(("127.0.0.1", port))
+    connection.sendall(
+        f"POST {target} HTTP/1.1\r\nHost: gateway\r\nIdempotency-Key: {key}\r\n"
+        "Content-Length: 0\r\n\r\n".encode()
+    )
+    return connection
+
+
+async def test_replays_nobody_reads_are_let_go_after_the_route_timeout_with_their_copies(
+    client: httpx.AsyncClient, gateway: GatewayProcess, paced: PacedUpstream
+) -> None:
+    # A stored answer is replayed from one copy read from PostgreSQL: a client that reads
+    # nothing would hold that copy for as long as it kept the connection.
+    key, size, stalled = str(uuid.uuid4()), 6 * MIB, 8
+    target = f"/patient/paced?size={size}&chunk=65536&pause=0"
+    first = await client.post(target, headers={"Idempotency-Key": key})
+    assert first.status_code == 200 and len(first.content) == size
+    pid = gateway.process.popen.pid
+    before = rss(pid)
+    said = gateway.process.output().count(LET_GO)
+    held = []
+    for _ in range(stalled):  # one after another: each replay's claim its own, with its copy
+        held.append(_stalled_replay(gateway.port, target, key))
+        await asyncio.sleep(0.2)
+    try:
+        # Each is let go once a slice has waited the route's timeout (2 s) for its client.
+        for _ in range(600):
+            if gateway.process.output().count(LET_GO) - said == stalled:
+                break
+            await asyncio.sleep(0.05)
+        assert gateway.process.output().count(LET_GO) - said == stalled
+        # With its copy: the gateway's memory comes back to what it was.
+        for _ in range(200):
+            if rss(pid) - before < stalled * size / 4:
+                break
+            await asyncio.sleep(0.05)
+        assert rss(pid) - before < stalled * size / 4, (before, rss(pid))
+        # And its connection was closed: what was written before is there, then the end,
+        # short of the whole answer.
+        for connection in held:
+            connection.settimeout(30)
+            received = 0
+            while chunk := connection.recv(65536):
+                received += len(chunk)
+            assert 0 < received < size
+    finally:
+        for connection in held:
+            connection.close()
+    assert paced.performed[key] == 1

@@ -62,18 +62,18 @@ class EndlessEvents:
                 if not data:
                     return
                 head += data
-            fields = dict(
-                line.lower().split(": ", 1)
-                for line in head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
-            )
+            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+            fields = dict(line.lower().split(": ", 1) for line in lines[1:])
             key = fields.get("idempotency-key", "")
+            # `?status=CODE`: the events come under that status.
+            status = lines[0].split(" ")[1].partition("?status=")[2] or "200"
             with self._lock:
                 self.open += 1
                 self.performed[key] = self.performed.get(key, 0) + 1
             try:
                 connection.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n"
+                    f"HTTP/1.1 {status} Events\r\nContent-Type: text/event-stream\r\n"
+                    "Transfer-Encoding: chunked\r\n\r\n".encode()
                 )
                 number = 0
                 while True:
@@ -112,13 +112,15 @@ async def eventually(what: str, check: Callable[[], object]) -> None:
     raise AssertionError(f"not within {DEADLINE:g}s: {what}")
 
 
-async def listen_and_hang_up(url: str, method: str, headers: dict[str, str]) -> None:
+async def listen_and_hang_up(
+    url: str, method: str, headers: dict[str, str], status: int = 200
+) -> None:
     """Open the stream, read three events' worth, and close the connection."""
     async with (
         httpx.AsyncClient(timeout=10) as client,
         client.stream(method, url, headers=headers) as answer,
     ):
-        assert answer.status_code == 200
+        assert answer.status_code == status
         assert answer.headers["content-type"] == "text/event-stream"
         seen = 0
         async for _ in answer.aiter_raw():
@@ -201,6 +203,49 @@ async def test_a_keyed_endless_stream_whose_client_hung_up_settles_once_nothing_
         assert (retry.status_code, problem_name(retry)) == (409, "response-not-stored")
         assert "completed with status 200" in retry.json()["detail"]
         assert endless.performed[key] == 1
+    finally:
+        gateway.stop()
+
+
+async def test_a_keyed_endless_stream_of_which_nothing_is_stored_is_settled_at_the_hang_up(
+    module_dir: Path, database_url: str, endless: EndlessEvents, db: asyncpg.Connection
+) -> None:
+    """Nothing more of the answer could be stored from the start, so the hang-up stops the
+    reading at once and the key settles as at the answer's end: on a `store: status_only` route
+    completed with its status and headers (a retry replays them, with the empty body such a
+    route replays); under a `release_statuses` status released (a retry is forwarded anew)."""
+    routes = [
+        prefix_route("quiet", endless.url, timeout="1s", lease="3s", store="status_only"),
+        prefix_route("events", endless.url, timeout="1s", lease="3s"),
+    ]
+    gateway = GatewayProcess(module_dir, database_url, routes, name="keyed-nothing-stored")
+    status_only, released = str(uuid.uuid4()), str(uuid.uuid4())
+    try:
+        await listen_and_hang_up(
+            gateway.url + "/quiet/stream", "POST", {"Idempotency-Key": status_only}
+        )
+        await listen_and_hang_up(
+            gateway.url + "/events/stream?status=503", "POST", {"Idempotency-Key": released}, 503
+        )
+        await eventually("the upstream's connections closed", lambda: endless.open == 0)
+
+        async def settled() -> bool:
+            kept, gone = await row(db, status_only), await row(db, released)
+            return kept is not None and kept["state"] == "completed" and gone is None
+
+        await eventually("both keys settled", settled)
+        stored = await row(db, status_only)
+        assert stored is not None and stored["response_status"] == 200
+        assert ["Content-Type", "text/event-stream"] in json.loads(stored["response_headers"])
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+            replay = await client.post("/quiet/stream", headers={"Idempotency-Key": status_only})
+            assert (replay.status_code, replay.content) == (200, b"")
+            assert replay.headers["idempotent-replayed"] == "true"
+            await listen_and_hang_up(
+                gateway.url + "/events/stream?status=503", "POST",
+                {"Idempotency-Key": released}, 503,
+            )  # fmt: skip
+        assert (endless.performed[status_only], endless.performed[released]) == (1, 2)
     finally:
         gateway.stop()
 

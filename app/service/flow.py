@@ -440,7 +440,8 @@ class Gateway:
     ) -> None:
         renewing = None
         if claim is not None:
-            renewing = asyncio.get_running_loop().create_task(self._renew(route, claim))
+            renew = self._renew(route, claim, response.duration)
+            renewing = asyncio.get_running_loop().create_task(renew)
         try:
             await self._relay_body(route, response, claim, scope, relay, reading, renewing)
         except Exception:  # a bug: the client's copy must not look complete, nor hang
@@ -450,14 +451,19 @@ class Gateway:
             if renewing is not None:
                 renewing.cancel()
 
-    async def _renew(self, route: Route, claim: Claim) -> None:
+    async def _renew(self, route: Route, claim: Claim, waited: float) -> None:
         """Keep the claim's lease running while its answer is relayed (and read on for the store
         after its client left, `streaming.Reading`): a lease that ran out would make the key
         `unknown` (a retry told so, or sent again under `on_unknown: forward`) while its first
-        answer is still arriving."""
+        answer is still arriving. The lease has run since the claim, `waited` (the upstream's
+        time to the head) and a little more ago: the first renewal comes a third of the lease
+        after the forward began, at once if the head took longer (it comes within the route's
+        timeout, which the lease exceeds), then every third of the lease."""
         lease = route.lease_seconds
+        pause = max(0.0, lease / 3 - waited)
         while True:
-            await asyncio.sleep(lease / 3)
+            await asyncio.sleep(pause)
+            pause = lease / 3
             try:
                 renewed = await self._store.renew(claim, lease)
             except errors.StoreUnavailable:

@@ -333,8 +333,10 @@ class Gateway:
             await self._settle("release", self._store.release(claim))
             return _answer(response, Outcome.RELEASED)
         body: bytes | None = None  # too large to store: the status and headers only
-        if len(response.body) <= route.max_stored_response:
-            body = response.body if route.store == "full" else b""
+        if route.store != "full":
+            body = b""  # a route that keeps no body replays none, whatever the answer's size
+        elif len(response.body) <= route.max_stored_response:
+            body = response.body
         content = self._sealer.seal(
             (claim.id, claim.token), scope, headers.storable(response.headers), body
         )
@@ -561,8 +563,10 @@ class Gateway:
             await self._settle("release", self._store.release(claim))
             return
         body: bytes | None = None  # past max_stored_response: the status and headers only
-        if kept is not None:
-            body = b"".join(kept) if route.store == "full" else b""
+        if route.store != "full":
+            body = b""  # a route that keeps no body replays none, whatever the answer's size
+        elif kept is not None:
+            body = b"".join(kept)
         content = self._sealer.seal(
             (claim.id, claim.token), scope, headers.storable(response.headers), body
         )

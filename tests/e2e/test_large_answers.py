@@ -153,6 +153,7 @@ def gateway(module_dir: Path, database_url: str, paced: PacedUpstream) -> Iterat
         prefix_route("long", paced.url, timeout="2s", lease="3s", on_unknown="forward"),
         # A client that takes nothing of an answer is let go after the route's timeout.
         prefix_route("patient", paced.url, timeout="2s"),
+        prefix_route("quiet", paced.url, store="status_only", max_stored_response="1KiB"),
     ]
     with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
@@ -482,4 +483,23 @@ async def test_replays_nobody_reads_are_let_go_after_the_route_timeout_with_thei
     finally:
         for connection in held:
             connection.close()
+    assert paced.performed[key] == 1
+
+
+@pytest.mark.parametrize("length", ["", "&length=0"], ids=["read-whole", "relayed"])
+async def test_a_status_only_route_replays_the_status_whatever_the_answer_s_size(
+    client: httpx.AsyncClient, paced: PacedUpstream, database_url: str, length: str
+) -> None:
+    # The route keeps no body, so the size of one it never stores cannot turn its replay into
+    # 409 response-not-stored: 4 KiB against a max_stored_response of 1 KiB, read whole (a
+    # Content-Length) and relayed as it came (chunked).
+    key = str(uuid.uuid4())
+    target = f"/quiet/paced?size=4096&chunk=1024&pause=0{length}"
+    first = await client.post(target, headers={"Idempotency-Key": key})
+    assert first.status_code == 200 and len(first.content) == 4096
+    stored = await settled(database_url, key)
+    assert (stored["state"], stored["response_stored"]) == ("completed", True)
+    replay = await client.post(target, headers={"Idempotency-Key": key})
+    assert (replay.status_code, replay.content) == (200, b"")
+    assert replay.headers["idempotent-replayed"] == "true"
     assert paced.performed[key] == 1

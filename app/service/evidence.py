@@ -31,11 +31,15 @@ from .messages import ProxyRequest
 # spell them (`Authorization`, `X-Api-Key`, `X-Shopify-Access-Token`, `Ocp-Apim-Subscription-Key`,
 # `PRIVATE-TOKEN`, `?access_token=`, Azure's `?sig=`); the key that names the request is not one.
 _CREDENTIAL = re.compile(
-    r"auth|token|secret|passw|key|cookie|session|signature|credential|jwt|bearer"
-    # Short ones as words of their own (`pwd`, `user_pass`, `sig`), not inside others (`compass`).
+    r"auth|token|secret|passw|passphrase|passcode|key|cookie|session|signature|credential|jwt"
+    r"|bearer"
+    # Short ones as words of their own (`pwd`, `user_pass`, `sig`, `userPass` once its words
+    # are apart), not inside others (`compass`).
     r"|(?:^|[^a-z])(?:sig|pwd|pass|otp)(?:[^a-z]|$)",
     re.I,
 )
+# A camelCase name's words, set apart (`loginPwd` -> `login_Pwd`) before the pattern reads it.
+_CAMEL = re.compile(r"([a-z0-9])([A-Z])")
 _NOT_A_CREDENTIAL = re.compile(r"idempotency|request-id", re.I)
 # What a masked value reads.
 MASK = "***"
@@ -115,7 +119,8 @@ class KeptRequest:
 
 def is_credential(name: str) -> bool:
     """Whether a header or query parameter of this name is shown masked."""
-    return _CREDENTIAL.search(name) is not None and _NOT_A_CREDENTIAL.search(name) is None
+    words = _CAMEL.sub(r"\1_\2", name)
+    return _CREDENTIAL.search(words) is not None and _NOT_A_CREDENTIAL.search(name) is None
 
 
 def _masked_members(value: Any) -> Any:

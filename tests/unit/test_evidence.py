@@ -23,6 +23,8 @@ from oncegate.service.evidence import KeptRequest, masked, masked_query
         ("X-Id-Token", "eyJ.81", "***"),
         ("X-Client-Secret", "81", "***"),
         ("X-Hub-Signature-256", "sha256=81", "***"),
+        ("CB-ACCESS-PASSPHRASE", "81", "***"),
+        ("OK-ACCESS-PASSPHRASE", "81", "***"),
         ("Idempotency-Key", "k-81", "k-81"),
         ("X-Idempotency-Key", "k-81", "k-81"),
         ("PayPal-Request-Id", "k-81", "k-81"),
@@ -53,6 +55,10 @@ def test_a_query_is_shown_with_its_credential_parameters_masked_and_the_rest_as_
         ("user=ann&pwd=hunter2", "user=ann&pwd=***"),
         ("user=ann&pass=hunter2&user_pass=h2", "user=ann&pass=***&user_pass=***"),
         ("jwt=eyJhbGciOiJIUzI1NiJ9.e30.c2ln&otp=123456", "jwt=***&otp=***"),
+        (
+            "passphrase=a&passcode=b&userPass=c&loginPwd=d&otpCode=e",
+            "passphrase=***&passcode=***&userPass=***&loginPwd=***&otpCode=***",
+        ),
         # The short names as parts of other words are not credentials.
         ("compass=n&passenger=ann&bypass=1", "compass=n&passenger=ann&bypass=1"),
     ],

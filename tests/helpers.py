@@ -13,6 +13,7 @@ import itertools
 import os
 import random
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -161,3 +162,62 @@ async def key_table_reads_since(connection: asyncpg.Connection, before: int) -> 
             return after - before
         await asyncio.sleep(0.05)
     raise AssertionError("the key table's scan count never moved")
+
+
+class ThreadedUpstream:
+    """An upstream of the tests' own on 127.0.0.1, raw sockets: each connection is served by
+    `serve` in a thread of its own; `performed` counts the requests per `Idempotency-Key`
+    (`count`). A subclass sets what it needs before calling this `__init__`, which starts
+    accepting."""
+
+    def __init__(self, backlog: int = 128) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=backlog)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.performed: dict[str, int] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            head = read_head(connection)
+            if head is not None:
+                self.serve(connection, *head)
+
+    def serve(self, connection: socket.socket, target: str, fields: dict[str, str]) -> None:
+        """Answer one request (its target, its header fields by lower-case name)."""
+        raise NotImplementedError
+
+    def count(self, fields: dict[str, str]) -> str:
+        """Count the request under its key, and return the key."""
+        key = fields.get("idempotency-key", "")
+        with self._lock:
+            self.performed[key] = self.performed.get(key, 0) + 1
+        return key
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def read_head(connection: socket.socket) -> tuple[str, dict[str, str]] | None:
+    """A request's target and header fields (names in lower case, values as sent) read off
+    `connection`; None when it closed before the head ended."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = connection.recv(65536)
+        if not data:
+            return None
+        head += data
+    lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(": ")
+        fields[name.lower()] = value
+    return lines[0].split(" ")[1], fields

@@ -15,7 +15,6 @@ import json
 import signal
 import socket
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,69 +25,45 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, prefix_route, problem_name, row
+from tests.helpers import ThreadedUpstream
 
 # How long a state the gateway should reach by itself may take on a loaded machine: far beyond
 # what it needs (a second or two), far below "for ever".
 DEADLINE = 30.0
 
 
-class EndlessEvents:
+class EndlessEvents(ThreadedUpstream):
     """Answers every request with server-sent events, one every `interval`, until a write fails
     (the gateway closed the connection). `open` counts the connections still written to;
     `performed` the requests per `Idempotency-Key`."""
 
     def __init__(self, interval: float = 0.1) -> None:
         self._interval = interval
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self.open = 0
-        self.performed: dict[str, int] = {}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(backlog=1024)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
-
-    def _serve(self, connection: socket.socket) -> None:
-        with connection:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = connection.recv(65536)
-                if not data:
-                    return
-                head += data
-            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-            fields = dict(line.lower().split(": ", 1) for line in lines[1:])
-            key = fields.get("idempotency-key", "")
-            # `?status=CODE`: the events come under that status.
-            status = lines[0].split(" ")[1].partition("?status=")[2] or "200"
+    def serve(self, connection: socket.socket, target: str, fields: dict[str, str]) -> None:
+        self.count(fields)
+        # `?status=CODE`: the events come under that status.
+        status = target.partition("?status=")[2] or "200"
+        with self._lock:
+            self.open += 1
+        try:
+            connection.sendall(
+                f"HTTP/1.1 {status} Events\r\nContent-Type: text/event-stream\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            number = 0
+            while True:
+                event = f"id: {number}\ndata: tick\n\n".encode()
+                connection.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                number += 1
+                time.sleep(self._interval)
+        except OSError:
+            pass  # the gateway let it go
+        finally:
             with self._lock:
-                self.open += 1
-                self.performed[key] = self.performed.get(key, 0) + 1
-            try:
-                connection.sendall(
-                    f"HTTP/1.1 {status} Events\r\nContent-Type: text/event-stream\r\n"
-                    "Transfer-Encoding: chunked\r\n\r\n".encode()
-                )
-                number = 0
-                while True:
-                    event = f"id: {number}\ndata: tick\n\n".encode()
-                    connection.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
-                    number += 1
-                    time.sleep(self._interval)
-            except OSError:
-                pass  # the gateway let it go
-            finally:
-                with self._lock:
-                    self.open -= 1
-
-    def close(self) -> None:
-        self._listener.close()
+                self.open -= 1
 
 
 @pytest.fixture(scope="module")

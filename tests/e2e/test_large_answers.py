@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +28,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import GatewayProcess, prefix_route, problem_name
-from tests.helpers import total
+from tests.helpers import ThreadedUpstream, total
 
 MIB = 1024 * 1024
 
@@ -40,52 +39,28 @@ def pattern(size: int) -> bytes:
     return (block * (size // len(block) + 1))[:size]
 
 
-class PacedUpstream:
+class PacedUpstream(ThreadedUpstream):
     """`/paced?size=N&chunk=C&pause=S`: 200 with N bytes, C at a time with a pause between;
     `&length=0` sends it chunked without a Content-Length, `&cut=K` closes after K bytes;
     `/events?count=N`: N server-sent events, a pause between."""
 
     def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self.finished: dict[str, float] = {}  # key -> when its last byte was written
-        self.performed: dict[str, int] = {}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
-
-    def _serve(self, connection: socket.socket) -> None:
-        with connection:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = connection.recv(65536)
-                if not data:
-                    return
-                head += data
-            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-            target = lines[0].split(" ")[1]
-            fields = dict(line.lower().split(": ", 1) for line in lines[1:])
-            key = fields.get("idempotency-key", "")
-            with self._lock:
-                self.performed[key] = self.performed.get(key, 0) + 1
-            url = urlsplit(target)
-            query = {name: values[0] for name, values in parse_qs(url.query).items()}
-            try:
-                if url.path == "/events":
-                    self._events(connection, int(query["count"]))
-                else:
-                    self._paced(connection, query)
-            except OSError:
-                pass  # the gateway went away
-            with self._lock:
-                self.finished[key] = time.monotonic()
+    def serve(self, connection: socket.socket, target: str, fields: dict[str, str]) -> None:
+        key = self.count(fields)
+        url = urlsplit(target)
+        query = {name: values[0] for name, values in parse_qs(url.query).items()}
+        try:
+            if url.path == "/events":
+                self._events(connection, int(query["count"]))
+            else:
+                self._paced(connection, query)
+        except OSError:
+            pass  # the gateway went away
+        with self._lock:
+            self.finished[key] = time.monotonic()
 
     def _paced(self, connection: socket.socket, query: dict[str, str]) -> None:
         size, chunk = int(query["size"]), int(query.get("chunk", MIB))
@@ -129,9 +104,6 @@ class PacedUpstream:
                     return self.finished[key]
             await asyncio.sleep(0.05)
         raise AssertionError(f"the upstream never finished {key}")
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +415,7 @@ def _stalled_replay(port: int, target: str, key: str) -> socket.socket:
     return connection
 
 
-async def test_replays_nobody_reads_are_let_go_after_the_route_timeout_with_their_copies(
+async def test_replays_nobody_reads_are_let_go_after_the_route_timeout(
     client: httpx.AsyncClient, gateway: GatewayProcess, paced: PacedUpstream
 ) -> None:
     # A stored answer is replayed from one copy read from PostgreSQL: a client that reads
@@ -452,8 +424,6 @@ async def test_replays_nobody_reads_are_let_go_after_the_route_timeout_with_thei
     target = f"/patient/paced?size={size}&chunk=65536&pause=0"
     first = await client.post(target, headers={"Idempotency-Key": key})
     assert first.status_code == 200 and len(first.content) == size
-    pid = gateway.process.popen.pid
-    before = rss(pid)
     said = gateway.process.output().count(LET_GO)
     held = []
     for _ in range(stalled):  # one after another: each replay's claim its own, with its copy
@@ -466,14 +436,9 @@ async def test_replays_nobody_reads_are_let_go_after_the_route_timeout_with_thei
                 break
             await asyncio.sleep(0.05)
         assert gateway.process.output().count(LET_GO) - said == stalled
-        # With its copy: the gateway's memory comes back to what it was.
-        for _ in range(200):
-            if rss(pid) - before < stalled * size / 4:
-                break
-            await asyncio.sleep(0.05)
-        assert rss(pid) - before < stalled * size / 4, (before, rss(pid))
-        # And its connection was closed: what was written before is there, then the end,
-        # short of the whole answer.
+        # With it, the answer's copy (not asserted on the gateway's RSS, which glibc's malloc
+        # need not give back to the system at once). And its connection was closed: what was
+        # written before is there, then the end, short of the whole answer.
         for connection in held:
             connection.settimeout(30)
             received = 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,54 +17,29 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import GatewayProcess, prefix_route, problem_name, row
+from tests.helpers import ThreadedUpstream
 
 HEAD_DELAY = 1.9
 CHUNKS, CHUNK_PAUSE = 10, 0.3
 
 
-class SlowHead:
+class SlowHead(ThreadedUpstream):
     """Counts the requests per Idempotency-Key; answers after HEAD_DELAY with a chunked body of
     CHUNKS x 16 KiB, a chunk every CHUNK_PAUSE seconds."""
 
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self.performed: dict[str, int] = {}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
-
-    def _serve(self, connection: socket.socket) -> None:
-        with connection:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += connection.recv(65536)
-            head = data.split(b"\r\n\r\n")[0].decode("latin-1").lower()
-            key = next(line.split(": ", 1)[1] for line in head.split("\r\n")
-                       if line.startswith("idempotency-key"))  # fmt: skip
-            with self._lock:
-                self.performed[key] = self.performed.get(key, 0) + 1
-            time.sleep(HEAD_DELAY)
-            try:
-                connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
-                                   b"Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
-                for _ in range(CHUNKS):
-                    piece = b"x" * 16384
-                    connection.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
-                    time.sleep(CHUNK_PAUSE)
-                connection.sendall(b"0\r\n\r\n")
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._listener.close()
+    def serve(self, connection: socket.socket, target: str, fields: dict[str, str]) -> None:
+        self.count(fields)
+        time.sleep(HEAD_DELAY)
+        try:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                               b"Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
+            for _ in range(CHUNKS):
+                piece = b"x" * 16384
+                connection.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                time.sleep(CHUNK_PAUSE)
+            connection.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import hypothesis
 import pytest
 
 from oncegate.store import migrate
@@ -35,6 +36,11 @@ from tests import citus
 
 TEMPLATE = "oncegate_test_template"
 _databases = itertools.count(1)
+
+# Property tests assert what they name, never how fast an example runs: hypothesis's default
+# deadline (200 ms an example) failed one under make test's parallel load (353 ms).
+hypothesis.settings.register_profile("oncegate", deadline=None)
+hypothesis.settings.load_profile("oncegate")
 
 
 def with_database(url: str, name: str) -> str:

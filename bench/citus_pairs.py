@@ -8,11 +8,17 @@ coordinator with two workers, its key table in `--shards` shards (a database per
 default, and the bench's). Each gets oncegate's migrations (`oncegate.store.migrate`: on the cluster
 the key table is distributed by key), then the real store (`PostgresStore`, its
 batching, per shard on Citus) is driven by `--tasks` asyncio tasks, each claiming a new key and
-completing it, over and over, for `--duration` seconds after `--warmup`. Before the measured
-repeats, each database is driven once so, unmeasured, and `ANALYZE` runs on every node of it: no
-repeat runs on a fresh key table planned without statistics (the one server's first repeat used
-to read high). Each repeat runs every target in turn, the order rotated by one target a repeat,
-and each row's ratio is to the same repeat's one server.
+completing it, over and over, for `--duration` seconds after `--warmup`. Autovacuum is off on
+every server; after every run, outside it, `VACUUM (ANALYZE)` runs on every node of the run's
+database, and its CPU is printed per pair the run wrote: left on, autovacuum started whenever a
+node's tables crossed its thresholds and took its CPU inside whichever run was under way (on
+the cluster both workers at once, their shards filling at one pace), so a repeat's ratio turned
+on which side it happened to fall. Both sides pay the vacuum, and the column shows what it costs
+each. A run during which an autovacuum or autoanalyze ran anyway says so. Before the measured
+repeats, each database is driven once so, unmeasured, and vacuumed and analyzed: no repeat runs
+on a fresh key table planned without statistics (the one server's first repeat used to read
+high). Each repeat runs every target in turn, the order rotated by one target a repeat, and each
+row's ratio is to the same repeat's one server.
 
 Printed per target: pairs/s; PostgreSQL's CPU per pair (every postmaster of the target, its
 children and the children it reaped, from /proc: on the cluster the coordinator and both
@@ -105,6 +111,9 @@ class Sample:
     two_phase: int | None
     batch: dict[str, float]
     failures: int
+    written: int = 0  # pairs the run wrote, its warm-up and last tasks' included
+    autovacuums: int = 0  # autovacuum and autoanalyze runs on its nodes during the run
+    vacuum_ms_per_pair: float | None = None  # the VACUUM (ANALYZE) after it, per pair written
 
 
 def batch_means() -> dict[str, tuple[float, float]]:
@@ -138,8 +147,9 @@ async def citus_counters(url: str) -> tuple[int, int, int] | None:
 
 
 async def measure(
-    target: str, url: str, postmasters: list[int], arguments: argparse.Namespace, repeat: int = 0
+    target: str, endpoint: Endpoint, arguments: argparse.Namespace, repeat: int = 0
 ) -> Sample:
+    url, postmasters = endpoint.url, endpoint.postmasters
     together = OnCitus.together
     OnCitus.together = not target.endswith(APART)  # read as the store opens
     try:
@@ -148,11 +158,12 @@ async def measure(
         OnCitus.together = together
     failures = 0
     measuring = False
-    pairs = 0
+    pairs = written = 0
     stop = asyncio.Event()
+    autovacuums_before = await autovacuums(endpoint)
 
     async def task() -> None:
-        nonlocal failures, pairs
+        nonlocal failures, pairs, written
         while not stop.is_set():
             key = str(uuid.uuid4())
             claimed = await store.requests.claim("bench", SCOPE, key, FINGERPRINT, 30, 86_400)
@@ -160,7 +171,9 @@ async def measure(
                 claimed, StoredAnswer(201, ANSWER)
             ):
                 failures += 1
-            elif measuring:
+                continue
+            written += 1
+            if measuring:
                 pairs += 1
 
     try:
@@ -206,14 +219,69 @@ async def measure(
         two_phase,
         batch,
         failures,
+        written,
+        await autovacuums(endpoint) - autovacuums_before,
     )
+
+
+async def autovacuums(endpoint: Endpoint) -> int:
+    """Autovacuum and autoanalyze runs so far on the endpoint's nodes, of every table (a
+    worker's shard tables too: Citus hides them from `pg_class` unless told not to)."""
+    found = 0
+    for node_url in endpoint.node_urls:
+        connection = await asyncpg.connect(node_url)
+        try:
+            # On plain PostgreSQL a placeholder setting, which hides nothing.
+            await connection.execute("SET citus.override_table_visibility = off")
+            found += await connection.fetchval(
+                "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)::bigint"
+                " FROM pg_stat_user_tables"
+            )
+        finally:
+            await connection.close()
+    return found
+
+
+async def autovacuum_off(urls: list[str]) -> None:
+    """No autovacuum on these servers: the bench vacuums after each run instead (`vacuum`)."""
+    for url in urls:
+        connection = await asyncpg.connect(url)
+        try:
+            await connection.execute("ALTER SYSTEM SET autovacuum = off")
+            await connection.execute("SELECT pg_reload_conf()")
+        finally:
+            await connection.close()
+
+
+async def vacuum(endpoint: Endpoint) -> float:
+    """`VACUUM (ANALYZE)` on every node of the endpoint's database (the one server's key table,
+    or the coordinator's and each worker's shard tables), outside any run: the CPU seconds its
+    postmasters used meanwhile."""
+    groups = {f"node{index}": [pid] for index, pid in enumerate(endpoint.postmasters)}
+    before = run.cpu_seconds(groups)
+    for node_url in endpoint.node_urls:
+        connection = await asyncpg.connect(node_url)
+        try:
+            await connection.execute("VACUUM (ANALYZE)")
+        finally:
+            await connection.close()
+    after = run.cpu_seconds(groups)
+    return sum(after[name] - before[name] for name in groups)
+
+
+def measured(target: str, endpoint: Endpoint, arguments: argparse.Namespace, repeat: int) -> Sample:
+    """One run of the target, then the VACUUM (ANALYZE) of what it wrote, outside the run."""
+    sample = asyncio.run(measure(target, endpoint, arguments, repeat))
+    used = asyncio.run(vacuum(endpoint))
+    sample.vacuum_ms_per_pair = used * 1000 / max(sample.written, 1)
+    return sample
 
 
 @dataclass
 class Endpoint:
     url: str  # the database the store connects to (a cluster's coordinator)
     postmasters: list[int]
-    node_urls: list[str]  # every node's URL of the database, for ANALYZE
+    node_urls: list[str]  # every node's URL of the database, for VACUUM (ANALYZE)
     revision: str = "head"  # what `migrate` upgrades it to
 
 
@@ -234,6 +302,7 @@ def servers(
         cluster = citus.Cluster.start(work / "citus")
         try:
             asyncio.run(pause_2pc_recovery(cluster))
+            asyncio.run(autovacuum_off([single.url()] + [node.url() for node in cluster.nodes]))
             single.create_database(DATABASE)
             one_server = ONE_SERVER
             targets = {
@@ -269,17 +338,6 @@ def servers(
             cluster.stop()
     finally:
         single.stop()
-
-
-async def analyze(endpoint: Endpoint) -> None:
-    """`ANALYZE` on every node of the database: the one server's key table, or the
-    coordinator's and each worker's shard tables."""
-    for node_url in endpoint.node_urls:
-        connection = await asyncpg.connect(node_url)
-        try:
-            await connection.execute("ANALYZE")
-        finally:
-            await connection.close()
 
 
 def in_order(targets: list[Target], repeat: int) -> list[Target]:
@@ -346,8 +404,9 @@ def table(samples: list[Sample]) -> str:
         "| repeat | target | pairs/s | PostgreSQL CPU per pair (coordinator + workers)"
         " | x the repeat's one server | the store's process, CPU per pair"
         " | single-shard / multi-shard executions | two-phase commits"
-        " | operations per statement (claim / complete / both) | failures |",
-        "|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
+        " | operations per statement (claim / complete / both)"
+        " | VACUUM after, CPU per pair written | autovacuums in the run | failures |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|",
     ]
     for sample in samples:
         executions = (
@@ -362,10 +421,14 @@ def table(samples: list[Sample]) -> str:
             workers = sample.postgres_ms_per_pair - sample.coordinator_ms_per_pair
             cpu += f" ({sample.coordinator_ms_per_pair:.3f} + {workers:.3f})"
         times = ratio(sample, samples)
+        vacuumed = (
+            "-" if sample.vacuum_ms_per_pair is None else f"{sample.vacuum_ms_per_pair:.3f} ms"
+        )
         lines.append(
             f"| {sample.repeat} | {sample.target} | {sample.pairs_per_second:,.0f} | {cpu} |"
             f" {'-' if times is None else f'{times:.2f}x'} | {sample.client_ms_per_pair:.3f} ms |"
-            f" {executions} | {two_phase} | {batch} | {sample.failures} |"
+            f" {executions} | {two_phase} | {batch} | {vacuumed} | {sample.autovacuums} |"
+            f" {sample.failures} |"
         )
     return "\n".join(lines)
 
@@ -421,19 +484,14 @@ def main() -> int:
             databases = {endpoint.url: name for name, endpoint in reversed(targets.items())}
             for url, name in databases.items():
                 migrate.upgrade(url, targets[name].revision)
-                endpoint = targets[name]
-                sample = asyncio.run(measure(name, url, endpoint.postmasters, arguments))
-                asyncio.run(analyze(endpoint))
+                sample = measured(name, targets[name], arguments, 0)
                 run.progress(
-                    f"warm-up {name}: {sample.pairs_per_second:,.0f} pairs/s, then ANALYZE on"
-                    " every node"
+                    f"warm-up {name}: {sample.pairs_per_second:,.0f} pairs/s, then VACUUM"
+                    " (ANALYZE) on every node"
                 )
             for repeat in range(1, arguments.repeats + 1):
                 for target in in_order(list(targets), repeat):
-                    endpoint = targets[target]
-                    sample = asyncio.run(
-                        measure(target, endpoint.url, endpoint.postmasters, arguments, repeat)
-                    )
+                    sample = measured(target, targets[target], arguments, repeat)
                     samples.append(sample)
                     run.progress(
                         f"{target}: {sample.pairs_per_second:,.0f} pairs/s,"
@@ -442,8 +500,9 @@ def main() -> int:
         print(
             f"{arguments.tasks} asyncio tasks on PostgresStore, each a claim then a complete of a"
             f" new key; {arguments.warmup:g} s warm-up + {arguments.duration:g} s per run,"
-            " every database first driven once unmeasured and analyzed on every node, the"
-            " order rotated each repeat; CPU from /proc"
+            " every database first driven once unmeasured, autovacuum off and VACUUM (ANALYZE)"
+            " on every node after every run, outside it, the order rotated each repeat; CPU"
+            " from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(table(samples))

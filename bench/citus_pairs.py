@@ -160,7 +160,7 @@ async def measure(
     measuring = False
     pairs = written = 0
     stop = asyncio.Event()
-    autovacuums_before = await autovacuums(endpoint)
+    autovacuums_before = await autovacuums(endpoint.node_urls)
 
     async def task() -> None:
         nonlocal failures, pairs, written
@@ -220,15 +220,15 @@ async def measure(
         batch,
         failures,
         written,
-        await autovacuums(endpoint) - autovacuums_before,
+        await autovacuums(endpoint.node_urls) - autovacuums_before,
     )
 
 
-async def autovacuums(endpoint: Endpoint) -> int:
-    """Autovacuum and autoanalyze runs so far on the endpoint's nodes, of every table (a
+async def autovacuums(node_urls: list[str]) -> int:
+    """Autovacuum and autoanalyze runs so far on these nodes' databases, of every table (a
     worker's shard tables too: Citus hides them from `pg_class` unless told not to)."""
     found = 0
-    for node_url in endpoint.node_urls:
+    for node_url in node_urls:
         connection = await asyncpg.connect(node_url)
         try:
             # On plain PostgreSQL a placeholder setting, which hides nothing.
@@ -243,7 +243,12 @@ async def autovacuums(endpoint: Endpoint) -> int:
 
 
 async def autovacuum_off(urls: list[str]) -> None:
-    """No autovacuum on these servers: the bench vacuums after each run instead (`vacuum`)."""
+    """No autovacuum on these servers: the bench vacuums after each run instead (`vacuum`).
+    Left on, it started when a node's tables crossed its thresholds, once a minute at most, and
+    took a node's CPU inside whichever run was under way: under `citus_scale.py`'s quota a
+    fourth of each worker's in a run of four workers (0.20-0.36 of its 0.8 CPU seconds), which
+    then carried half its pairs, while the one server's runs happened to miss it, or the other
+    way round."""
     for url in urls:
         connection = await asyncpg.connect(url)
         try:

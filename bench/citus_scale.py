@@ -209,7 +209,7 @@ async def drive(target: Target, arguments: argparse.Namespace, round_: int) -> R
     nodes = target.nodes
     nodes[0].cgroup.limit(target.coordinator_quota)
     nodes[0].quota = target.coordinator_quota
-    autovacuums_before = await autovacuums(target)
+    autovacuums_before = await citus_pairs.autovacuums(target.node_urls)
     store = await PostgresStore.connect(target.url)
     stop = asyncio.Event()
     measuring = False
@@ -264,26 +264,8 @@ async def drive(target: Target, arguments: argparse.Namespace, round_: int) -> R
             batch[operation] = (total - total_before) / (count - count_before)
     return Result(
         target.name, round_, pairs / elapsed, used, load, failures, batch, written,
-        autovacuums=await autovacuums(target) - autovacuums_before,
+        autovacuums=await citus_pairs.autovacuums(target.node_urls) - autovacuums_before,
     )  # fmt: skip
-
-
-async def autovacuums(target: Target) -> int:
-    """Autovacuum and autoanalyze runs so far on the target's nodes, of every table (a worker's
-    shard tables too: Citus hides them from `pg_class` unless told not to)."""
-    found = 0
-    for node_url in target.node_urls:
-        connection = await asyncpg.connect(node_url)
-        try:
-            if target.citus:
-                await connection.execute("SET citus.override_table_visibility = off")
-            found += await connection.fetchval(
-                "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)::bigint"
-                " FROM pg_stat_user_tables"
-            )
-        finally:
-            await connection.close()
-    return found
 
 
 async def vacuum(target: Target) -> float:
@@ -340,7 +322,7 @@ def start_targets(
         shards = max(1, arguments.shards_per_worker * workers)
         asyncio.run(citus_pairs.set_shard_count(url, shards))
     migrate.upgrade(url)
-    asyncio.run(autovacuum_off([node.url() for node in cluster.nodes]))
+    asyncio.run(citus_pairs.autovacuum_off([node.url() for node in cluster.nodes]))
     nodes = nodes_of(cluster, arguments.quota, f"oncegate-scale-{os.getpid()}-{workers}")
     cgroups.extend(node.cgroup for node in nodes)
     node_urls = [node.url(citus_pairs.DATABASE) for node in cluster.nodes]
@@ -351,21 +333,6 @@ def start_targets(
         Target(f"{name}{AT_QUOTA}", url, nodes, arguments.quota, node_urls, True),
         Target(f"{name}{UNLIMITED}", url, nodes, None, node_urls, True),
     ]
-
-
-async def autovacuum_off(node_urls: list[str]) -> None:
-    """No autovacuum on these servers: the bench vacuums after each run instead (`measure`).
-    Left on, it started when a node's tables crossed its thresholds, once a minute at most, and
-    took a quota'd node's CPU inside whichever run was under way: a fourth of each worker's
-    quota in a run of four workers (0.20-0.36 of its 0.8 CPU seconds), which then carried half
-    its pairs, while the one server's runs happened to miss it, or the other way round."""
-    for node_url in node_urls:
-        connection = await asyncpg.connect(node_url)
-        try:
-            await connection.execute("ALTER SYSTEM SET autovacuum = off")
-            await connection.execute("SELECT pg_reload_conf()")
-        finally:
-            await connection.close()
 
 
 def warm_up(targets: list[Target], arguments: argparse.Namespace) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -127,15 +127,6 @@ def upstream_server() -> Iterator[RawUpstream]:
         yield server
     finally:
         server.close()
-
-
-@pytest.fixture
-async def http_upstream() -> AsyncIterator[HttpUpstream]:
-    client = HttpUpstream()
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 # What the gateway computes for `request(key)` on a route without scope headers sent.

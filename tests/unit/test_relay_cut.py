@@ -7,7 +7,7 @@ gateway processes and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,15 +25,6 @@ def endless() -> Iterator[EndlessEvents]:
     upstream = EndlessEvents()
     yield upstream
     upstream.close()
-
-
-@pytest.fixture
-async def http_upstream() -> AsyncIterator[HttpUpstream]:
-    client = HttpUpstream()
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def request(method: str, key: str | None = None) -> ProxyRequest:

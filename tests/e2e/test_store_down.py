@@ -25,6 +25,10 @@ from tests.conftest import start_embedded
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 from tests.helpers import insert_completed_keys, scrape, value
 
+# What the gateway says when its listening connection cannot come back, and when it has.
+CANNOT_LISTEN = "cannot listen for settled keys and the key count"
+LISTENING_AGAIN = "listening for settled keys and the key count again"
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Any]:
@@ -172,13 +176,21 @@ async def test_the_key_count_skips_while_postgres_is_down_and_resumes_after(
         assert after > before
         await eventually(lambda: completed_shown(after), "the gauge after the restart")
         assert gateway.process.popen.poll() is None
+
+        async def listening_again() -> bool:
+            text = log.read_text()
+            return CANNOT_LISTEN not in text or LISTENING_AGAIN in text
+
+        await eventually(listening_again, "the listening connection back")
     finally:
         gateway.stop()
     text = log.read_text()
     assert "Traceback" not in text and "Errno" not in text, text
-    # The listening connection's failure is said once for the outage, and its return.
-    assert text.count("cannot listen for settled keys and the key count") == 1, text
-    assert "listening for settled keys and the key count again" in text
+    # The listening connection's failure is said at most once for the outage, and then its
+    # return: not at all when its first retry (LISTEN_RETRY after the loss) came once
+    # PostgreSQL was back, as it may on a loaded machine.
+    assert text.count(CANNOT_LISTEN) <= 1, text
+    assert CANNOT_LISTEN not in text or LISTENING_AGAIN in text, text
 
 
 @pytest.mark.slow  # three crashes in a row: `make test-all` (failing closed, above, stays)

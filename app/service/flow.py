@@ -329,20 +329,10 @@ class Gateway:
             released = response.status in route.release_statuses
             outcome = Outcome.RELEASED if released else Outcome.FORWARDED
             return self._relay(route, response, outcome, claim, scope)
-        if response.status in route.release_statuses:
-            await self._settle("release", self._store.release(claim))
-            return _answer(response, Outcome.RELEASED)
-        body: bytes | None = None  # too large to store: the status and headers only
-        if route.store != "full":
-            body = b""  # a route that keeps no body replays none, whatever the answer's size
-        elif len(response.body) <= route.max_stored_response:
-            body = response.body
-        content = self._sealer.seal(
-            (claim.id, claim.token), scope, headers.storable(response.headers), body
-        )
-        stored = StoredAnswer(response.status, content)
-        await self._settle("complete", self._store.complete(claim, stored))
-        return _answer(response, Outcome.FORWARDED)
+        kept = [response.body] if len(response.body) <= route.max_stored_response else None
+        await self._settle_answer(route, response, claim, scope, kept)
+        released = response.status in route.release_statuses
+        return _answer(response, Outcome.RELEASED if released else Outcome.FORWARDED)
 
     async def resend(
         self, route: Route, request: ProxyRequest, record: Record, scope: bytes
@@ -521,7 +511,7 @@ class Gateway:
         if reading.cut is not None:
             await relay.end(await self._settle_cut(route, response, claim, scope, reading))
         elif claim is not None:
-            await self._settle_streamed(route, response, claim, scope, reading.kept)
+            await self._settle_answer(route, response, claim, scope, reading.kept)
             await relay.end()
         else:
             await relay.end()
@@ -545,13 +535,13 @@ class Gateway:
             # Nothing of it would have been stored beyond its status and headers: settled as
             # if it had been read to its end.
             if claim is not None:
-                await self._settle_streamed(route, response, claim, scope, reading.kept)
+                await self._settle_answer(route, response, claim, scope, reading.kept)
             return Broken(said, unknown=False)
         seen = evidence.cut(why, response.status, reading.received)
         await self._settle("mark_unknown", self._store.mark_unknown(claim, seen))
         return Broken(said, unknown=True)
 
-    async def _settle_streamed(
+    async def _settle_answer(
         self,
         route: Route,
         response: UpstreamResponse,
@@ -559,6 +549,9 @@ class Gateway:
         scope: bytes,
         kept: list[bytes] | None,
     ) -> None:
+        """Settle `claim` with the upstream's whole answer, read whole or relayed: released for a
+        release status, else completed with its status, headers and the body `kept` (None: too
+        large to store, the status and headers only; none on a `status_only` route)."""
         if response.status in route.release_statuses:
             await self._settle("release", self._store.release(claim))
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 from collections.abc import Iterator
 
@@ -497,3 +498,52 @@ async def test_a_large_body_key_is_found_off_the_event_loop(upstream: FakeUpstre
         await workers.close()
     # Closed, the worker has exited: no idle process outlives the gateway until the session ends.
     assert not psutil.wait_procs(started, timeout=10)[1]
+
+
+async def test_a_shielded_task_outlives_its_caller_and_hands_on_what_it_ends_with() -> None:
+    """`Gateway._shielded` (a claim won, forwarded and settled): a caller that stops waiting
+    (its client hung up) cuts nothing, and `drain` still waits for the work; a caller that
+    waits gets its result or its exception; the loop's cancellation of the work reaches the
+    caller. No exception is left unretrieved (the loop would report it)."""
+    gateway = Gateway(MemoryStore(), FakeUpstream())
+    reported: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+    release = asyncio.Event()
+    finished: list[str] = []
+
+    async def work(result: str, failure: Exception | None = None) -> str:
+        await release.wait()
+        finished.append(result)
+        if failure is not None:
+            raise failure
+        return result
+
+    abandoned = asyncio.ensure_future(gateway._shielded(work("abandoned")))
+    failed_for_nobody = asyncio.ensure_future(
+        gateway._shielded(work("failed for nobody", RuntimeError("nobody hears this")))
+    )
+    waited = gateway._shielded(work("waited"))
+    failed = gateway._shielded(work("failed", ValueError("the caller hears this")))
+    await asyncio.sleep(0)
+    for caller in (abandoned, failed_for_nobody):
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    release.set()
+    assert await waited == "waited"
+    with pytest.raises(ValueError, match="the caller hears this"):
+        await failed
+    await gateway.drain()
+    assert sorted(finished) == ["abandoned", "failed", "failed for nobody", "waited"]
+    assert not gateway._inflight
+
+    cut = gateway._shielded(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    [task] = gateway._inflight
+    task.cancel()  # as the loop's end cancels what is left
+    with pytest.raises(asyncio.CancelledError):
+        await cut
+    await asyncio.sleep(0)
+    assert not gateway._inflight
+    gc.collect()  # a future whose exception nobody retrieved reports it when collected
+    assert reported == []

@@ -1,7 +1,8 @@
 """What the request path writes on every request, written more cheaply and still the same bytes:
 JSON from encoders made once (`model.jsontext`), the request log line written straight to the
 JSON handler (`telemetry.logs.info_line`), request ids from batched randomness
-(`kernel.headers.new_request_id`)."""
+(`kernel.headers.new_request_id`); and what it reads on every replay, read more cheaply with
+the same outcome: the stored headers (`kernel.sealing.header_pairs`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from oncegate.kernel import headers
+from oncegate.kernel import headers, sealing
 from oncegate.model import jsontext
 from oncegate.model.outcomes import Outcome
 from oncegate.telemetry import logs
@@ -176,3 +177,50 @@ def test_a_forked_worker_does_not_hand_out_its_parents_next_ids() -> None:
     assert not {child[i : i + 32] for i in range(0, 128, 32)} & {
         parent[i : i + 32] for i in range(0, 128, 32)
     }
+
+
+STORED_HEADERS: list[bytes] = [
+    b'[["content-type", "application/json"], ["etag", "\\"e\\""]]',  # as PostgreSQL prints jsonb
+    b'[["a","b"],["c","\\ud800"]]',  # as the gateway writes them, a lone surrogate kept
+    b"[]",
+    b' [["a", "b"]] ',
+    b'\n[["x", "y"]]\n\t',
+    b'[["\\u00e9", "\xc3\xa9"]]',
+    b"",
+    b"   ",
+    b'[["a", "b"]] x',
+    b'[["a", "b"]][]',
+    b'[["a", "b"]',
+    b'[["a", "b"]]]',
+    b'{"a": "b"}',
+    b'{"ab": 1}',
+    b'[["a", 1]]',
+    b'[["a"]]',
+    b'[["a", "b", "c"]]',
+    b'"ab"',
+    b"null",
+    b"1",
+    b"[NaN]",
+    b"\xff",
+]
+
+
+def _pairs_as_json_reads_them(data: bytes) -> list[tuple[str, str]] | None:
+    """The stored headers as `json.loads` reads them, None where the gateway refuses them."""
+    try:
+        pairs = [(name, value) for name, value in json.loads(data)]
+    except (ValueError, TypeError):
+        return None
+    if not all(isinstance(name, str) and isinstance(value, str) for name, value in pairs):
+        return None
+    return pairs
+
+
+@pytest.mark.parametrize("data", STORED_HEADERS)
+def test_stored_headers_are_read_as_json_reads_them(data: bytes) -> None:
+    expected = _pairs_as_json_reads_them(data)
+    if expected is None:
+        with pytest.raises(sealing.Unopenable):
+            sealing.header_pairs(data)
+    else:
+        assert sealing.header_pairs(data) == expected

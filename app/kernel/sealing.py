@@ -33,8 +33,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -295,10 +294,6 @@ def _open_bytes(cipher: AESGCM, key_name: str, data: bytes, associated: bytes) -
 # (what the encoder writes is ASCII) by a decoder made once.
 _write_json = jsontext.writer()
 _DECODER = json.JSONDecoder()
-# The decoder's scanner, called without `decode`'s and `raw_decode`'s Python around it (every
-# replay reads its stored headers): a document that does not fill the text exactly (whitespace
-# around it, or not JSON) goes through `decode`, which accepts or refuses it as it always did.
-_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 
 
 def _headers_json(headers: Sequence[tuple[str, str]]) -> bytes:
@@ -310,16 +305,9 @@ def header_pairs(data: bytes) -> list[tuple[str, str]]:
     changed in the database: only a plaintext row can be, a sealed one does not open)."""
     try:
         text = data.decode("utf-8", "surrogatepass")  # what json.loads reads in bytes
-        try:
-            decoded, end = _SCAN(text, 0)
-        except StopIteration:  # no JSON value where the text starts (whitespace, or nothing)
-            end = -1
-        if end != len(text):
-            decoded = _DECODER.decode(text)
-        pairs = [(name, value) for name, value in decoded]
+        pairs = [(name, value) for name, value in _DECODER.decode(text)]
     except (ValueError, TypeError):
         raise Unopenable("its stored headers are not the JSON the gateway wrote", "") from None
-    for name, value in pairs:
-        if type(name) is not str or type(value) is not str:  # JSON decodes to str alone
-            raise Unopenable("its stored headers are not the JSON the gateway wrote", "")
+    if not all(isinstance(name, str) and isinstance(value, str) for name, value in pairs):
+        raise Unopenable("its stored headers are not the JSON the gateway wrote", "")
     return pairs

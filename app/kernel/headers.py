@@ -55,12 +55,14 @@ NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
 REPLAYED = ("idempotent-replayed", "true")
 REQUEST_ID = "x-request-id"
 PREFER = "prefer"
-_WAIT = re.compile(r"^wait\s*=\s*\"?(\d{1,9})\"?$", re.IGNORECASE)
-_SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-# RFC 9110 §5.1 and §5.5: what a header name (a token) and a header value may hold.
-_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+_WAIT = re.compile(r"^wait\s*=\s*\"?(\d{1,9})\"?\Z", re.IGNORECASE)
+_SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}\Z")
+# RFC 9110 §5.1 and §5.5: what a header name (a token) and a header value may hold. Every
+# pattern here that must match a whole text ends in \Z, not $: `$` also matches before a final
+# newline, so "x-a\n" would pass for a name (and break the answer it is written into).
+_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z"
 NAME = re.compile(_HEADER_NAME)
-VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
+VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*\Z")
 # What the HTTP/1.1 servers under both ports refuse to write into an answer: a control byte (tab
 # aside) in a value, where it could end the head early or drive the client's terminal.
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")

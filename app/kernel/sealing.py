@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ..model import errors, jsontext
 from ..model.answers import SealedAnswer, SealedRequest
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}\Z")
 # The associated data's version, after the key's name in `sealed_with`: 2 binds the claim (row id
 # and fencing token); a name alone is the row binding of earlier releases.
 CLAIM_BINDING = "2"

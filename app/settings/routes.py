@@ -17,9 +17,9 @@ DEFAULT_TTL = 24 * 3600.0
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_BODY_LIMIT = 10 * 1024**2
 DEFAULT_MAX_WAIT = 10.0
-_METHOD = re.compile(r"^[A-Z]+$")
+_METHOD = re.compile(r"^[A-Z]+\Z")
 # A route name: a metric label, a log field and the admin API's `route=`.
-ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 # What a `key_header` cannot be, besides hop-by-hop fields and the route's scope headers:
 # fields the gateway or the HTTP layers below it read, set or rewrite (the client's request
 # head, its body's description, credentials, `Prefer`, the request id, trace context), so a

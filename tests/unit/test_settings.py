@@ -723,10 +723,20 @@ def test_a_key_header_the_upstream_would_not_get_as_sent_is_refused(
     assert f"routes[0].key_header: {name!r}" in message
 
 
-@pytest.mark.parametrize("name", ["Pay Pal", "a:b", "", "é"])
+@pytest.mark.parametrize("name", ["Pay Pal", "a:b", "", "é", "x-key\n"])
 def test_a_key_header_that_is_no_header_name_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not a header name"):
         route(key_header=name)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"name": "payments\n"}, {"methods": ["POST\n"]}, {"scope_headers": ["authorization\n"]}],
+)
+def test_a_name_with_a_newline_after_it_is_refused(fields: dict[str, object]) -> None:
+    """A pattern's `$` matches before a final newline too: every name is matched whole."""
+    with pytest.raises(ValueError, match=r"not an? |a route name is"):
+        route(**fields)
 
 
 def test_a_key_header_that_is_a_scope_header_is_refused() -> None:

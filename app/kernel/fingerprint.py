@@ -49,6 +49,14 @@ Rules (contract sections 4 and 11; docs/security.md lists every equivalence belo
   `as_bytes` gives it for such a body (None for any other), and a retry matching either digest
   is the same request (`Fingerprint.matches`), so upgrading the gateway under in-flight retries
   refuses none.
+- A body sent with a `Content-Encoding` (other than `identity`) is fingerprinted as its bytes,
+  with the codings named (lower case, `x-gzip` as `gzip`): the media type's rule does not apply
+  to bytes that are not yet of that type, and the same bytes sent with and without a coding are
+  two requests (the upstream reads two different documents). A gzip body's header is read
+  without its time of compression, extra flags and operating system byte (RFC 1952 §2.3: every
+  gzip encoder writes the time there), so a client that compresses the same document again for
+  its retry sends the same request. Two compressors (or levels) may encode one document
+  differently: such retries are two requests, as two spellings of a large JSON body are.
 - Each field is length-prefixed and the body records which form it took, so no two different
   requests can encode to the same bytes.
 """
@@ -117,24 +125,73 @@ class Fingerprint:
 
 
 def of_request(
-    method: str, path: str, query: bytes | str, content_type: str | None, body: bytes
+    method: str,
+    path: str,
+    query: bytes | str,
+    content_type: str | None,
+    body: bytes,
+    content_encoding: str | None = None,
 ) -> Fingerprint:
     """The request's `Fingerprint`: its digest, and the byte rule's for a form or multipart
-    body."""
+    body (sent without a `Content-Encoding`: with one, it has only the byte rule's)."""
+    digest = compute(method, path, query, content_type, body, content_encoding)
     media = media_type(content_type)
-    form, canonical = _canonical_body(media, content_type or "", body)
-    digest = _digest(method, path, query, media, form, canonical)
-    if media not in (FORM, MULTIPART):
+    if media not in (FORM, MULTIPART) or content_codings(content_encoding):
         return Fingerprint(digest)
     return Fingerprint(digest, _digest(method, path, query, media, b"bytes", (body,)))
 
 
 def compute(
-    method: str, path: str, query: bytes | str, content_type: str | None, body: bytes
+    method: str,
+    path: str,
+    query: bytes | str,
+    content_type: str | None,
+    body: bytes,
+    content_encoding: str | None = None,
 ) -> bytes:
     media = media_type(content_type)
+    codings = content_codings(content_encoding)
+    if codings:
+        return _digest(method, path, query, media, codings, _encoded_body(codings, body))
     form, canonical = _canonical_body(media, content_type or "", body)
     return _digest(method, path, query, media, form, canonical)
+
+
+def content_codings(content_encoding: str | None) -> bytes:
+    """The form a body sent with `content_encoding` takes in the digest: `encoded ` and its
+    codings in order (lower case, `x-gzip` as `gzip`, RFC 9110 §8.4.1.3), or empty for none
+    (no header, or `identity` alone). The prefix keeps it apart from the other forms."""
+    if not content_encoding:
+        return b""
+    codings = [
+        "gzip" if coding == "x-gzip" else coding
+        for coding in (part.strip().lower() for part in content_encoding.split(","))
+        if coding and coding != "identity"
+    ]
+    if not codings:
+        return b""
+    return b"encoded " + ",".join(codings).encode("latin-1", "replace")
+
+
+# RFC 1952 §2.3: ID1 ID2 CM FLG, then MTIME (4 bytes), XFL and OS: what the digest leaves out.
+_GZIP_MAGIC = b"\x1f\x8b\x08"
+_GZIP_FHCRC = 0x02
+_GZIP_VARYING = slice(4, 10)
+
+
+def _encoded_body(codings: bytes, body: bytes) -> Pieces:
+    """The body's bytes; a gzip body's first header without its time, extra flags and OS
+    (zeroed, not dropped, so the length stays the body's). Not when the header carries its own
+    CRC (FHCRC), which covers them: such a body is its bytes."""
+    if (
+        codings == b"encoded gzip"
+        and len(body) >= _GZIP_VARYING.stop
+        and body.startswith(_GZIP_MAGIC)
+        and not body[3] & _GZIP_FHCRC
+    ):
+        view = memoryview(body)
+        return (view[: _GZIP_VARYING.start], bytes(6), view[_GZIP_VARYING.stop :])
+    return (body,)
 
 
 def as_bytes(

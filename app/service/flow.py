@@ -660,6 +660,7 @@ async def _fingerprint(request: ProxyRequest) -> fingerprint.Fingerprint:
         request.query,
         next(iter(request.header_values("content-type")), None),
         request.body,
+        ", ".join(request.header_values("content-encoding")) or None,
     )
     if len(request.body) <= OFF_LOOP_BODY:
         return fingerprint.of_request(*arguments)

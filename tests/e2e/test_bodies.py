@@ -6,6 +6,7 @@ Each test says what the client saw, what the upstream performed and what the sto
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import statistics
 from collections.abc import Awaitable, Iterator
@@ -148,6 +149,35 @@ async def test_json_numbers_compare_by_their_exact_decimal_value(
     assert other.status_code == 422 and problem_name(other) == "key-reused"
     respelled = await post(b"1234567890123456780e-19")  # the first amount, written otherwise
     assert respelled.status_code == 201 and respelled.headers["idempotent-replayed"] == "true"
+    assert len(upstream.actions(key)) == 1
+    stored = await row(db, key)
+    assert stored is not None and stored["state"] == "completed"
+
+
+async def test_a_gzipped_body_compressed_again_for_its_retry_is_replayed(
+    client: httpx.AsyncClient, upstream: DemoUpstream, db: asyncpg.Connection
+) -> None:
+    """A client that compresses its bodies compresses its retry again, and gzip writes the time
+    into every header it makes: the same document, other bytes. And the same bytes sent
+    without their coding are another document to the upstream."""
+    key = new_key()
+    document = b'{"amount": 100, "currency": "eur"}'
+
+    async def post(body: bytes, **coding: str) -> httpx.Response:
+        headers = keyed(key, **{"Content-Type": "application/json", **coding})
+        return await client.post("/files/charges", content=body, headers=headers)
+
+    first = await post(gzip.compress(document, mtime=1_700_000_000), **{"Content-Encoding": "gzip"})
+    assert first.status_code == 201
+    later = gzip.compress(document, mtime=1_700_000_007)
+    retry = await post(later, **{"Content-Encoding": "gzip"})
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == first.content
+    undeclared = await post(later)
+    assert undeclared.status_code == 422 and problem_name(undeclared) == "key-reused"
+    other = await post(gzip.compress(b'{"amount": 900, "currency": "eur"}', mtime=1_700_000_007),
+                       **{"Content-Encoding": "gzip"})  # fmt: skip
+    assert other.status_code == 422 and problem_name(other) == "key-reused"
     assert len(upstream.actions(key)) == 1
     stored = await row(db, key)
     assert stored is not None and stored["state"] == "completed"

@@ -89,9 +89,12 @@ class KeptRequest:
         }
 
     def readable_body(self) -> str:
-        """The body for a person: JSON indented, a form as its fields one a line, each with the
-        values of credential names masked (`is_credential`, at any depth of the JSON); other
-        UTF-8 text as it is; else its size and base64."""
+        """The body for a person: JSON indented, a form as its fields one a line, a multipart
+        body as sent, each with the values of credential names masked (`is_credential`: JSON
+        members at any depth, form fields, multipart parts by their name); other UTF-8 text as
+        it is; else its size and base64. A body that parses as a JSON object or array is read
+        as JSON whatever its declared type (`text/plain`, none, a leading byte order mark):
+        what the page shows masked must not depend on what the client called it."""
         content_type = next(
             (value for name, value in self.headers if name.lower() == "content-type"), ""
         )
@@ -103,18 +106,54 @@ class KeptRequest:
                 f"({len(self.body)} bytes, not text; base64)\n"
                 + base64.b64encode(self.body).decode()
             )
-        if media == "application/json" or media.endswith("+json"):
-            try:
-                document = json.loads(text)
-            except ValueError:
-                return text
-            return json.dumps(_masked_members(document), indent=2, ensure_ascii=False)
         if media == "application/x-www-form-urlencoded":
             fields = parse_qsl(text, keep_blank_values=True)
             return "\n".join(
                 f"{name} = {MASK if is_credential(name) else value}" for name, value in fields
             )
+        if media == "multipart/form-data":
+            return _masked_parts(text, content_type)
+        document = _json_document(text)
+        if document is not None:
+            return json.dumps(_masked_members(document), indent=2, ensure_ascii=False)
         return text
+
+
+def _json_document(text: str) -> Any:
+    """The JSON object or array `text` holds (a byte order mark before it ignored), or None."""
+    stripped = text.removeprefix("\ufeff").strip()
+    if not stripped.startswith(("{", "[")):
+        return None
+    try:
+        return json.loads(stripped)
+    except ValueError:
+        return None
+
+
+_BOUNDARY = re.compile(r';\s*boundary="?([^";]+)"?', re.I)
+_PART_NAME = re.compile(r'(?<![\w*])name\s*=\s*(?:"([^"]*)"|([^\s;]+))', re.I)
+
+
+def _masked_parts(text: str, content_type: str) -> str:
+    """A multipart body as sent, the content of each part whose name is a credential's masked
+    (read leniently, for a person: a head ends at the first blank line, CRLF or LF)."""
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        return text
+    delimiter = "--" + found.group(1).strip()
+    pieces = text.split(delimiter)
+    for index in range(1, len(pieces)):
+        piece = pieces[index]
+        ends = [at for at in (piece.find("\r\n\r\n"), piece.find("\n\n")) if at >= 0]
+        if not ends:
+            continue
+        head_end = min(ends)
+        blank = "\r\n\r\n" if piece.startswith("\r\n\r\n", head_end) else "\n\n"
+        name = _PART_NAME.search(piece[:head_end])
+        if name is not None and is_credential(name.group(1) or name.group(2) or ""):
+            line_end = "\r\n" if piece.endswith("\r\n") else "\n" if piece.endswith("\n") else ""
+            pieces[index] = piece[: head_end + len(blank)] + MASK + line_end
+    return delimiter.join(pieces)
 
 
 def is_credential(name: str) -> bool:

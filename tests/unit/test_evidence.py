@@ -97,3 +97,46 @@ def test_the_readable_json_body_masks_credential_members_at_any_depth() -> None:
     assert "p81" not in shown and "s81" not in shown and "81" not in shown.replace('"***"', "")
     assert '"to": "ann"' in shown and '"url": "https://x"' in shown
     assert '"auth": "***"' in shown and '"secret": "***"' in shown and '"api_key": "***"' in shown
+
+
+@pytest.mark.parametrize(
+    "content_type, body",
+    [
+        ("text/plain", b'{"to": "ann", "password": "hunter2-81"}'),
+        ("", b'{"to": "ann", "password": "hunter2-81"}'),
+        ("application/json", b'\xef\xbb\xbf{"to": "ann", "password": "hunter2-81"}'),
+    ],
+    ids=["text-plain", "no-type", "byte-order-mark"],
+)
+def test_a_json_body_is_masked_whatever_its_declared_type(content_type: str, body: bytes) -> None:
+    shown = _kept(content_type, body).readable_body()
+    assert "hunter2-81" not in shown
+    assert '"password": "***"' in shown and '"to": "ann"' in shown
+
+
+@pytest.mark.parametrize("line", ["\r\n", "\n"], ids=["crlf", "bare-lf"])
+def test_a_multipart_body_shows_its_parts_with_credential_parts_masked(line: str) -> None:
+    body = line.join(
+        [
+            "--xx",
+            'Content-Disposition: form-data; name="username"',
+            "",
+            "ann",
+            "--xx",
+            "Content-Disposition: form-data; name=password",
+            "",
+            "hunter2-81",
+            "--xx",
+            'Content-Disposition: form-data; name="file"; filename="api_key.txt"',
+            "Content-Type: text/plain",
+            "",
+            "the file's own text",
+            "--xx--",
+            "",
+        ]
+    ).encode()
+    shown = _kept("multipart/form-data; boundary=xx", body).readable_body()
+    assert "hunter2-81" not in shown
+    assert f"name=password{line}{line}***{line}--xx" in shown
+    assert f"ann{line}--xx" in shown  # a part whose name is no credential, as sent
+    assert "the file's own text" in shown  # the part is `file`: its filename is no field name

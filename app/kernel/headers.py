@@ -55,7 +55,10 @@ NOT_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "cookie"})
 REPLAYED = ("idempotent-replayed", "true")
 REQUEST_ID = "x-request-id"
 PREFER = "prefer"
-_WAIT = re.compile(r"^wait\s*=\s*\"?(\d{1,9})\"?\Z", re.IGNORECASE)
+_WAIT = re.compile(r"^wait\s*=\s*\"?(\d+)\"?\Z", re.IGNORECASE)
+# RFC 9111 §1.2.2: delta-seconds too large to hold are taken as 2^31, never ignored; the route's
+# `max_wait` caps it further. Read from at most 10 digits, so a long run of them costs nothing.
+_LONGEST_WAIT = 2**31
 _SANE_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 # RFC 9110 §5.1 and §5.5: what a header name (a token) and a header value may hold. Every
 # pattern here that must match a whole text ends in \Z, not $: `$` also matches before a final
@@ -232,5 +235,6 @@ def requested_wait(values: Sequence[str]) -> int | None:
         for preference in value.split(","):
             found = _WAIT.match(preference.split(";", 1)[0].strip())
             if found:
-                return int(found.group(1))
+                digits = found.group(1).lstrip("0")
+                return _LONGEST_WAIT if len(digits) > 10 else min(int(digits or 0), _LONGEST_WAIT)
     return None

@@ -310,6 +310,13 @@ async def test_a_waiting_request_whose_client_hangs_up_stops_and_claims_nothing(
         (["wait=soon"], None),
         (["wait=-1"], None),
         ([], None),
+        # RFC 9111 §1.2.2: too large to hold is 2^31, never ignored (`max_wait` caps it later).
+        (["wait=2147483647"], 2147483647),
+        (["wait=2147483648"], 2**31),
+        (["wait=99999999999"], 2**31),
+        (["wait=" + "9" * 5000], 2**31),
+        (["wait=0000000000000007"], 7),
+        (["wait=0"], 0),
     ],
 )
 def test_the_wait_preference_is_read_as_rfc_7240_says(

@@ -1,7 +1,8 @@
 """The fingerprint of a request: what makes a retry "the same request". Pure functions.
 
 Rules (contract sections 4 and 11; docs/security.md lists every equivalence below for users):
-- SHA-256 over the method, the path, the query (parameters sorted), the media type and the body.
+- SHA-256 over the method, the path, the query (parameters sorted by name, repeated names keeping
+  their order, as in a form body), the media type and the body.
 - A JSON body (media type `application/json` or `*/*+json`) is canonicalised first: object keys
   sorted, no insignificant white space, strings in one escaping. `{"a":1,"b":2}` and
   `{ "b": 2, "a": 1 }` are the same request.
@@ -259,7 +260,9 @@ def is_json(media: str) -> bool:
 
 
 def canonical_query(query: bytes | str) -> bytes:
-    """The query's parameters sorted by name, then value; blank values kept, encoding normalised.
+    """The query's parameters sorted by name, stably: repeated names keep their order (`to=a&to=b`
+    is a list, and its order is the client's, as in a form body); blank values kept, encoding
+    normalised.
 
     Percent escapes are decoded byte for byte (latin-1), so `%FF` and `%FE` stay different even
     though neither is UTF-8, and `%41` and `A` are the same.
@@ -270,7 +273,11 @@ def canonical_query(query: bytes | str) -> bytes:
     pairs: Sequence[tuple[str, str]] = parse_qsl(
         text, keep_blank_values=True, encoding="latin-1", errors="strict"
     )
-    return _write_query(sorted(pairs)).encode()
+    return _write_query(sorted(pairs, key=_name)).encode()
+
+
+def _name(pair: tuple[str, str]) -> str:
+    return pair[0]
 
 
 # -- JSON ----------------------------------------------------------------------------------------

@@ -187,13 +187,19 @@ def test_blank_query_values_are_kept() -> None:
     assert b'"b"' in fingerprint.canonical_query("a=1&b=")
 
 
-def test_canonical_query_sorts_by_name_then_value() -> None:
-    assert fingerprint.canonical_query("b=2&a=2&a=1") == fingerprint.canonical_query("a=1&a=2&b=2")
+def test_canonical_query_sorts_by_name_and_keeps_repeated_names_in_order() -> None:
+    assert fingerprint.canonical_query("b=2&a=2&a=1") == fingerprint.canonical_query("a=2&a=1&b=2")
     assert json.loads(fingerprint.canonical_query("b=2&a=2&a=1")) == [
-        ["a", "1"],
         ["a", "2"],
+        ["a", "1"],
         ["b", "2"],
     ]
+
+
+def test_repeated_query_parameters_in_another_order_are_another_request() -> None:
+    """`to=alice&to=bob` is a list to most servers, and its order is the client's."""
+    assert digest(query="to=alice&to=bob") != digest(query="to=bob&to=alice")
+    assert digest(query="to=alice&cc=carol&to=bob") == digest(query="cc=carol&to=alice&to=bob")
 
 
 def test_query_separators_cannot_be_smuggled() -> None:

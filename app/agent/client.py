@@ -9,10 +9,13 @@ Rules:
 - Connection errors: with a key, retry with backoff. Nothing was sent (connect refused or timed
   out), or the gateway already holds the key and will replay, hold or refuse the retry. Without a
   key, only a failed connect is retried: anything later may have been performed.
-- 502 and 503 (`upstream-unavailable`, `store-unavailable`, an upstream's 503 that released the
-  key): retry with backoff. The gateway released the key or never claimed it. But not one that
-  says a retry cannot change it: a replayed answer (an upstream's 502 the gateway stored) or
+- 429, 502 and 503 (`upstream-unavailable`, `store-unavailable`, an upstream's 429 or 503 that
+  released the key): retry after its `Retry-After` (at most `RetryPolicy.max_retry_after`), or
+  with backoff. The gateway released the key or never claimed it. But not one that says a retry
+  cannot change it: a replayed answer (an upstream's 502 the gateway stored) or
   `x-should-retry: false` (503 `answer-sealed`): `ActionRejected`.
+- 409 `response-not-stored`: performed, its answer too large to keep (`ActionPerformedNotStored`,
+  an `ActionRejected`): record it as done, never start it again.
 - Never retried: 422 `key-reused` (`ActionKeyReused`), `outcome-unknown` in any status (the
   504/502 to the first caller, the 409 to a retry: `ActionOutcomeUnknown`), any other answer
   (`ActionRejected`).
@@ -68,6 +71,12 @@ class ActionRejected(ActionError):
     """Any other final answer: a 4xx of the upstream, a 500, a 409 the client does not know."""
 
 
+class ActionPerformedNotStored(ActionRejected):
+    """409 `response-not-stored`: the action WAS performed, but its answer was too large for the
+    gateway to keep, so no retry can get it. Do not start the work again: record the action as
+    done (`runner.mark_done`), from the upstream's records if its answer matters."""
+
+
 class GaveUp(ActionError):
     """Retryable failures until the deadline ran out."""
 
@@ -87,7 +96,7 @@ class RetryPolicy:
     deadline: float = 60.0
 
 
-def _final(response: httpx.Response) -> bool:
+def is_final(response: httpx.Response) -> bool:
     """Whether an answer says no retry can change it: a stored answer replayed (`Idempotent-
     Replayed: true`), or `x-should-retry: false` (on every gateway problem that a retry cannot
     help, such as 503 `answer-sealed`)."""
@@ -219,9 +228,23 @@ class Attempts:
                 wait = (
                     self._backoff() if hinted is None else min(hinted, self._policy.max_retry_after)
                 )
-            elif status in (502, 503) and not _final(response):
+            elif status in (429, 502, 503) and not is_final(response):
+                # The key was released or never claimed (an upstream's 429 or 503 under the
+                # route's `release_statuses`, 502 `upstream-unavailable`, 503
+                # `store-unavailable`): its `Retry-After`, if any, says when to come back.
                 reason = f"{status} {name or 'from the upstream'}"
-                wait = self._backoff()
+                hinted = retry_after(response)
+                wait = (
+                    self._backoff() if hinted is None else min(hinted, self._policy.max_retry_after)
+                )
+            elif name == errors.ResponseNotStored.name:
+                raise ActionPerformedNotStored(
+                    f"{key}: the upstream performed this action, but its answer was too large "
+                    f"for the gateway to keep ({status} {name}): record it as done, do not "
+                    "start it again",
+                    key=key,
+                    response=response,
+                )
             else:
                 raise ActionRejected(
                     f"{self._method} {path} answered {status} {name or ''}".rstrip(),
@@ -265,9 +288,13 @@ def request_headers(
     above)."""
     merged = dict(headers or {})
     if key is not None:
+        # Header names in any case are one header: a caller's `idempotency-key` would go out
+        # beside the key (two key lines: 400), a caller's `prefer` beside the client's.
+        for name in [name for name in merged if name.lower() == keys.HEADER.lower()]:
+            del merged[name]
         merged[keys.HEADER] = key
-        if policy.wait:
-            merged.setdefault("Prefer", f"wait={policy.wait}")
+        if policy.wait and not any(name.lower() == "prefer" for name in merged):
+            merged["Prefer"] = f"wait={policy.wait}"
     return merged
 
 

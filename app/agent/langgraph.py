@@ -70,6 +70,7 @@ from .client import (
     GaveUp,
     RetryPolicy,
     SyncActionClient,
+    is_final,
 )
 
 # Where LangGraph keeps, in the config each node sees: the run's durability (set by `invoke` and
@@ -612,11 +613,7 @@ def retry_on(error: Exception) -> bool:
     Anything else is LangGraph's default rule's to decide."""
     if isinstance(error, ActionRejected):
         response = error.response
-        return (
-            response is not None
-            and response.status_code >= 500
-            and response.headers.get("idempotent-replayed") != "true"
-        )
+        return response is not None and response.status_code >= 500 and not is_final(response)
     if isinstance(error, ActionError | GaveUp | TaskKeyUnavailable):
         return False
     # LangGraph's own rule, the default of its RetryPolicy (a function, though typed as either).

@@ -221,5 +221,15 @@ async def _stopped_at(store: CheckpointStore, run_id: str, step: int) -> tuple[C
 
 async def _perform(client: Sender, action: Action, params: JSON, key: str | None) -> JSON:
     response = await client.send(action.path, params, key)
-    answer: JSON = response.json()
+    return answer_of(response)
+
+
+def answer_of(response: httpx.Response) -> JSON:
+    """What the run records of a performed action's answer: its JSON, or, when the answer has no
+    JSON body (a 204, text, an empty body), `{"status": ..., "text": ...}`: the action was
+    performed either way, and a decoding error here would leave it pending for every resume."""
+    try:
+        answer: JSON = response.json()
+    except ValueError:
+        return {"status": response.status_code, "text": response.text}
     return answer

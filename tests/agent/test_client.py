@@ -18,12 +18,14 @@ from oncegate.agent.client import (
     ActionClient,
     ActionKeyReused,
     ActionOutcomeUnknown,
+    ActionPerformedNotStored,
     ActionRejected,
     Attempts,
     GaveUp,
     KeyLifetime,
     RetryPolicy,
     problem_name,
+    request_headers,
     retry_after,
 )
 from tests.e2e.conftest import DemoUpstream, GatewayProcess, Process
@@ -240,3 +242,69 @@ async def test_any_method_and_a_forms_body_are_sent_with_the_key(
         await client.request("PATCH", "/emails", new_action_key(), json={"status": "closed"})
     with pytest.raises(ValueError, match="JSON or a form, not both"):
         await client.request("POST", "/emails", key, json={}, form={})
+
+
+def problem(status: int, name: str, **headers: str) -> httpx.Response:
+    return httpx.Response(
+        status,
+        headers={"content-type": "application/problem+json", **headers},
+        json={"type": f"urn:oncegate:problem:{name}", "status": status},
+    )
+
+
+def test_a_released_429_or_503_is_retried_after_its_retry_after() -> None:
+    """The route's `release_statuses` (429 and 503 by default) released the key: nothing was
+    kept, so the same key may go again, when the upstream said to come back."""
+
+    def first_wait(response: httpx.Response) -> float | httpx.Response:
+        return Attempts(RetryPolicy(), random.Random(0), "http://gw", "/e", "k-81").after(response)
+
+    assert first_wait(httpx.Response(429, headers={"Retry-After": "3"})) == 3.0
+    assert first_wait(httpx.Response(503, headers={"Retry-After": "2"})) == 2.0
+    assert first_wait(httpx.Response(503, headers={"Retry-After": "3600"})) == 10.0  # the cap
+    assert isinstance(first_wait(httpx.Response(429)), float)  # no hint: backoff
+    assert first_wait(problem(503, "store-unavailable", **{"Retry-After": "1"})) == 1.0
+    # A 429 the route stored and replays is that answer: final.
+    with pytest.raises(ActionRejected, match="429"):
+        first_wait(httpx.Response(429, headers={"idempotent-replayed": "true"}))
+
+
+def test_response_not_stored_says_the_action_was_performed() -> None:
+    attempts = Attempts(RetryPolicy(), random.Random(0), "http://gw", "/reports", "k-81")
+    with pytest.raises(ActionPerformedNotStored, match="performed this action") as caught:
+        attempts.after(problem(409, "response-not-stored"))
+    assert isinstance(caught.value, ActionRejected)  # what callers caught before still catches it
+
+
+def test_a_caller_s_key_or_prefer_header_in_any_case_is_one_header() -> None:
+    sent = request_headers(
+        RetryPolicy(), "k-81", {"idempotency-key": "stale", "prefer": "wait=3", "X-Trace": "t"}
+    )
+    assert sent == {"Idempotency-Key": "k-81", "prefer": "wait=3", "X-Trace": "t"}
+    assert request_headers(RetryPolicy(wait=5), "k-81", {}) == {
+        "Idempotency-Key": "k-81",
+        "Prefer": "wait=5",
+    }
+
+
+def test_langgraph_retry_on_never_retries_an_answer_that_says_no_retry_can_change_it() -> None:
+    from oncegate.agent.langgraph import retry_on
+
+    def rejected(response: httpx.Response) -> ActionRejected:
+        return ActionRejected("no", key="k-81", response=response)
+
+    assert retry_on(rejected(httpx.Response(500)))
+    assert not retry_on(rejected(problem(503, "answer-sealed", **{"x-should-retry": "false"})))
+    assert not retry_on(rejected(httpx.Response(502, headers={"idempotent-replayed": "true"})))
+    assert not retry_on(rejected(httpx.Response(400)))
+
+
+async def test_an_upstream_429_released_is_retried_then_given_up(
+    gateway: GatewayProcess, upstream: DemoUpstream, http: httpx.AsyncClient
+) -> None:
+    client, key = client_for(http, gateway.url, deadline=1.5), new_action_key()
+    with pytest.raises(GaveUp, match="429"):
+        await client.send(
+            "/emails", {"to": "fa@example.com"}, key, headers={"X-Demo-Status": "429"}
+        )
+    assert upstream.actions(key) == []  # a 429 performs nothing, and the gateway kept nothing

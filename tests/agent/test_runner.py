@@ -19,7 +19,15 @@ import pytest
 
 from oncegate.agent.checkpoints import JSON, Checkpoint, CheckpointError
 from oncegate.agent.client import KeyLifetime
-from oncegate.agent.runner import Action, StaleAction, Step, allow_resend, mark_done, run_agent
+from oncegate.agent.runner import (
+    Action,
+    StaleAction,
+    Step,
+    allow_resend,
+    answer_of,
+    mark_done,
+    run_agent,
+)
 from oncegate.lab import model, worker
 from oncegate.lab.task import ACTION_STEPS, STEPS, support_task
 from oncegate.store.checkpoints import PostgresCheckpoints
@@ -238,3 +246,19 @@ async def test_reconciling_a_step_that_has_nothing_pending_is_refused(
         await mark_done(checkpoints, run_id, 3, {})
     with pytest.raises(CheckpointError, match="has no checkpoint"):
         await allow_resend(checkpoints, "never-ran", 2)
+
+
+@pytest.mark.parametrize(
+    ("response", "recorded"),
+    [
+        (httpx.Response(201, json={"id": "em_81"}), {"id": "em_81"}),
+        (httpx.Response(204), {"status": 204, "text": ""}),
+        (httpx.Response(200, text="queued"), {"status": 200, "text": "queued"}),
+    ],
+    ids=["json", "no-content", "text"],
+)
+def test_a_performed_action_s_answer_is_recorded_whatever_its_body(
+    response: httpx.Response, recorded: JSON
+) -> None:
+    """The action was performed: an answer without JSON must not leave it pending for ever."""
+    assert answer_of(response) == recorded

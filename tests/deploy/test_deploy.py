@@ -818,7 +818,7 @@ def observed_gateway(
             stop()
 
 
-def send_traffic(client: httpx.Client) -> None:
+def send_traffic(client: httpx.Client, admin_url: str) -> None:
     """New keys, retries, a reused key, a missing key and a retry while the first is in flight,
     each answered as the contract says."""
 
@@ -841,7 +841,13 @@ def send_traffic(client: httpx.Client) -> None:
     key = str(uuid.uuid4())
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(post, "/emails", key, {"to": "cy"}, **{"X-Demo-Delay": "1"})
-        time.sleep(0.3)
+        # The retry goes once the first is being forwarded (claimed), not after a guess at how
+        # long that takes: on a loaded machine the first had not arrived 0.3 s after it was sent.
+        wait_for(
+            lambda: total(httpx.get(admin_url + "/metrics").text, "oncegate_inflight_requests"),
+            10,
+            "the first request to be forwarded",
+        )
         assert post("/emails", key, {"to": "cy"}).status_code == 409
         assert first.result().status_code == 201
 
@@ -884,7 +890,7 @@ def test_every_dashboard_query_returns_data_after_traffic(
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
         # Two rounds, each scraped: a rate needs a counter to grow between two samples.
         for _ in range(2):
-            send_traffic(client)
+            send_traffic(client, gateway.admin_url)
             total = scraped_requests(gateway)
             wait_for(
                 lambda total=total: [

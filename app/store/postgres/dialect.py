@@ -22,6 +22,7 @@ dialect and never which server they are on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,12 @@ log = logging.getLogger("oncegate.store.postgres")
 Keyed = TypeVar("Keyed", bound=OnKey)
 Outcome = TypeVar("Outcome")
 Row = TypeVar("Row")
+
+# How long a refusal for a shard a split replaces waits for the split's new map (`_moved`):
+# SPLIT_READS reads of the map, SPLIT_PAUSE apart (2 s in all; a blocking split of a shard takes
+# well under that on the test cluster).
+SPLIT_READS = 21
+SPLIT_PAUSE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,9 +274,15 @@ class OnCitus(_Server):
         return await self._fetchrow_on(pool, name, values)
 
     async def _moved(self, keys: Sequence[str], shards: Sequence[int]) -> bool:
-        """Whether the map, read again, puts `keys` on other shards than `shards` (read twice: a
-        read begun by another refusal may predate the split's end)."""
-        for _ in range(2):
+        """Whether the map, read again, puts `keys` on other shards than `shards`. Read up to
+        `SPLIT_READS` times, `SPLIT_PAUSE` apart: Citus can refuse a statement for a shard a
+        split is replacing before the split has committed its new map (make test under load
+        once met it: a read right after the refusal, and a second, still saw the old map, and
+        the request got 503 `store-unavailable`). Nothing was written, so the operation waits
+        for the map rather than fail; a map that still says the same after that is an outage."""
+        for read in range(SPLIT_READS):
+            if read:
+                await asyncio.sleep(SPLIT_PAUSE)
             await self.shards.refresh()
             if [self.shards.shard_of(key) for key in keys] != list(shards):
                 return True

@@ -135,27 +135,17 @@ def of_request(
 ) -> Fingerprint:
     """The request's `Fingerprint`: its digest, and the byte rule's for a form or multipart
     body (sent without a `Content-Encoding`: with one, it has only the byte rule's)."""
-    digest = compute(method, path, query, content_type, body, content_encoding)
-    media = media_type(content_type)
-    if media not in (FORM, MULTIPART) or content_codings(content_encoding):
-        return Fingerprint(digest)
-    return Fingerprint(digest, _digest(method, path, query, media, b"bytes", (body,)))
-
-
-def compute(
-    method: str,
-    path: str,
-    query: bytes | str,
-    content_type: str | None,
-    body: bytes,
-    content_encoding: str | None = None,
-) -> bytes:
     media = media_type(content_type)
     codings = content_codings(content_encoding)
     if codings:
-        return _digest(method, path, query, media, codings, _encoded_body(codings, body))
+        return Fingerprint(
+            _digest(method, path, query, media, codings, _encoded_body(codings, body))
+        )
     form, canonical = _canonical_body(media, content_type or "", body)
-    return _digest(method, path, query, media, form, canonical)
+    digest = _digest(method, path, query, media, form, canonical)
+    if media not in (FORM, MULTIPART):
+        return Fingerprint(digest)
+    return Fingerprint(digest, _digest(method, path, query, media, b"bytes", (body,)))
 
 
 def content_codings(content_encoding: str | None) -> bytes:

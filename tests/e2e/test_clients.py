@@ -348,7 +348,7 @@ async def test_a_form_key_stored_under_the_byte_rule_replays_its_bytes_and_refus
     authorization = "Bearer sk_test_oncegate"
     path = "/stripe/v1/charges"
     old_digest = fingerprint.as_bytes("POST", path, "", FORM, body.encode())
-    assert old_digest != fingerprint.compute("POST", path, "", FORM, body.encode())
+    assert old_digest != fingerprint.of_request("POST", path, "", FORM, body.encode()).digest
     await db.execute(
         "INSERT INTO oncegate_keys (route, scope, key, fingerprint, state, fencing_token,"
         " response_status, response_headers, response_body, response_stored, expires_at)"

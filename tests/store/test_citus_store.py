@@ -389,7 +389,7 @@ async def test_a_retry_that_meets_its_own_answer_in_a_workers_statement_replays_
             headers=[("idempotency-key", key), ("content-type", "application/json")],
         )  # fmt: skip
         scope = keys.scope(route.name, [[] for _ in route.scope_headers])
-        digest_of = fingerprint.compute("POST", "/emails", "", "application/json", b"{}")
+        digest_of = fingerprint.of_request("POST", "/emails", "", "application/json", b"{}").digest
         first = await store.requests.claim(route.name, scope, key, digest_of, 600, 600)
         assert isinstance(first, Claim)
         upstream = FakeUpstream()

@@ -22,7 +22,7 @@ def digest(
     query: bytes | str = "",
     content_type: str | None = JSON,
 ) -> bytes:
-    return fingerprint.compute(method, path, query, content_type, body)
+    return fingerprint.of_request(method, path, query, content_type, body).digest
 
 
 def test_fingerprint_is_a_32_byte_digest() -> None:
@@ -354,7 +354,7 @@ def _document(items: int, reverse: bool) -> bytes:
 
 def test_json_up_to_the_limit_is_canonical_and_larger_json_is_its_bytes() -> None:
     def digest(body: bytes) -> bytes:
-        return fingerprint.compute("POST", "/x", "", "application/json", body)
+        return fingerprint.of_request("POST", "/x", "", "application/json", body).digest
 
     small, small_reordered = _document(100, False), _document(100, True)
     assert len(small) <= fingerprint.CANONICAL_JSON_LIMIT
@@ -457,7 +457,7 @@ def test_form_up_to_the_limit_is_canonical_and_larger_form_is_its_bytes() -> Non
 def test_the_byte_rule_digest_is_given_for_form_bodies_only() -> None:
     arguments = ("POST", "/charges", "", FORM, b"b=2&a=1")
     request = fingerprint.of_request(*arguments)
-    assert request.digest == fingerprint.compute(*arguments)
+    assert request.digest == fingerprint.of_request(*arguments).digest
     assert request.as_bytes is not None and request.as_bytes != request.digest
     # What the gateway computed before forms were canonicalised: the body as its bytes.
     assert request.as_bytes == fingerprint._digest(*arguments[:3], FORM, b"bytes", (b"b=2&a=1",))
@@ -471,7 +471,7 @@ def test_a_key_stored_under_the_byte_rule_matches_only_the_same_bytes() -> None:
     # The reordered body was a different request under the byte rule; it still is for that key.
     assert not fingerprint.of_request("POST", "/charges", "", FORM, b"a=1&b=2").matches(stored)
     # A new key stores the new digest, which the reordered body matches.
-    new = fingerprint.compute("POST", "/charges", "", FORM, b"b=2&a=1")
+    new = fingerprint.of_request("POST", "/charges", "", FORM, b"b=2&a=1").digest
     assert fingerprint.of_request("POST", "/charges", "", FORM, b"a=1&b=2").matches(new)
 
 
@@ -752,7 +752,7 @@ def test_a_malformed_multipart_body_is_its_bytes(case: tuple[str, bytes]) -> Non
     request = fingerprint.of_request("POST", "/files", "", content_type, body)
     # Its bytes: the byte rule's digest, which its own retries match and nothing else does.
     assert request.digest == request.as_bytes
-    assert request.matches(fingerprint.compute("POST", "/files", "", content_type, body))
+    assert request.matches(fingerprint.of_request("POST", "/files", "", content_type, body).digest)
     assert digest(body + b"\r\n", content_type=content_type) != request.digest
 
 
@@ -807,7 +807,7 @@ def test_multipart_rules_apply_to_form_data_only() -> None:
 
 
 def encoded(body: bytes, coding: str | None, content_type: str | None = JSON) -> bytes:
-    return fingerprint.compute("POST", "/charges", "", content_type, body, coding)
+    return fingerprint.of_request("POST", "/charges", "", content_type, body, coding).digest
 
 
 def test_a_document_gzipped_again_for_a_retry_is_the_same_request() -> None:

@@ -131,7 +131,7 @@ def upstream_server() -> Iterator[RawUpstream]:
 
 
 # What the gateway computes for `request(key)` on a route without scope headers sent.
-REQUEST_FINGERPRINT = fingerprint.compute("POST", "/kept", "", "application/json", b"{}")
+REQUEST_FINGERPRINT = fingerprint.of_request("POST", "/kept", "", "application/json", b"{}").digest
 
 
 def scope_of(route: settings.Route) -> bytes:
@@ -468,7 +468,10 @@ async def test_a_body_key_route_takes_the_key_from_the_body(upstream: FakeUpstre
     assert (await gateway.handle(route, keyed_request([], body))).outcome == "forwarded"
     found = await store.get(scope_of(route), "kb1")
     assert found is not None  # and its fingerprint covers the whole body, key included
-    assert found.fingerprint == fingerprint.compute("POST", "/kept", "", "application/json", body)
+    assert (
+        found.fingerprint
+        == fingerprint.of_request("POST", "/kept", "", "application/json", body).digest
+    )
     with pytest.raises(errors.MissingKey, match="/payment/idempotency_key"):
         await gateway.handle(route, keyed_request([("idempotency-key", "kb2")], b'{"a": 1}'))
     with pytest.raises(errors.InvalidKey, match="number"):

@@ -133,7 +133,7 @@ def digest(body: bytes, **changes: object) -> bytes:
         "body": body,
     }
     request.update(changes)
-    return fingerprint.compute(**request)  # type: ignore[arg-type]
+    return fingerprint.of_request(**request).digest  # type: ignore[arg-type]
 
 
 @settings(max_examples=200)
@@ -216,7 +216,7 @@ def test_the_media_type_is_part_of_the_fingerprint(media: str, body: bytes) -> N
 def test_the_fingerprint_of_any_request_is_a_digest_never_an_error(
     method: str, path: str, query: bytes | str, content_type: str | None, body: bytes
 ) -> None:
-    assert len(fingerprint.compute(method, path, query, content_type, body)) == 32
+    assert len(fingerprint.of_request(method, path, query, content_type, body).digest) == 32
 
 
 # -- form bodies -----------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def strictly_valid_form(body: bytes) -> bool:
 def test_a_form_body_is_canonical_exactly_when_it_is_valid_else_its_bytes(body: bytes) -> None:
     canonical = fingerprint.canonical_form(body)
     assert (canonical is not None) == strictly_valid_form(body)
-    digest = fingerprint.compute("POST", "/p", "", FORM, body)
+    digest = fingerprint.of_request("POST", "/p", "", FORM, body).digest
     assert len(digest) == 32
     as_bytes = fingerprint.as_bytes("POST", "/p", "", FORM, body)
     assert (digest == as_bytes) == (canonical is None)

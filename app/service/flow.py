@@ -654,13 +654,23 @@ def _missing_key(route: Route, method: str) -> str:
 
 
 async def _fingerprint(request: ProxyRequest) -> fingerprint.Fingerprint:
+    # The two headers the fingerprint reads, in one pass over the request's headers: the first
+    # Content-Type, and every Content-Encoding line (their codings in order).
+    content_type: str | None = None
+    codings: list[str] = []
+    for name, value in request.headers:
+        if name == "content-type":
+            if content_type is None:
+                content_type = value
+        elif name == "content-encoding":
+            codings.append(value)
     arguments = (
         request.method,
         request.path,
         request.query,
-        next(iter(request.header_values("content-type")), None),
+        content_type,
         request.body,
-        ", ".join(request.header_values("content-encoding")) or None,
+        ", ".join(codings) or None,
     )
     if len(request.body) <= OFF_LOOP_BODY:
         return fingerprint.of_request(*arguments)

@@ -7,12 +7,13 @@ of a Citus cluster of two workers (tests/citus.py's servers, the same settings),
 in `--shards` shards (a database per shard count). `POST /emails` with a new Idempotency-Key per
 request over `--connections` keep-alive connections (bench/quick.py's load generator) for
 `--duration` seconds after a warm-up, `--repeats` times, the targets in turn. Before the
-measured repeats, each target is driven once so, unmeasured, and `ANALYZE` runs on every node of
-its database (as bench/citus_pairs.py and bench/citus_scale.py do): no repeat runs on a fresh key
-table planned without statistics. Each repeat runs the targets in an order rotated by one, and
-each row's ratio is to the same repeat's one server. From /proc: the CPU per forward of the
-gateway process and of every PostgreSQL node (postmasters, their children and the children they
-reaped; on the cluster the coordinator apart).
+measured repeats, each target is driven once so, unmeasured, and `VACUUM (ANALYZE)` runs on every
+node of its database (as bench/citus_pairs.py and bench/citus_scale.py do): no repeat runs on a
+fresh key table planned without statistics. Autovacuum is off on every server and each run's
+writes are vacuumed after it, outside it, so no vacuum falls inside a run. Each repeat runs the
+targets in an order rotated by one, and each row's ratio is to the same repeat's one server. From
+/proc: the CPU per forward of the gateway process and of every PostgreSQL node (postmasters, their
+children and the children they reaped; on the cluster the coordinator apart).
 
     .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
         [--shards default,32]
@@ -171,10 +172,10 @@ def main() -> int:
                 row = measure(
                     target, endpoint.url, endpoint.postmasters, upstream_port, work, arguments
                 )
-                asyncio.run(citus_pairs.analyze(endpoint))
+                asyncio.run(citus_pairs.vacuum(endpoint))
                 run.progress(
-                    f"warm-up {target}: {row.forwards_per_second:,.0f} forwards/s, then ANALYZE"
-                    " on every node"
+                    f"warm-up {target}: {row.forwards_per_second:,.0f} forwards/s, then VACUUM"
+                    " (ANALYZE) on every node"
                 )
             for repeat in range(1, arguments.repeats + 1):
                 for target in citus_pairs.in_order(list(targets), repeat):
@@ -184,12 +185,15 @@ def main() -> int:
                         arguments, repeat,
                     )  # fmt: skip
                     rows.append(row)
+                    # What the run wrote, vacuumed outside it (autovacuum is off on every
+                    # server, as in bench/citus_pairs.py): no vacuum falls inside another run.
+                    asyncio.run(citus_pairs.vacuum(endpoint))
                     run.progress(f"{target}: {row.forwards_per_second:,.0f} forwards/s")
         print(
             f"one `oncegate serve` process per target, {arguments.connections} connections, a new"
             f" key per request, {WARMUP:g} s warm-up + {arguments.duration:g} s per run, every"
-            " database first driven once unmeasured and analyzed on every node, the order"
-            " rotated each repeat; CPU from /proc"
+            " database first driven once unmeasured, autovacuum off and VACUUM (ANALYZE) on every"
+            " node after every run, outside it, the order rotated each repeat; CPU from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(

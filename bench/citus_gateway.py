@@ -13,7 +13,9 @@ fresh key table planned without statistics. Autovacuum is off on every server an
 writes are vacuumed after it, outside it, so no vacuum falls inside a run. Each repeat runs the
 targets in an order rotated by one, and each row's ratio is to the same repeat's one server. From
 /proc: the CPU per forward of the gateway process and of every PostgreSQL node (postmasters, their
-children and the children they reaped; on the cluster the coordinator apart).
+children and the children they reaped; on the cluster the coordinator apart). From the gateway's
+/metrics (`oncegate_store_batch_size`): the operations per statement of its claims and completes
+(on the cluster a worker's, both kinds in one) and how many such statements a forward took.
 
     .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
         [--shards default,32]
@@ -50,6 +52,9 @@ from tests import citus  # noqa: E402
 
 STARTUP_TIMEOUT = 60.0
 WARMUP = 2.0
+# The batched operations of a forward: the one server's claims and completes, a Citus worker's
+# both in one statement (store/postgres/workers.py).
+OPERATIONS = ("claim", "complete", "claim_complete")
 
 
 @dataclass
@@ -57,10 +62,13 @@ class Row:
     target: str
     repeat: int
     forwards_per_second: float
+    forwards: int
     gateway_ms: float
     postgres_ms: float
     coordinator_ms: float | None
     load: float  # the machine's load average (1 min) at the end of the run
+    # Per batched operation the store sent in the run: (operations, statements).
+    batches: dict[str, tuple[float, float]]
 
     def line(self, rows: list[Row]) -> str:
         postgres = f"{self.postgres_ms:.3f}"
@@ -75,8 +83,22 @@ class Row:
         times = f"{self.postgres_ms / one_server[0]:.2f}x" if one_server else "-"
         return (
             f"| {self.repeat} | {self.target} | {self.forwards_per_second:,.0f} |"
-            f" {self.gateway_ms:.3f} | {postgres} | {times} | {self.load:.1f} |"
+            f" {self.gateway_ms:.3f} | {postgres} | {times} | {self.sizes()} |"
+            f" {self.statements_per_forward():.2f} | {self.load:.1f} |"
         )
+
+    def sizes(self) -> str:
+        """Operations per statement: claims / completes / both in one (a Citus worker's)."""
+        means = []
+        for operation in OPERATIONS:
+            operations, statements = self.batches.get(operation, (0.0, 0.0))
+            means.append(f"{operations / statements:.1f}" if statements else "-")
+        return " / ".join(means)
+
+    def statements_per_forward(self) -> float:
+        """The store's claim and complete statements (of both kinds or either) a forward."""
+        sent = sum(self.batches.get(operation, (0.0, 0.0))[1] for operation in OPERATIONS)
+        return sent / max(self.forwards, 1)
 
 
 def measure(
@@ -104,11 +126,15 @@ def measure(
         groups = {"gateway": [gateway.pid]} | {
             f"node{index}": [pid] for index, pid in enumerate(postmasters)
         }
+        page_before = run.scrape(admin_port)
         before = run.cpu_seconds(groups)
         result = asyncio.run(
             capacity.drive(port, arguments.connections, arguments.duration, uuid.uuid4().hex[:12])
         )
         after = run.cpu_seconds(groups)
+        batches = sent(
+            run.batch_sizes(page_before) or {}, run.batch_sizes(run.scrape(admin_port)) or {}
+        )
         if result.errors:
             raise RuntimeError(f"{target}: errors {dict(result.errors)} ({quick.tail(log)})")
     finally:
@@ -121,11 +147,25 @@ def measure(
         target,
         repeat,
         result.requests / result.elapsed,
+        result.requests,
         used["gateway"] * 1000 / forwards,
         sum(used[name] for name in nodes) * 1000 / forwards,
         used["node0"] * 1000 / forwards if len(nodes) > 1 else None,
         os.getloadavg()[0],
+        batches,
     )
+
+
+def sent(
+    before: dict[str, run.Histogram], after: dict[str, run.Histogram]
+) -> dict[str, tuple[float, float]]:
+    """Per operation, the operations and statements of the store's batches between two scrapes
+    of the gateway's `oncegate_store_batch_size`."""
+    found = {}
+    for operation, histogram in after.items():
+        delta = histogram.minus(before.get(operation))
+        found[operation] = (delta.total, delta.count)
+    return found
 
 
 def main() -> int:
@@ -198,9 +238,10 @@ def main() -> int:
         print(f"\n$ {quick.command_line()}\n")
         print(
             "| repeat | target | forwards/s | gateway CPU ms/forward | PostgreSQL CPU ms/forward"
-            " (coordinator + workers) | x the repeat's one server | load average |"
+            " (coordinator + workers) | x the repeat's one server | operations per statement"
+            " (claim / complete / both) | the store's statements a forward | load average |"
         )
-        print("|---:|---|---:|---:|---:|---:|---:|")
+        print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
         for row in rows:
             print(row.line(rows))
         return 0

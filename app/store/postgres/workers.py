@@ -169,8 +169,7 @@ class Workers:
         shards = tuple(self._shards.shards_on(node))
         query = self._statements.get((operation, shards))
         if query is None:
-            build = _BUILDERS[operation]
-            query = self._statements[operation, shards] = compose(operation, build(shards))
+            query = self._statements[operation, shards] = statement_of(operation, shards)
         return query
 
     def _pools_of(self, node: Node) -> _Pools:
@@ -246,6 +245,12 @@ def _moved_away(exc: asyncpg.PostgresError) -> bool:
 
 async def _nothing(connection: asyncpg.Connection) -> None:
     pass
+
+
+def statement_of(operation: str, shards: Sequence[int]) -> Query:
+    """`operation`'s statement (`claim`, `complete`, `claim_complete`) on a worker holding
+    `shards`: a part per shard table, fenced."""
+    return compose(operation, _BUILDERS[operation](shards))
 
 
 def _claim(shards: Sequence[int]) -> str:

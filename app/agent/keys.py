@@ -18,6 +18,9 @@ import re
 MAX_KEY_LENGTH = 255
 _PART = re.compile(r"[A-Za-z0-9._~!$&'()*+;=@/-]+")
 _ACTION = re.compile(r"[a-z][a-z0-9_-]*")
+# The source part `action_key` writes (`step-` and a step's number as `str(int)` writes it):
+# a tool call's id of this form is written otherwise (`tool_call_key`).
+_STEP_SOURCE = re.compile(r"step-[1-9][0-9]*")
 
 
 def action_key(run_id: str, step: int, action: str) -> str:
@@ -48,10 +51,18 @@ def tool_call_key(run_id: str, tool_call_id: str, action: str) -> str:
 
     A model's tool call ids are the model's (`call_Ab12...`, `toolu_01...`): the run id keeps
     two runs' calls apart should a model (or a scripted one) use an id twice. The id must come
-    from the model's message as the run saved it, so that a resumed run reads the same one."""
+    from the model's message as the run saved it, so that a resumed run reads the same one.
+
+    An id a step's number could have made (`step-2`) would give the key of that step's action
+    (`action_key(run_id, 2, ...)`), another action: its `s` is written `%73` (`%73tep-2`),
+    which no other id is written as (`%` itself is always encoded). Every other id is written
+    as it always was, so only such ids changed key when this rule came."""
     if not tool_call_id:
         raise ValueError("a tool call key needs the tool call's id, not ''")
-    return _run_key(run_id, _escape(tool_call_id), action)
+    source = _escape(tool_call_id)
+    if _STEP_SOURCE.fullmatch(source):
+        source = "%73" + source[1:]
+    return _run_key(run_id, source, action)
 
 
 # A LangGraph task's key (`oncegate.agent.langgraph`): `case-81:send-email:1f0c...-...:email`.

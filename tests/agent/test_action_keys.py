@@ -61,3 +61,18 @@ def test_a_tool_calls_key_names_the_run_the_call_and_the_action() -> None:
         tool_call_key("run-81", "", "email")
     with pytest.raises(ValueError, match="run id"):
         tool_call_key("run 81", "call_1", "email")
+
+
+@pytest.mark.parametrize("step", [1, 2, 10, 123])
+def test_a_tool_call_whose_id_looks_like_a_step_never_gets_that_steps_key(step: int) -> None:
+    """A scripted model (or one that echoes ids) may name a call `step-2`: its action is not
+    step 2's, so the two keys differ, and the key is still one the gateway takes bare."""
+    key = tool_call_key("run-81", f"step-{step}", "email")
+    assert key != action_key("run-81", step, "email")
+    assert key == f"run-81:%73tep-{step}:email"
+    assert gateway_keys.parse([key]) == key
+    # No other id is written the same way: `%` itself is always encoded.
+    assert tool_call_key("run-81", f"%73tep-{step}", "email") != key
+    # Ids a step's number could not produce keep the key they always had.
+    for other in ("step-0", "step-02", "step-2a", "Step-2", "call_step-2"):
+        assert tool_call_key("run-81", other, "email") == f"run-81:{other}:email"

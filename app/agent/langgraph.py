@@ -11,22 +11,34 @@ is. Needs the extra `oncegate[langgraph]`; nothing else in oncegate imports Lang
 
 What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and `_loop.py`):
 - The thread id: the caller's; it keeps two threads' keys apart.
-- For a task of the graph's top level, the *lineage* of the checkpoint its step started from,
-  and the task's path in that step (`('__pregel_pull', 'node')`, `('__pregel_push', 2, ...)` for
-  the third `Send`). A checkpoint's lineage (`Lineage`) is its own id when it starts new work
-  (source `input`: new input; `update`: `update_state`), its parent's when it is a copy of it
-  (source `fork`: what LangGraph saves when a run is addressed by `checkpoint_id`), and a digest
-  of its parent's lineage when the loop made it (`loop`: one generation further). So the tasks a
-  resume runs again get the keys they had, whether the resume names the thread only or a
-  checkpoint id (LangGraph then forks, and its own task ids change), and a replay from an earlier
-  checkpoint id runs the same tasks with the same keys: answered from the gateway's store, never
-  performed again (or refused with 422, if a node's request came out different).
-- For a task inside a subgraph or a functional API task, LangGraph's namespace of it
-  (`outer:<task id>|inner:<task id>`): the task ids are made from the checkpoints the steps
-  started from, the same on every resume that does not fork. A fork gives them new ids, and
-  the parent's new id gives the subgraph a namespace, and checkpoints, of its own, so no key of
-  the run it continues can be found again: such a task is refused (`TaskKeyUnavailable`) when
-  any of its levels' lineage holds a fork.
+- A part for each graph level the task runs in (the top level; a subgraph's; a subgraph's
+  subgraph), each the node that runs there and a digest of where the task comes from: the
+  *lineage* of the checkpoint that level's step started from, and the path, in that step, of
+  the task that runs at that level (`('__pregel_pull', 'node')`; `('__pregel_push', 2)` for the
+  third `Send`; a functional API task's path names its entrypoint's and the call's number).
+  For the top level alone that is `node:<digest>`; inside a subgraph `outer:<digest>|inner:
+  <digest>`. LangGraph's task ids are not in the key: a fork gives every task new ids.
+- A checkpoint's lineage (`Lineage`) is its own id when it starts new work (source `input`: new
+  input; `update`: `update_state`), its parent's when it is a copy of it (source `fork`: what
+  LangGraph saves when a run is addressed by `checkpoint_id`), and a digest of its parent's
+  lineage when the loop made it (`loop`: one generation further). A subgraph's first checkpoint,
+  which LangGraph makes anew whenever it starts the subgraph again (a fork above gives the task
+  that runs it a new id, hence a new namespace), takes the level above's digest as its lineage.
+  So the tasks a resume runs again get the keys they had, whether the resume names the thread
+  only or a checkpoint id, and a replay from an earlier checkpoint id runs the same tasks with
+  the same keys: answered from the gateway's store, never performed again (or refused with 422,
+  if a node's request came out different).
+- An `update_state` does not make the tasks it leaves to run new work when its parent
+  checkpoint still had them to run (one killed after it acted, then an update, then a resume;
+  LangGraph's time travel, an update of an earlier checkpoint): such a task's key comes from
+  the parent (`had_task`, LangGraph's own rule read from the parent: a trigger newer than what
+  the node saw, or the same `Send`; for a subgraph's task, the subgraph was started from the
+  parent). A task the update itself starts (a node it triggers anew) is new work, with a key
+  of its own. So the way to new work for a task killed after it acted is to record it as done
+  (`update_state(..., as_node=node)`), then give it new input as the node before it.
+- Which `Send` a subgraph runs for is read back from its task id, which LangGraph makes from
+  the checkpoint, the step, the node and the `Send`'s index (`push_task_id`); a subgraph run by a
+  functional API task's call, whose path is not in its config, is refused.
 - The action's name, and the tool call's id when there is one.
 
 One condition: the checkpoint a task's step started from must be saved before the task acts,
@@ -36,14 +48,17 @@ step runs, and the key waits for that save (reading it back) before anything is 
 `"exit"` nothing is saved before the run ends: refused. Without a checkpointer there is no
 thread to resume: refused.
 
-Where this reads LangGraph's config beyond its public API (the durability, the checkpointer, the
-checkpoint map): the names are in `INTERNALS`; were one to move, every key is refused, never made
-unstable, and tests/agent/test_langgraph.py fails; pyproject.toml bounds the version.
+Where this reads LangGraph beyond its public API (the durability, the checkpointer and the
+checkpoint map in a node's config; the channel of a step's `Send`s and the kinds of task path;
+the function that makes a `Send`'s task id): the names are in `INTERNALS`, and
+tests/agent/test_langgraph.py checks them against LangGraph's own and fails when a `Send`'s
+task id is made otherwise; pyproject.toml bounds the version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import hashlib
 import random
 import threading
@@ -52,12 +67,13 @@ from collections import OrderedDict
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 import httpx
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 from langgraph.config import get_config
+from langgraph.pregel import _algo
 from langgraph.runtime import get_runtime
 from langgraph.types import RetryPolicy as NodeRetryPolicy
 
@@ -66,6 +82,7 @@ from .checkpoints import JSON
 from .client import (
     ActionClient,
     ActionError,
+    ActionKeyReused,
     ActionRejected,
     GaveUp,
     RetryPolicy,
@@ -79,7 +96,12 @@ from .client import (
 DURABILITY_KEY = "__pregel_durability"
 CHECKPOINTER_KEY = "__pregel_checkpointer"
 CHECKPOINT_MAP_KEY = "checkpoint_map"
-INTERNALS = (DURABILITY_KEY, CHECKPOINTER_KEY, CHECKPOINT_MAP_KEY)
+# What a saved checkpoint and a task's path say: the channel that holds a step's `Send`s, and
+# the first element of a task's path, a node's task (pull) or a `Send`'s or a call's (push).
+TASKS_CHANNEL = "__pregel_tasks"
+PULL = "__pregel_pull"
+PUSH = "__pregel_push"
+INTERNALS = (DURABILITY_KEY, CHECKPOINTER_KEY, CHECKPOINT_MAP_KEY, TASKS_CHANNEL, PULL, PUSH)
 DEFAULT_TIMEOUT = 30.0
 # How long a key waits for the save of its step's checkpoint under durability="async". The save
 # runs beside the step and takes milliseconds; a save that has not landed in this long is stuck
@@ -88,6 +110,9 @@ SAVE_WAIT = 30.0
 # Checkpoints whose lineage a process remembers (one entry a step): enough for thousands of
 # threads in flight, a few MB at most.
 LINEAGE_CACHE = 20_000
+# Checkpoints a process keeps as read (the steps' own, which every action of a step reads):
+# each holds its channels' versions, a few kB at most.
+RECORD_CACHE = 1_024
 # Keys a client remembers having sent, with the attempt of the task that sent them.
 SENT_MEMORY = 4_096
 
@@ -116,14 +141,11 @@ class Task:
 
     thread_id: str
     checkpoint_ns: str
-    path: str
+    route: tuple[Any, ...]  # the task's path in its step: ('__pregel_pull', 'node'), ...
+    triggers: tuple[str, ...]  # the channels whose new values start the task's node
     durability: str
     checkpointer: BaseCheckpointSaver[Any]
     levels: tuple[Level, ...]  # the top level first
-
-    @property
-    def top_level(self) -> bool:
-        return "|" not in self.checkpoint_ns
 
 
 def running_task() -> Task:
@@ -161,34 +183,41 @@ def running_task() -> Task:
             f"LangGraph's config has no checkpoint map ({CHECKPOINT_MAP_KEY!r}) with the top "
             "level's checkpoint: this LangGraph version is not one oncegate supports"
         )
-    path = config.get("metadata", {}).get("langgraph_path")
+    metadata = config.get("metadata", {})
+    path, triggers = metadata.get("langgraph_path"), metadata.get("langgraph_triggers")
+    if not isinstance(path, tuple | list) or not path:
+        raise TaskKeyUnavailable(
+            "LangGraph's config says no path of the running task ('langgraph_path'): this "
+            "LangGraph version is not one oncegate supports"
+        )
     return Task(
         thread_id=execution.thread_id,
         checkpoint_ns=execution.checkpoint_ns,
-        path=repr(path),
+        route=tuple(path),
+        triggers=tuple(triggers or ()),
         durability=durability,
         checkpointer=checkpointer,
         levels=tuple(levels),
     )
 
 
-# --- lineage ------------------------------------------------------------------------------------
+# --- the key's origin ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """What the lineage needs of one saved checkpoint."""
+    """What a key needs of one saved checkpoint."""
 
+    checkpoint_id: str
     source: str
     parent_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """A checkpoint's lineage (see the module's docstring) and whether a fork is in it."""
-
-    lineage: str
-    forked: bool
+    step: int
+    format: int  # the checkpoint's `v`, which says how LangGraph made its task ids
+    versions: Mapping[str, Any]  # channel_versions
+    seen: Mapping[str, Mapping[str, Any]]  # versions_seen, per node
+    available: frozenset[str]  # the channels that hold a value
+    sends: tuple[str, ...]  # the node of each `Send` the checkpoint's step runs, in order
+    parents: Mapping[str, str]  # the checkpoint of each level above, by namespace
 
 
 def record(saved: CheckpointTuple | None) -> Record | None:
@@ -196,49 +225,110 @@ def record(saved: CheckpointTuple | None) -> Record | None:
         return None
     parent = saved.parent_config
     parent_id = None if parent is None else parent.get("configurable", {}).get("checkpoint_id")
+    checkpoint = saved.checkpoint
+    values = checkpoint.get("channel_values", {})
+    step = saved.metadata.get("step")
     return Record(
+        checkpoint_id=checkpoint["id"],
         source=str(saved.metadata.get("source")),
         parent_id=parent_id,
+        step=step if isinstance(step, int) else -1,
+        format=int(checkpoint.get("v", 1)),
+        versions=checkpoint.get("channel_versions", {}),
+        seen=checkpoint.get("versions_seen", {}),
+        available=frozenset(values),
+        sends=tuple(str(getattr(packet, "node", "")) for packet in values.get(TASKS_CHANNEL, ())),
+        parents=dict(saved.metadata.get("parents") or {}),
     )
 
 
-# A walk's request: read this checkpoint (of the thread and namespace the walk is for); `True`
-# when it is the step's own checkpoint, which an "async" run may still be saving.
-Read = tuple[str, bool]
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read this checkpoint of the task's thread; `own`: the step's own checkpoint, which an
+    "async" run may still be saving."""
+
+    namespace: str
+    checkpoint_id: str
+    own: bool
 
 
-class Lineage:
-    """The lineage of checkpoints, walked up their parents and remembered per process (a
-    checkpoint never changes once saved). Thread-safe: a `ToolNode` runs its tools in threads."""
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Whether a subgraph of `node` was started from checkpoint `checkpoint_id` of the level
+    `namespace` (whose levels above are `parents`): its checkpoints say so."""
 
-    def __init__(self, size: int = LINEAGE_CACHE) -> None:
-        self._known: OrderedDict[tuple[str, str, str], Origin] = OrderedDict()
+    namespace: str
+    checkpoint_id: str
+    parents: Mapping[str, str]
+    node: str
+
+
+Request = Read | Started
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+Value = TypeVar("Value")
+
+
+class Remembered(Generic[Value]):
+    """The last `size` values found, by (thread, namespace, checkpoint id): what a saved
+    checkpoint says never changes. Thread-safe: a `ToolNode` runs its tools in threads."""
+
+    def __init__(self, size: int) -> None:
+        self._known: OrderedDict[tuple[str, str, str], Value] = OrderedDict()
         self._size = size
         self._lock = threading.Lock()
 
+    def get(self, entry: tuple[str, str, str]) -> Value | None:
+        with self._lock:
+            value = self._known.get(entry)
+            if value is not None:
+                self._known.move_to_end(entry)
+            return value
+
+    def put(self, entry: tuple[str, str, str], value: Value) -> None:
+        with self._lock:
+            self._known[entry] = value
+            while len(self._known) > self._size:
+                self._known.popitem(last=False)
+
+
+# One per process: every client and `task_key` share what was read.
+RECORDS: Remembered[Record] = Remembered(RECORD_CACHE)
+
+
+class Lineage:
+    """The lineage of checkpoints, walked up their parents and remembered per process."""
+
+    def __init__(self, size: int = LINEAGE_CACHE) -> None:
+        self._known: Remembered[str] = Remembered(size)
+
     def walk(
-        self, thread_id: str, namespace: str, checkpoint_id: str
-    ) -> Generator[Read, Record | None, Origin]:
-        """Yields each checkpoint it must read, is sent what was read (None: not saved), and
-        returns the origin of `checkpoint_id`. Decides only; the caller does the reading."""
+        self, thread_id: str, namespace: str, checkpoint_id: str, anchor: str | None
+    ) -> Generator[Read, Record, str]:
+        """Yields each checkpoint it must read, is sent what was read, and returns the lineage
+        of `checkpoint_id`. `anchor`: for a subgraph's level, what its first checkpoint descends
+        from (the task of the level above that runs it). Decides only; the caller reads."""
         chain: list[tuple[str, Record]] = []
-        current, first = checkpoint_id, True
+        current = checkpoint_id
         while True:
-            known = self._get((thread_id, namespace, current))
+            known = self._known.get((thread_id, namespace, current))
             if known is not None:
-                origin = known
+                lineage = known
                 break
-            found = yield current, first
-            first = False
-            if found is None:
-                raise TaskKeyUnavailable(
-                    f"checkpoint {current} of thread {thread_id!r} (namespace {namespace!r}) is "
-                    "not in the checkpointer: the key of this task is made from the checkpoints "
-                    "its step descends from, and one is missing"
-                )
+            found = yield Read(namespace, current, own=current == checkpoint_id)
+            if found.parent_id is None and anchor is not None:
+                # A subgraph's first checkpoint: a new one each time LangGraph starts the
+                # subgraph again (a fork gives it new task ids), the same task above it.
+                lineage = anchor
+                self._known.put((thread_id, namespace, current), lineage)
+                break
             if found.source in ("input", "update"):
-                origin = Origin(current, forked=False)
-                self._put((thread_id, namespace, current), origin)
+                lineage = current
+                self._known.put((thread_id, namespace, current), lineage)
                 break
             if found.source not in ("loop", "fork"):
                 raise TaskKeyUnavailable(
@@ -251,32 +341,144 @@ class Lineage:
             chain.append((current, found))
             current = found.parent_id
         for checkpoint, saved in reversed(chain):
-            if saved.source == "fork":
-                origin = Origin(origin.lineage, forked=True)
-            else:
+            if saved.source == "loop":
                 # Not the step's number: a fork takes a number of its own (its parent's + 1), so
                 # the steps after it are numbered one further than the ones they replay.
-                digest = hashlib.sha256(f"{origin.lineage}\0next".encode()).hexdigest()
-                origin = Origin(digest[:32], origin.forked)
-            self._put((thread_id, namespace, checkpoint), origin)
-        return origin
-
-    def _get(self, entry: tuple[str, str, str]) -> Origin | None:
-        with self._lock:
-            origin = self._known.get(entry)
-            if origin is not None:
-                self._known.move_to_end(entry)
-            return origin
-
-    def _put(self, entry: tuple[str, str, str], origin: Origin) -> None:
-        with self._lock:
-            self._known[entry] = origin
-            while len(self._known) > self._size:
-                self._known.popitem(last=False)
+                lineage = hashlib.sha256(f"{lineage}\0next".encode()).hexdigest()[:32]
+            self._known.put((thread_id, namespace, checkpoint), lineage)
+        return lineage
 
 
-# One per process: every client and `task_key` share what was read.
 LINEAGE = Lineage()
+
+
+def had_task(parent: Record, node: str, path: tuple[Any, ...], triggers: tuple[str, ...]) -> bool:
+    """Whether checkpoint `parent` still had to run the task at `path` (of `node`): a node
+    whose trigger holds a value newer than what the node last saw (LangGraph's own rule, read
+    from the checkpoint), or the `Send` at that index. A functional API task (a call of its
+    entrypoint) is taken as its parent's: never as new work."""
+    if path[:1] == (PUSH,) and len(path) == 2 and isinstance(path[1], int):
+        return path[1] < len(parent.sends) and parent.sends[path[1]] == node
+    if path[:1] != (PULL,):
+        return True
+    seen = parent.seen.get(node)
+    null = type(next(iter(parent.versions.values()), ""))()
+    for channel in triggers:
+        if channel not in parent.available:
+            continue
+        if seen is None or parent.versions.get(channel, null) > seen.get(channel, null):
+            return True
+    return False
+
+
+def push_task_id(level: Record, namespace: str, node: str, index: int) -> str:
+    """The id LangGraph gives the task of the `index`-th `Send` (to `node`) of the step that
+    starts from `level` (`langgraph/pregel/_algo.py`, `prepare_push_task_send`)."""
+    identify = _algo._xxhash_str if level.format > 1 else _algo._uuid5_str
+    return identify(
+        binascii.unhexlify(level.checkpoint_id.replace("-", "")),
+        f"{namespace}|{node}" if namespace else node,
+        str(level.step + 1),
+        node,
+        PUSH,
+        str(index),
+    )
+
+
+def subgraph_task(level: Record, namespace: str, node: str, task_id: str) -> tuple[Any, ...]:
+    """The path of the task (`node`, LangGraph's id `task_id`) that runs a subgraph from the
+    step starting at `level`: its node's (one a step), or, when the step sends to that node,
+    the index of its `Send`."""
+    sent = [index for index, name in enumerate(level.sends) if name == node]
+    for index in sent:
+        if push_task_id(level, namespace, node, index) == task_id:
+            return (PUSH, index)
+    if sent:
+        raise TaskKeyUnavailable(
+            f"the step that runs subgraph {node!r} also sends to it, and oncegate cannot tell "
+            f"which of its {len(sent)} Sends task {task_id} is (LangGraph's task ids are not "
+            "made as this oncegate version reads them), so it sends nothing"
+        )
+    return (PULL, node)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One level of a key: the node that runs at that level, and where it comes from."""
+
+    node: str
+    digest: str
+
+
+def derive(task: Task) -> Generator[Request, Any, list[Part]]:
+    """The key's parts, the top level first (see the module's docstring). Yields each read it
+    needs and is sent its answer; decides only."""
+
+    def read(namespace: str, checkpoint_id: str, own: bool) -> Generator[Request, Any, Record]:
+        entry = (task.thread_id, namespace, checkpoint_id)
+        known = RECORDS.get(entry)
+        if known is None:
+            known = yield Read(namespace, checkpoint_id, own)
+            if known is None:
+                raise TaskKeyUnavailable(
+                    f"checkpoint {checkpoint_id} of thread {task.thread_id!r} (namespace "
+                    f"{namespace!r}) is not in the checkpointer: the key of this task is made "
+                    "from the checkpoints its step descends from, and one is missing"
+                )
+            RECORDS.put(entry, known)
+        return known
+
+    segments = task.checkpoint_ns.split("|")
+    parts: list[Part] = []
+    anchor: str | None = None
+    for index, level in enumerate(task.levels):
+        innermost = index == len(task.levels) - 1
+        own = yield from read(level.namespace, level.checkpoint_id, True)
+        if innermost:
+            node, path = segments[-1].rpartition(":")[0], task.route
+        else:
+            above = level.namespace.split("|") if level.namespace else []
+            below = task.levels[index + 1].namespace.split("|")
+            if below[:-1] != above:
+                raise TaskKeyUnavailable(
+                    f"subgraph {task.levels[index + 1].namespace!r} is run by a task below the "
+                    "steps of its parent graph (a functional API task's call): oncegate cannot "
+                    "tell which of them it is, so it sends nothing"
+                )
+            node, _, task_id = below[-1].rpartition(":")
+            path = subgraph_task(own, level.namespace, node, task_id)
+        # The checkpoint the task's key comes from: through forks (copies) and through updates
+        # whose parent still had this task to run, which it continues, up to the first that
+        # starts it.
+        start, current = level.checkpoint_id, own
+        while current.parent_id is not None and current.source in ("fork", "update"):
+            parent = yield from read(level.namespace, current.parent_id, False)
+            if current.source == "update":
+                if innermost:
+                    continues = had_task(parent, node, path, task.triggers)
+                else:
+                    parents = {**parent.parents, level.namespace: parent.checkpoint_id}
+                    continues = yield Started(level.namespace, parent.checkpoint_id, parents, node)
+                if not continues:
+                    break
+            start, current = parent.checkpoint_id, parent
+        walk = LINEAGE.walk(task.thread_id, level.namespace, start, anchor)
+        try:
+            request = next(walk)
+            while True:
+                request = walk.send((yield from read(request.namespace, request.checkpoint_id,
+                                                     request.own)))  # fmt: skip
+        except StopIteration as done:
+            lineage: str = done.value
+        anchor = _digest(lineage, repr(path))
+        parts.append(Part(node, anchor))
+    return parts
+
+
+def compose(task: Task, parts: list[Part], action: str, tool_call_id: str | None) -> str:
+    """The key, from the task and its parts: `thread:node:<digest>:action`, a level each."""
+    namespace = "|".join(f"{part.node}:{part.digest}" for part in parts)
+    return keys.task_key(task.thread_id, namespace, action, tool_call_id=tool_call_id)
 
 
 def reading(thread_id: str, namespace: str, checkpoint_id: str) -> RunnableConfig:
@@ -289,46 +491,44 @@ def reading(thread_id: str, namespace: str, checkpoint_id: str) -> RunnableConfi
     }
 
 
-def origins(task: Task) -> Generator[tuple[Level, Read], Record | None, list[Origin]]:
-    """Every level's origin, the top level first (one walk after the other)."""
-    found = []
-    for level in task.levels:
-        walk = LINEAGE.walk(task.thread_id, level.namespace, level.checkpoint_id)
-        try:
-            request = next(walk)
-            while True:
-                request = walk.send((yield level, request))
-        except StopIteration as done:
-            found.append(done.value)
-    return found
+def was_started(saved: CheckpointTuple, request: Started) -> bool:
+    """Whether `saved` is a checkpoint of a subgraph `request` asks about."""
+    namespace = saved.config.get("configurable", {}).get("checkpoint_ns", "")
+    above, _, node = str(namespace).rpartition("|")
+    return above == request.namespace and node.rpartition(":")[0] == request.node
 
 
-def compose(task: Task, found: list[Origin], action: str, tool_call_id: str | None) -> str:
-    """The key, from the task and its levels' origins (see the module's docstring)."""
-    if task.top_level:
-        node = task.checkpoint_ns.rpartition(":")[0]
-        digest = hashlib.sha256(f"{found[0].lineage}\0{task.path}".encode()).hexdigest()
-        return keys.task_key(
-            task.thread_id, f"{node}:{digest[:32]}", action, tool_call_id=tool_call_id
-        )
-    if any(origin.forked for origin in found):
-        raise TaskKeyUnavailable(
-            f"this task runs inside a subgraph (or an entrypoint) of a run that LangGraph forked "
-            f"from a checkpoint (a run addressed by checkpoint_id, or a copy of the thread): its "
-            f"task ids, {task.checkpoint_ns!r}, are new, and no key of the run it continues can "
-            "be found again, so it sends nothing. Resume the thread without a checkpoint_id "
-            "(config={'configurable': {'thread_id': ...}}) from a checkpoint that is not a fork, "
-            "or give the branch new work first (graph.update_state), whose actions are new"
-        )
-    return keys.task_key(task.thread_id, task.checkpoint_ns, action, tool_call_id=tool_call_id)
+def searching(task: Task, request: Started) -> tuple[RunnableConfig, dict[str, Any]]:
+    """The thread's checkpoints (every namespace) whose levels above are `request.parents`."""
+    return {"configurable": {"thread_id": task.thread_id}}, {"parents": dict(request.parents)}
 
 
-def _wait_message(task: Task, level: Level, save_wait: float) -> str:
+def _wait_message(task: Task, request: Read, save_wait: float) -> str:
     return (
-        f"the checkpoint this task's step started from ({level.checkpoint_id}) was not saved "
+        f"the checkpoint this task's step started from ({request.checkpoint_id}) was not saved "
         f"within {save_wait:g} s ({task.durability!r} durability): sent before that save, the "
         "action would get another key on resume, so nothing was sent"
     )
+
+
+def answer(task: Task, request: Request, save_wait: float) -> Record | bool | None:
+    """A request of `derive`, answered with the saver's sync API."""
+    if isinstance(request, Started):
+        config, where = searching(task, request)
+        listed = task.checkpointer.list(config, filter=where)
+        return any(was_started(saved, request) for saved in listed)
+    config = reading(task.thread_id, request.namespace, request.checkpoint_id)
+    found = record(task.checkpointer.get_tuple(config))
+    if found is None and request.own and task.durability == "async":
+        deadline = time.monotonic() + save_wait
+        pause = 0.002
+        while found is None:
+            if time.monotonic() >= deadline:
+                raise TaskKeyUnavailable(_wait_message(task, request, save_wait))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            found = record(task.checkpointer.get_tuple(config))
+    return found
 
 
 def task_key(action: str, *, tool_call_id: str | None = None, save_wait: float = SAVE_WAIT) -> str:
@@ -338,29 +538,13 @@ def task_key(action: str, *, tool_call_id: str | None = None, save_wait: float =
     node, a tool or a functional API task of a graph with a checkpointer; under durability
     "async" it waits (up to `SAVE_WAIT`) for the step's checkpoint to be saved."""
     task = running_task()
-    walk = origins(task)
+    derivation = derive(task)
     try:
-        level, (checkpoint_id, own) = next(walk)
+        request = next(derivation)
         while True:
-            found = record(task.checkpointer.get_tuple(reading(task.thread_id, level.namespace,
-                                                               checkpoint_id)))  # fmt: skip
-            if found is None and own and task.durability == "async":
-                found = _wait_saved(task, level, checkpoint_id, save_wait)
-            level, (checkpoint_id, own) = walk.send(found)
+            request = derivation.send(answer(task, request, save_wait))
     except StopIteration as done:
         return compose(task, done.value, action, tool_call_id)
-
-
-def _wait_saved(task: Task, level: Level, checkpoint_id: str, save_wait: float) -> Record:
-    deadline = time.monotonic() + save_wait
-    pause = 0.002
-    while time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-        saved = task.checkpointer.get_tuple(reading(task.thread_id, level.namespace, checkpoint_id))
-        if (found := record(saved)) is not None:
-            return found
-    raise TaskKeyUnavailable(_wait_message(task, level, save_wait))
 
 
 async def aread(
@@ -375,27 +559,42 @@ async def aread(
     return await checkpointer.aget_tuple(config)
 
 
+async def aanswer(task: Task, request: Request, save_wait: float) -> Record | bool | None:
+    """`answer`, with the saver's async API (in a thread for a saver that has none)."""
+    if isinstance(request, Started):
+        config, where = searching(task, request)
+        checkpointer = task.checkpointer
+        if type(checkpointer).alist is BaseCheckpointSaver.alist:
+            listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, filter=where)))
+            return any(was_started(saved, request) for saved in listed)
+        async for saved in checkpointer.alist(config, filter=where):
+            if was_started(saved, request):
+                return True
+        return False
+    config = reading(task.thread_id, request.namespace, request.checkpoint_id)
+    found = record(await aread(task.checkpointer, config))
+    if found is None and request.own and task.durability == "async":
+        deadline = time.monotonic() + save_wait
+        pause = 0.002
+        while found is None:
+            if time.monotonic() >= deadline:
+                raise TaskKeyUnavailable(_wait_message(task, request, save_wait))
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            found = record(await aread(task.checkpointer, config))
+    return found
+
+
 async def atask_key(
     action: str, *, tool_call_id: str | None = None, save_wait: float = SAVE_WAIT
 ) -> str:
     """`task_key` for async nodes and tools: reads the checkpoints with the saver's async API."""
     task = running_task()
-    walk = origins(task)
+    derivation = derive(task)
     try:
-        level, (checkpoint_id, own) = next(walk)
+        request = next(derivation)
         while True:
-            config = reading(task.thread_id, level.namespace, checkpoint_id)
-            found = record(await aread(task.checkpointer, config))
-            if found is None and own and task.durability == "async":
-                deadline = time.monotonic() + save_wait
-                pause = 0.002
-                while found is None:
-                    if time.monotonic() >= deadline:
-                        raise TaskKeyUnavailable(_wait_message(task, level, save_wait))
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, 0.05)
-                    found = record(await aread(task.checkpointer, config))
-            level, (checkpoint_id, own) = walk.send(found)
+            request = derivation.send(await aanswer(task, request, save_wait))
     except StopIteration as done:
         return compose(task, done.value, action, tool_call_id)
 
@@ -443,6 +642,24 @@ class Sent:
 
 # One per process: two clients in one task (a client made per call) see each other's keys.
 SENT = Sent()
+
+
+def reused(error: ActionKeyReused) -> ActionKeyReused:
+    """The gateway's 422 for a task's key, with what to do about it on LangGraph."""
+    node = get_config().get("metadata", {}).get("langgraph_node", "<node>")
+    return ActionKeyReused(
+        f"{error}. On LangGraph this key is the one the task this run continues sent (a "
+        "resume, a replay, or an update_state that left the task to run), and this run's "
+        "request came out different, so nothing was sent. If the first request was performed "
+        "and that is all, record what the node returned and resume: graph.update_state(config, "
+        f"output, as_node={node!r}). If this request is new work, to perform as well: record "
+        "the first that way, then give the node its new input as the node before it "
+        "(graph.update_state(config, values, as_node=...)): a task started by that update gets "
+        "a key of its own. A request that changes on every run (a clock, a model's draft) is "
+        "drafted in an earlier node (docs/agents.md, 'Drafting in an earlier node')",
+        key=error.key,
+        response=error.response,
+    )
 
 
 class Gateway:
@@ -500,6 +717,9 @@ class Gateway:
         SENT.claim(key, attempt, action, tool_call_id)
         try:
             return self._client.request(method, path, key, json=json, form=form, headers=headers)
+        except ActionKeyReused as error:
+            SENT.forget(key, attempt)
+            raise reused(error) from error
         except BaseException:
             SENT.forget(key, attempt)
             raise
@@ -572,6 +792,9 @@ class AsyncGateway:
             return await self._client.request(
                 method, path, key, json=json, form=form, headers=headers
             )
+        except ActionKeyReused as error:
+            SENT.forget(key, attempt)
+            raise reused(error) from error
         except BaseException:
             SENT.forget(key, attempt)
             raise

@@ -3,6 +3,7 @@
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
         [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
         [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
+        [--subgraph] [--note TEXT]
 
 The graph loops `LOOPS` times through `draft` then `send`; `send` POSTs an email through the
 gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by LangGraph's
@@ -20,6 +21,10 @@ thread's latest checkpoint by its id, which LangGraph runs as a fork).
   body with the same key, which the gateway refuses (`{"event": "reused", "key": ...}`, exit 1).
 - `--mark-sent RECEIPT_JSON`: before resuming, record that answer as what `send` returned
   (`update_state(..., as_node="send")`), the way out of a body that changed.
+- `--note TEXT`: before resuming, an operator's `update_state(config, {"note": TEXT})`, which
+  the email does not read: the interrupted `send` is still to run after it.
+- `--subgraph`: `send` is a subgraph whose one node, `email`, sends (the key then descends
+  from the outer step's and the subgraph's checkpoints).
 - A `send` whose client refuses to make a key prints `{"event": "refused", "error": ...}` and
   waits for the SIGKILL (`--save-wait S`: how long the key waits for its step's checkpoint).
 """
@@ -32,7 +37,7 @@ import json
 import operator
 import sys
 import time
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, NotRequired, TypedDict
 
 import psycopg
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -49,6 +54,15 @@ LOOPS = 3
 class State(TypedDict):
     iteration: int
     receipts: Annotated[list[dict[str, Any]], operator.add]
+    note: NotRequired[str]
+
+
+class Inner(TypedDict):
+    """`--subgraph`'s state: its `receipts` are what its one node returns (no reducer), which
+    the outer graph adds to its own."""
+
+    iteration: int
+    receipts: list[dict[str, Any]]
 
 
 def report(**fields: Any) -> None:
@@ -115,7 +129,23 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
 
     builder = StateGraph(State)
     builder.add_node("draft", draft)
-    builder.add_node("send", send if arguments.api == "sync" else send_async)
+    node = send if arguments.api == "sync" else send_async
+    if arguments.subgraph:
+        inner = StateGraph(Inner)
+        # Unannotated, so the node reads the subgraph's state (`Inner`), not `State`.
+        if arguments.api == "sync":
+            inner.add_node("email", lambda state: send(state))
+        else:
+
+            async def email(state):  # type: ignore[no-untyped-def]  # read as `Inner`, see above
+                return await send_async(state)
+
+            inner.add_node("email", email)
+        inner.add_edge(START, "email")
+        inner.add_edge("email", END)
+        builder.add_node("send", inner.compile())
+    else:
+        builder.add_node("send", node)
     builder.add_edge(START, "draft")
     builder.add_edge("draft", "send")
     builder.add_conditional_edges("send", again)
@@ -168,6 +198,8 @@ def run_sync(arguments: argparse.Namespace) -> None:
             graph.update_state(
                 config, {"receipts": [json.loads(arguments.mark_sent)]}, as_node="send"
             )
+        if arguments.note is not None:
+            graph.update_state(config, {"note": arguments.note})
         if saver.get_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -195,6 +227,8 @@ async def run_async(arguments: argparse.Namespace) -> None:
             saver = AsyncPostgresSaver(connection)
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
+        if arguments.note is not None:
+            await graph.aupdate_state(config, {"note": arguments.note})
         if await saver.aget_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -218,6 +252,8 @@ def main() -> None:
     parser.add_argument("--save-wait", type=float, default=30.0)
     parser.add_argument("--clock", action="store_true")
     parser.add_argument("--mark-sent", metavar="RECEIPT_JSON")
+    parser.add_argument("--note")
+    parser.add_argument("--subgraph", action="store_true")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

@@ -16,11 +16,12 @@ import json
 import operator
 import uuid
 from collections.abc import Iterator
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, NotRequired, TypedDict
 
 import httpx
 import psycopg
 import pytest
+from langgraph._internal import _constants as constants
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.func import entrypoint, task
@@ -174,6 +175,75 @@ def test_a_body_drafted_in_the_sending_node_is_refused_on_resume_and_marked_sent
     assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
 
 
+@pytest.mark.parametrize(
+    ("api", "resume_by", "subgraph"),
+    [
+        ("sync", "thread", False),
+        ("async", "checkpoint-id", False),
+        ("sync", "thread", True),
+        ("async", "thread", True),
+    ],
+)
+def test_an_update_between_the_kill_and_the_resume_keeps_the_interrupted_tasks_key(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    api: str,
+    resume_by: str,
+    subgraph: bool,
+) -> None:
+    """Killed after the second email, then an operator's `update_state` that leaves `send` to
+    run (a note the email does not read) before the resume: the task it still had to run is
+    the one killed, so it sends the key the killed one sent, answered from the gateway's store.
+    With `send` a subgraph, the update restarts the subgraph under new task ids: the same."""
+    thread = f"case-{uuid.uuid4()}"
+    shape = ("--api", api, *(("--subgraph",) if subgraph else ()))
+    first = GraphProcess(database_url, gateway, thread, *shape, "--freeze-at", "2")
+    processes.append(first)
+    killed = sent(first.until("frozen"))[-1]
+    first.kill()
+    second = GraphProcess(database_url, gateway, thread, *shape, "--note", "called the customer",
+                          "--resume-by", resume_by)  # fmt: skip
+    processes.append(second)
+    after = sent(second.finish(LOOPS))
+    assert [item["iteration"] for item in after] == [2, 3]
+    assert after[0]["key"] == killed["key"] and after[0]["replayed"]
+    emails = thread_emails(upstream, thread)
+    assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
+
+
+def test_a_subgraph_resumed_by_checkpoint_id_keeps_its_key_and_the_thread_goes_on(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+) -> None:
+    """`send` is a subgraph. Killed after its second email, resumed by the latest checkpoint's
+    id (LangGraph forks: the subgraph runs again under new task ids and checkpoints) and killed
+    again after the resend, then resumed by thread id from the fork LangGraph saved: the email
+    keeps one key throughout, performed once, and the thread finishes."""
+    thread = f"case-{uuid.uuid4()}"
+    first = GraphProcess(database_url, gateway, thread, "--subgraph", "--freeze-at", "2")
+    processes.append(first)
+    killed = sent(first.until("frozen"))[-1]
+    first.kill()
+    forked = GraphProcess(database_url, gateway, thread, "--subgraph", "--freeze-at", "2",
+                          "--resume-by", "checkpoint-id")  # fmt: skip
+    processes.append(forked)
+    again = sent(forked.until("frozen"))[-1]
+    forked.kill()
+    last = GraphProcess(database_url, gateway, thread, "--subgraph")
+    processes.append(last)
+    after = sent(last.finish(LOOPS))
+    assert again["checkpoint_ns"] != killed["checkpoint_ns"]  # LangGraph's task ids changed
+    assert again["key"] == killed["key"] == after[0]["key"]
+    assert again["replayed"] and after[0]["replayed"]
+    assert "|email:" in killed["key"]
+    emails = thread_emails(upstream, thread)
+    assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
+
+
 # --- in this process: what task_key refuses, fan-out, the client's errors -----------------------
 
 
@@ -226,7 +296,14 @@ def test_task_key_refuses_a_run_whose_keys_a_resume_would_not_find_again(
         assert len(seen["keys"]) == 1
     seen = one_node(act, checkpointer).invoke(start, thread())  # LangGraph's default: "async"
     assert len(seen["keys"]) == 1
-    assert INTERNALS == ("__pregel_durability", "__pregel_checkpointer", "checkpoint_map")
+    assert INTERNALS == (
+        constants.CONFIG_KEY_DURABILITY,
+        constants.CONFIG_KEY_CHECKPOINTER,
+        constants.CONFIG_KEY_CHECKPOINT_MAP,
+        constants.TASKS,
+        constants.PULL,
+        constants.PUSH,
+    )
 
 
 def test_tasks_sent_to_one_node_in_one_step_each_get_their_own_key(
@@ -367,12 +444,15 @@ def test_functional_api_tasks_get_keys_of_their_own_under_their_entrypoint(
     found = flow.invoke(2, config, durability="sync")
     first, second, outer = found
     assert len(set(found)) == 3
-    # The entrypoint's key is made from its step's lineage, its tasks' from LangGraph's
-    # namespace of them, under the entrypoint's task.
-    prefix = config["configurable"]["thread_id"] + ":flow:"
-    assert outer.startswith(prefix) and outer.endswith(":flow")
+    # Each key is made from its step's lineage and the task's path in that step (a task's path
+    # names its entrypoint's and the call's number), so a replay by checkpoint id, which
+    # LangGraph runs under new task ids, finds them again.
+    thread_id = config["configurable"]["thread_id"]
+    assert outer.startswith(f"{thread_id}:flow:") and outer.endswith(":flow")
     for key in (first, second):
-        assert key.startswith(prefix) and "|send:" in key and key.endswith(":email")
+        assert key.startswith(f"{thread_id}:send:") and key.endswith(":email")
+    start = list(flow.get_state_history(config))[-1]
+    assert flow.invoke(None, start.config, durability="sync") == found
 
 
 # --- resumes and replays by checkpoint id, retries, a body that changed (in this process) -------
@@ -381,6 +461,7 @@ def test_functional_api_tasks_get_keys_of_their_own_under_their_entrypoint(
 class Emails(TypedDict):
     iteration: int
     keys: Annotated[list[str], operator.add]
+    note: NotRequired[str]
 
 
 def emails_graph(checkpointer: PostgresSaver, client: Gateway) -> Any:
@@ -429,10 +510,14 @@ def test_a_replay_from_an_earlier_checkpoint_id_sends_the_same_keys_and_performs
         assert len(upstream.actions(key)) == 1, key
 
 
-def test_new_work_on_an_earlier_checkpoint_gets_new_keys(
+def test_an_edit_of_an_earlier_checkpoint_keeps_the_key_of_the_task_it_had_to_run(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
-    """`update_state` on an earlier checkpoint is new work, not a replay: its sends are new."""
+    """LangGraph's time travel: `update_state` on an earlier checkpoint, then a run from the
+    edit. The task that checkpoint still had to run (the third `send`) is the one the first run
+    performed: an edit that leaves its email as it was gets its answer back; one that changes
+    the email is refused before anything is sent, with what to do; done as it says, the new
+    email is new work with a key of its own, performed once."""
     config = thread()
     with Gateway(gateway.url) as client:
         graph = emails_graph(checkpointer, client)
@@ -441,42 +526,138 @@ def test_new_work_on_an_earlier_checkpoint_gets_new_keys(
             state for state in graph.get_state_history(config)
             if state.next == ("send",) and state.values["iteration"] == 3
         ]  # fmt: skip
-        edited = graph.update_state(before_third.config, {"iteration": 30})
-        branch = graph.invoke(None, edited, durability="sync")
-    new_key = branch["keys"][-1]
-    assert branch["keys"][:-1] == final["keys"][:-1] and new_key not in final["keys"]
+        noted = graph.update_state(before_third.config, {"note": "checked by Ana"})
+        assert graph.get_state(noted).next == ("send",)
+        branch = graph.invoke(None, noted, durability="sync")
+        assert branch["keys"] == final["keys"]
+        changed = graph.update_state(before_third.config, {"iteration": 30})
+        with pytest.raises(ActionKeyReused) as reused:
+            graph.invoke(None, changed, durability="sync")
+        third = final["keys"][-1]
+        assert reused.value.key == third
+        message = str(reused.value)
+        assert "as_node='send'" in message and "update_state" in message
+        # What it says: the email sent is recorded as the node's output, then the new one is
+        # given to `send` as new input from the node before it.
+        done = graph.update_state(changed, {"keys": [third]}, as_node="send")
+        again = graph.update_state(done, {"iteration": 30}, as_node="draft")
+        new = graph.invoke(None, again, durability="sync")
+    new_key = new["keys"][-1]
+    assert new_key not in final["keys"]
     assert [action["request"] for action in upstream.actions(new_key)] == [{"n": 30}]
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
 
 
-def test_a_subgraphs_task_in_a_forked_run_is_refused_before_anything_is_sent(
+def subgraph_of(node: Any) -> Any:
+    """A graph whose one node, `outer`, is a subgraph whose one node, `inner`, is `node`."""
+    sub = StateGraph(Loop)
+    sub.add_node("inner", node)
+    sub.add_edge(START, "inner")
+    sub.add_edge("inner", END)
+    outer = StateGraph(Loop)
+    outer.add_node("outer", sub.compile())
+    outer.add_edge(START, "outer")
+    outer.add_edge("outer", END)
+    return outer
+
+
+def test_a_subgraphs_task_resumed_or_replayed_by_checkpoint_id_sends_the_same_key(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
+    """LangGraph runs a subgraph of a forked run under new task ids and checkpoints of its own;
+    the key follows the outer step's lineage and the subgraph's node instead."""
     config = thread()
+    crash = [True]
     with Gateway(gateway.url) as client:
 
         def inner(state: Loop) -> dict[str, Any]:
             response = client.post("/emails", {"thread": config["configurable"]}, action="email")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the email, before LangGraph saved the step")
             return {"keys": [response.request.headers["Idempotency-Key"]]}
 
-        sub = StateGraph(Loop)
+        graph = subgraph_of(inner).compile(checkpointer=checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        resumed = graph.invoke(None, graph.get_state(config).config, durability="sync")
+        [key] = resumed["keys"]
+        assert key.startswith(config["configurable"]["thread_id"] + ":outer:")
+        assert "|inner:" in key
+        # The thread goes on by its id from the fork LangGraph saved, and a replay from before
+        # the subgraph sends the same key again.
+        assert graph.get_state(config).next == ()
+        [before] = [
+            state for state in graph.get_state_history(config)
+            if state.next == ("outer",) and (state.metadata or {}).get("source") == "loop"
+        ]  # fmt: skip
+        replayed = graph.invoke(None, before.config, durability="sync")
+        assert replayed["keys"] == [key]
+    assert len(upstream.actions(key)) == 1
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
+
+
+def test_an_update_on_the_outer_level_after_a_subgraphs_send_keeps_its_key(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """The subgraph's node sent and was killed; an `update_state` of the outer graph that
+    leaves the subgraph to run again restarts it under new task ids: the email keeps its key."""
+    config = thread()
+    crash = [True]
+    with Gateway(gateway.url) as client:
+
+        def inner(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"n": 1}, action="email")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the email, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        graph = subgraph_of(inner).compile(checkpointer=checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        graph.update_state(config, {"iteration": 0})
+        assert graph.get_state(config).next == ("outer",)
+        final = graph.invoke(None, config, durability="sync")
+    [key] = final["keys"]
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
+    assert len(upstream.actions(key)) == 1
+
+
+class Keys(TypedDict):
+    keys: Annotated[list[str], operator.add]
+
+
+def test_subgraphs_sent_to_in_one_step_keep_their_own_keys_in_a_replay(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Three `Send`s to one subgraph node: three actions, three keys, and a replay from before
+    them (by checkpoint id) sends each its own key again. Which `Send` a subgraph runs for is
+    read from LangGraph's task ids (not public): this fails loudly if those move."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        def inner(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"n": state["iteration"]}, action="email")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        sub = StateGraph(Loop, output_schema=Keys)  # three at once: only their keys go out
         sub.add_node("inner", inner)
         sub.add_edge(START, "inner")
         sub.add_edge("inner", END)
         outer = StateGraph(Loop)
         outer.add_node("outer", sub.compile())
-        outer.add_edge(START, "outer")
+        outer.add_conditional_edges(
+            START, lambda state: [Send("outer", {"iteration": n, "keys": []}) for n in range(3)]
+        )
         outer.add_edge("outer", END)
         graph = outer.compile(checkpointer=checkpointer)
         final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
-        [key] = final["keys"]
-        assert key.startswith(config["configurable"]["thread_id"] + ":outer:")
-        assert "|inner:" in key
-        [before] = [state for state in graph.get_state_history(config) if state.next == ("outer",)]
-        with pytest.raises(TaskKeyUnavailable, match="LangGraph forked from a checkpoint"):
-            graph.invoke(None, before.config, durability="sync")
-    assert len(upstream.actions(key)) == 1
-    thread_id = config["configurable"]["thread_id"]
-    assert len(thread_emails(upstream, thread_id)) == 1
+        assert len(final["keys"]) == len(set(final["keys"])) == 3
+        first = list(graph.get_state_history(config))[-1]
+        replayed = graph.invoke(None, first.config, durability="sync")
+    assert sorted(replayed["keys"]) == sorted(final["keys"])
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
 
 
 def retried(node: Any, checkpointer: PostgresSaver) -> Any:

@@ -19,8 +19,10 @@ What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and 
   For the top level alone that is `node:<digest>`; inside a subgraph `outer:<digest>|inner:
   <digest>`. LangGraph's task ids are not in the key: a fork gives every task new ids.
 - A checkpoint's lineage (`Lineage`) is its own id when it starts new work (source `input`: new
-  input; `update`: `update_state`), its parent's when it is a copy of it (source `fork`: what
-  LangGraph saves when a run is addressed by `checkpoint_id`), and a digest of its parent's
+  input; `update`: `update_state`), that of the checkpoint it copies when it is a copy (source
+  `fork`: what LangGraph saves when a run is addressed by `checkpoint_id`, a copy of its parent;
+  or `update_state(config, None, as_node="__copy__")`, a copy saved beside the checkpoint it
+  copies, found as the one sibling with its versions: `copy_of`), and a digest of its parent's
   lineage when the loop made it (`loop`: one generation further). A subgraph's first checkpoint,
   which LangGraph makes anew whenever it starts the subgraph again (a fork above gives the task
   that runs it a new id, hence a new namespace), takes the level above's digest as its lineage.
@@ -64,7 +66,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -262,8 +264,50 @@ class Started:
     parents: Mapping[str, str]
     node: str
 
+    def search(self, thread_id: str) -> tuple[RunnableConfig, dict[str, Any]]:
+        """The thread's checkpoints (every namespace) whose levels above are `parents`."""
+        return {"configurable": {"thread_id": thread_id}}, {"parents": dict(self.parents)}
 
-Request = Read | Started
+    def decide(self, listed: Iterable[CheckpointTuple]) -> bool:
+        for saved in listed:
+            namespace = str(saved.config.get("configurable", {}).get("checkpoint_ns", ""))
+            above, _, task = namespace.rpartition("|")
+            if above == self.namespace and task.rpartition(":")[0] == self.node:
+                return True
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    """Which checkpoint of `namespace` the fork `fork` is a copy of, when it is not its parent:
+    LangGraph's `update_state(config, None, as_node="__copy__")` saves the copy beside the
+    checkpoint it copies, under that checkpoint's parent (its sibling, of the same versions)."""
+
+    namespace: str
+    fork: Record
+
+    def search(self, thread_id: str) -> tuple[RunnableConfig, dict[str, Any]]:
+        """The namespace's checkpoints one step before the fork."""
+        config: RunnableConfig = {
+            "configurable": {"thread_id": thread_id, "checkpoint_ns": self.namespace}
+        }
+        return config, {"step": self.fork.step - 1}
+
+    def decide(self, listed: Iterable[CheckpointTuple]) -> str | None:
+        """The one sibling of the fork with its versions, or None."""
+        found = {
+            sibling.checkpoint_id
+            for saved in listed
+            if (sibling := record(saved)) is not None
+            and sibling.parent_id == self.fork.parent_id
+            and sibling.checkpoint_id != self.fork.checkpoint_id
+            and sibling.versions == self.fork.versions
+        }
+        return found.pop() if len(found) == 1 else None
+
+
+Search = Started | Copied
+Request = Read | Search
 
 
 def _digest(*parts: str) -> str:
@@ -308,7 +352,7 @@ class Lineage:
 
     def walk(
         self, thread_id: str, namespace: str, checkpoint_id: str, anchor: str | None
-    ) -> Generator[Read, Record, str]:
+    ) -> Generator[Request, Any, str]:
         """Yields each checkpoint it must read, is sent what was read, and returns the lineage
         of `checkpoint_id`. `anchor`: for a subgraph's level, what its first checkpoint descends
         from (the task of the level above that runs it). Decides only; the caller reads."""
@@ -339,7 +383,10 @@ class Lineage:
             if found.parent_id is None:
                 raise TaskKeyUnavailable(f"checkpoint {current} ({found.source}) has no parent")
             chain.append((current, found))
-            current = found.parent_id
+            if found.source == "fork":
+                current = yield from copy_of(namespace, found)
+            else:
+                current = found.parent_id
         for checkpoint, saved in reversed(chain):
             if saved.source == "loop":
                 # Not the step's number: a fork takes a number of its own (its parent's + 1), so
@@ -347,6 +394,24 @@ class Lineage:
                 lineage = hashlib.sha256(f"{lineage}\0next".encode()).hexdigest()[:32]
             self._known.put((thread_id, namespace, checkpoint), lineage)
         return lineage
+
+
+def copy_of(namespace: str, fork: Record) -> Generator[Request, Any, str]:
+    """The checkpoint `fork` is a copy of: its parent, when LangGraph forked a run addressed by
+    checkpoint id (one step on from it), or the sibling a `"__copy__"` copied (two steps on)."""
+    assert fork.parent_id is not None
+    parent = yield Read(namespace, fork.parent_id, own=False)
+    if parent is None or fork.step == parent.step + 1:
+        return fork.parent_id
+    copied = yield Copied(namespace, fork)
+    if copied is None:
+        raise TaskKeyUnavailable(
+            f"checkpoint {fork.checkpoint_id} is a copy (source 'fork') of a checkpoint that is "
+            "not its parent, and oncegate cannot find which (no single checkpoint beside it has "
+            "its versions): it cannot tell which keys the copied run sent, so it sends nothing. "
+            "Resume from the checkpoint that was copied, by its checkpoint_id"
+        )
+    return str(copied)
 
 
 LINEAGE = Lineage()
@@ -428,6 +493,19 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
             RECORDS.put(entry, known)
         return known
 
+    def through(asking: Generator[Request, Any, str]) -> Generator[Request, Any, str]:
+        """Runs `asking`, its reads through `read`, its other requests to the caller."""
+        try:
+            request = next(asking)
+            while True:
+                if isinstance(request, Read):
+                    reply = yield from read(request.namespace, request.checkpoint_id, request.own)
+                else:
+                    reply = yield request
+                request = asking.send(reply)
+        except StopIteration as done:
+            return str(done.value)
+
     segments = task.checkpoint_ns.split("|")
     parts: list[Part] = []
     anchor: str | None = None
@@ -451,8 +529,12 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
         # whose parent still had this task to run, which it continues, up to the first that
         # starts it.
         start, current = level.checkpoint_id, own
-        while current.parent_id is not None and current.source in ("fork", "update"):
-            parent = yield from read(level.namespace, current.parent_id, False)
+        while current.source in ("fork", "update") and (parent_id := current.parent_id):
+            if current.source == "fork":
+                start = yield from through(copy_of(level.namespace, current))
+                current = yield from read(level.namespace, start, False)
+                continue
+            parent = yield from read(level.namespace, parent_id, False)
             if current.source == "update":
                 if innermost:
                     continues = had_task(parent, node, path, task.triggers)
@@ -462,14 +544,7 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 if not continues:
                     break
             start, current = parent.checkpoint_id, parent
-        walk = LINEAGE.walk(task.thread_id, level.namespace, start, anchor)
-        try:
-            request = next(walk)
-            while True:
-                request = walk.send((yield from read(request.namespace, request.checkpoint_id,
-                                                     request.own)))  # fmt: skip
-        except StopIteration as done:
-            lineage: str = done.value
+        lineage = yield from through(LINEAGE.walk(task.thread_id, level.namespace, start, anchor))
         anchor = _digest(lineage, repr(path))
         parts.append(Part(node, anchor))
     return parts
@@ -491,18 +566,6 @@ def reading(thread_id: str, namespace: str, checkpoint_id: str) -> RunnableConfi
     }
 
 
-def was_started(saved: CheckpointTuple, request: Started) -> bool:
-    """Whether `saved` is a checkpoint of a subgraph `request` asks about."""
-    namespace = saved.config.get("configurable", {}).get("checkpoint_ns", "")
-    above, _, node = str(namespace).rpartition("|")
-    return above == request.namespace and node.rpartition(":")[0] == request.node
-
-
-def searching(task: Task, request: Started) -> tuple[RunnableConfig, dict[str, Any]]:
-    """The thread's checkpoints (every namespace) whose levels above are `request.parents`."""
-    return {"configurable": {"thread_id": task.thread_id}}, {"parents": dict(request.parents)}
-
-
 def _wait_message(task: Task, request: Read, save_wait: float) -> str:
     return (
         f"the checkpoint this task's step started from ({request.checkpoint_id}) was not saved "
@@ -511,12 +574,11 @@ def _wait_message(task: Task, request: Read, save_wait: float) -> str:
     )
 
 
-def answer(task: Task, request: Request, save_wait: float) -> Record | bool | None:
+def answer(task: Task, request: Request, save_wait: float) -> Record | bool | str | None:
     """A request of `derive`, answered with the saver's sync API."""
-    if isinstance(request, Started):
-        config, where = searching(task, request)
-        listed = task.checkpointer.list(config, filter=where)
-        return any(was_started(saved, request) for saved in listed)
+    if isinstance(request, Search):
+        config, where = request.search(task.thread_id)
+        return request.decide(task.checkpointer.list(config, filter=where))
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(task.checkpointer.get_tuple(config))
     if found is None and request.own and task.durability == "async":
@@ -559,18 +621,16 @@ async def aread(
     return await checkpointer.aget_tuple(config)
 
 
-async def aanswer(task: Task, request: Request, save_wait: float) -> Record | bool | None:
+async def aanswer(task: Task, request: Request, save_wait: float) -> Record | bool | str | None:
     """`answer`, with the saver's async API (in a thread for a saver that has none)."""
-    if isinstance(request, Started):
-        config, where = searching(task, request)
+    if isinstance(request, Search):
+        config, where = request.search(task.thread_id)
         checkpointer = task.checkpointer
         if type(checkpointer).alist is BaseCheckpointSaver.alist:
             listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, filter=where)))
-            return any(was_started(saved, request) for saved in listed)
-        async for saved in checkpointer.alist(config, filter=where):
-            if was_started(saved, request):
-                return True
-        return False
+        else:
+            listed = [saved async for saved in checkpointer.alist(config, filter=where)]
+        return request.decide(listed)
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(await aread(task.checkpointer, config))
     if found is None and request.own and task.durability == "async":

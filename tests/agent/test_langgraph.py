@@ -549,6 +549,33 @@ def test_an_edit_of_an_earlier_checkpoint_keeps_the_key_of_the_task_it_had_to_ru
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """LangGraph's other fork, `update_state(config, None, as_node="__copy__")`, saves the copy
+    beside the checkpoint it copies (under that checkpoint's parent): the task the copy runs
+    again is the one killed, and keeps its key."""
+    crash = [True]
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        def send(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"n": 1}, action="email")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the email, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        graph = one_node(send, checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        copied = graph.update_state(config, None, as_node="__copy__")
+        assert graph.get_state(copied).next == ("act",)
+        final = graph.invoke(None, config, durability="sync")
+    [key] = final["keys"]
+    assert len(upstream.actions(key)) == 1
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
+
+
 def subgraph_of(node: Any) -> Any:
     """A graph whose one node, `outer`, is a subgraph whose one node, `inner`, is `node`."""
     sub = StateGraph(Loop)

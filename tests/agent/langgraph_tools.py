@@ -2,7 +2,7 @@
 
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
         [--agent toolnode|react-v1|react-v2] [--api sync|async] [--freeze]
-        [--resume-by thread|checkpoint-id]
+        [--resume-by thread|checkpoint-id] [--update]
 
 A scripted model (`ScriptedModel`) answers the thread's first message with one message holding
 `CALLS` tool calls (an email to each of two customers); once the tools answered, it ends the
@@ -18,6 +18,8 @@ Each tool prints one JSON line when its email is answered (`sent`: the tool call
 whether the gateway replayed it). With `--freeze`, the tool answered last prints
 `{"event": "frozen"}` and waits for the SIGKILL: every email of the message was answered, and
 LangGraph has saved nothing of the tool step (v2 may have saved the first task's writes).
+With `--update`, the resume is preceded by an operator's `update_state` that adds no message:
+the tool calls are still to run after it.
 """
 
 from __future__ import annotations
@@ -173,6 +175,8 @@ def run_sync(arguments: argparse.Namespace) -> None:
         saver.setup()
         graph = build(arguments.agent, sync_tools(gateway, Answered(arguments.freeze)), saver)
         saved = saver.get_tuple(config) is not None
+        if saved and arguments.update:
+            graph.update_state(config, {"messages": []})
         if saved and arguments.resume_by == "checkpoint-id":
             config = graph.get_state(config).config
         final = graph.invoke(start_or_resume(saved), config)
@@ -191,6 +195,8 @@ async def run_async(arguments: argparse.Namespace) -> None:
         await saver.setup()
         graph = build(arguments.agent, async_tools(gateway, Answered(arguments.freeze)), saver)
         saved = await saver.aget_tuple(config) is not None
+        if saved and arguments.update:
+            await graph.aupdate_state(config, {"messages": []})
         if saved and arguments.resume_by == "checkpoint-id":
             config = (await graph.aget_state(config)).config
         final = await graph.ainvoke(start_or_resume(saved), config)
@@ -206,6 +212,7 @@ def main() -> None:
     parser.add_argument("--api", choices=["sync", "async"], default="sync")
     parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
     parser.add_argument("--freeze", action="store_true")
+    parser.add_argument("--update", action="store_true")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

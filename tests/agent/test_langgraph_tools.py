@@ -31,12 +31,16 @@ def sent(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("agent", "api", "resume_by"),
+    ("agent", "api", "resume_by", "update"),
     [
-        ("toolnode", "sync", "thread"),
-        ("toolnode", "async", "checkpoint-id"),
-        ("react-v1", "sync", "checkpoint-id"),
-        ("react-v2", "async", "thread"),
+        ("toolnode", "sync", "thread", False),
+        ("toolnode", "async", "checkpoint-id", False),
+        ("react-v1", "sync", "checkpoint-id", False),
+        ("react-v2", "async", "thread", False),
+        # An operator's update_state between the kill and the resume, which leaves the tool
+        # calls to run: they are the ones killed, with the keys they had.
+        ("toolnode", "sync", "thread", True),
+        ("react-v2", "async", "checkpoint-id", True),
     ],
 )
 def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_kill(
@@ -47,6 +51,7 @@ def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_k
     agent: str,
     api: str,
     resume_by: str,
+    update: bool,
 ) -> None:
     thread = f"case-{uuid.uuid4()}"
     options = ("--agent", agent, "--api", api, "--resume-by", resume_by)
@@ -55,7 +60,8 @@ def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_k
     processes.append(first)
     before = sent(first.until("frozen"))
     first.kill()  # both emails answered, the tool step not saved
-    second = GraphProcess(database_url, gateway, thread, *options, module=module)
+    then = ("--update",) if update else ()
+    second = GraphProcess(database_url, gateway, thread, *options, *then, module=module)
     processes.append(second)
     events = second.finish()
     after = sent(events)

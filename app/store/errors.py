@@ -22,6 +22,17 @@ from ..telemetry import metrics
 
 log = logging.getLogger("oncegate.store")
 
+
+class NodeUnavailable(Exception):
+    """One node of several could not take a statement (a Citus worker the store writes to
+    directly: down, unreachable, shutting down), which that node's own `Outage` has said. The
+    store as a whole is not down (the other workers' keys are served), so `translated` tells
+    the store's `Outage` nothing of it; the caller gets `StoreUnavailable` as for any outage."""
+
+    def __init__(self, node: str, cause: BaseException) -> None:
+        super().__init__(f"{node}: {reason(cause)}")
+
+
 # What a lost or refused database looks like from asyncpg. InternalClientError is not an
 # InterfaceError: a connection whose protocol was left mid-operation by a PostgreSQL shutdown
 # raises it (seen under load in tests/faults/test_store_outage.py).
@@ -31,6 +42,7 @@ DRIVER_ERRORS = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
     asyncpg.InternalClientError,
+    NodeUnavailable,
 )
 
 # Errors about the connection or the server as a whole: every statement would fail the same way.
@@ -77,8 +89,15 @@ class Outage:
     A store that names its database has one as its `outage` attribute; `translated` reports each
     operation's failure or success to it."""
 
-    def __init__(self, where: str, primary: object = None) -> None:
+    def __init__(
+        self,
+        where: str,
+        primary: object = None,
+        consequence: str = "answering 503 store-unavailable and forwarding nothing until it is"
+        " back",
+    ) -> None:
         self.where = where
+        self.consequence = consequence
         # Which host is the primary (its str), for a URL with several: named in both lines.
         self.primary = primary
         self.down = False
@@ -92,11 +111,11 @@ class Outage:
             return
         self.down = True
         log.error(
-            "PostgreSQL at %s is unavailable (%s%s): answering 503 store-unavailable and "
-            "forwarding nothing until it is back",
+            "PostgreSQL at %s is unavailable (%s%s): %s",
             self.where,
             reason(exc),
             self._primary("the primary was"),
+            self.consequence,
         )
 
     def recovered(self) -> None:
@@ -139,7 +158,9 @@ def translated(
                     # plans, and logs them without the statement): say which one.
                     log.error("PostgreSQL refused the store's %s statement: %s", operation,
                               reason(exc))  # fmt: skip
-                if isinstance(outage, Outage):
+                if isinstance(exc, NodeUnavailable):  # said by that node's own Outage
+                    log.debug("store %s failed: %s", operation, reason(exc))
+                elif isinstance(outage, Outage):
                     outage.failed(operation, exc)
                 elif on_the_pools:
                     log.warning("store %s failed: %s", operation, reason(exc))

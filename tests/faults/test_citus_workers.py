@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +18,10 @@ import asyncpg
 import httpx
 import pytest
 
+from oncegate.model import errors
+from oncegate.model.records import Claim
 from oncegate.store import migrate
+from oncegate.store.postgres import PostgresStore
 from tests import citus
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import free_port
@@ -58,6 +63,31 @@ async def keys_by_worker(database_url: str, cluster: citus.Cluster, count: int) 
     finally:
         await connection.close()
     return found
+
+
+async def keys_on_and_off(
+    database_url: str, port: int, other: int, count: int
+) -> tuple[list[str], list[str]]:
+    """`count` new keys on the shards of the worker at `port`, and `count` on the worker at
+    `other` (a test of this module may have added a third, since stopped)."""
+    on: list[str] = []
+    off: list[str] = []
+    connection = await asyncpg.connect(database_url)
+    try:
+        while min(len(on), len(off)) < count:
+            rows = await connection.fetch(
+                "SELECT key, nodeport FROM unnest($1::text[]) AS key"
+                " JOIN citus_shards ON shardid ="
+                "  get_shard_id_for_distribution_column('oncegate_keys', key)"
+                " WHERE table_name = 'oncegate_keys'::regclass",
+                [str(uuid.uuid4()) for _ in range(50)],
+            )
+            for row in rows:
+                if row["nodeport"] in (port, other):
+                    (on if row["nodeport"] == port else off).append(row["key"])
+    finally:
+        await connection.close()
+    return on[:count], off[:count]
 
 
 async def post(client: httpx.AsyncClient, key: str) -> httpx.Response:
@@ -244,3 +274,47 @@ async def test_a_worker_added_and_shards_rebalanced_under_light_load_lose_and_re
     assert {status for _, status, _ in sent} == {201}  # nothing refused, nothing lost
     assert all(performed[key] == 1 for key in keys)  # every key performed once, none twice
     assert sum(1 for _, _, replayed in sent if replayed == "true") == len(keys)
+
+
+async def test_a_worker_down_is_said_once_as_that_worker_never_as_the_store_flapping(
+    database_url: str, citus_cluster: citus.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker down while the other serves: its keys fail closed, and the log says so once,
+    naming that worker, and once when it is back; it never says PostgreSQL (the coordinator,
+    the store as a whole) is unavailable and back again at every request that alternates
+    between the two workers' keys."""
+    down, up = citus_cluster.workers[:2]
+    on_down, on_up = await keys_on_and_off(database_url, down.port, up.port, 4)
+    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
+    store = await PostgresStore.connect(database_url)
+    try:
+        for key in (on_down[0], on_up[0]):  # each worker's pools opened and used
+            claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
+            assert isinstance(claimed, Claim)
+        await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
+        caplog.set_level(logging.INFO, logger="oncegate")
+        try:
+            for refused, served in zip(on_down[1:], on_up[1:], strict=True):
+                with pytest.raises(errors.StoreUnavailable):
+                    await store.requests.claim("r", scope, refused, fingerprint, 60, 60)
+                claimed = await store.requests.claim("r", scope, served, fingerprint, 60, 60)
+                assert isinstance(claimed, Claim)
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, down)
+        deadline = time.monotonic() + 30
+        while True:  # the worker back, with the same store: its keys claimed again
+            try:
+                claimed = await store.requests.claim("r", scope, on_down[3], fingerprint, 60, 60)
+            except errors.StoreUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+                continue
+            assert isinstance(claimed, Claim)
+            break
+    finally:
+        await store.close()
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    unavailable = [line for line in said if "unavailable" in line]
+    back = [line for line in said if line.endswith(" is back")]
+    assert len(unavailable) == 1 and f"{down.port}" in unavailable[0], said
+    assert len(back) == 1 and f"{down.port}" in back[0], said

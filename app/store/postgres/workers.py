@@ -24,7 +24,10 @@ Design rules:
   two-phase commit. The statement touches only the batch's shards of that worker (the others'
   parts of the statement find no rows).
 - A worker down costs only its keys: its pools fail (503 `store-unavailable` above) while the
-  other workers' pools go on; a pool opens connections again as its worker comes back.
+  other workers' pools go on; a pool opens connections again as its worker comes back. The log
+  says so once, naming the worker, and once when it is back (its own `Outage`); the store's
+  (the coordinator's) is not told (`errors.NodeUnavailable`), or each request alternating between
+  a worker down and one up would say the whole store went down and came back.
 - A worker's claims and completes share one statement (`fetch_both`; the store batches them together
   per worker): 64 requests in flight over two workers make statements of about 25 operations again,
   with one fence and one commit, instead of two statements of 10-11; such a statement carries up to
@@ -55,6 +58,7 @@ import asyncpg
 
 from ...settings import StoreOptions
 from ..citus import Node, ShardMap
+from ..errors import DRIVER_ERRORS, NodeUnavailable, Outage, isolable, refused_value
 from ..queries import FRAGMENTS, Query, compose
 from .connections import citus_settings, request_settings
 from .pool import Pool
@@ -76,6 +80,9 @@ class Rerouted(Exception):
 class _Pools:
     requests: Pool
     answers: Pool
+    # Whether the worker is down, said once in the log when it goes and once when it is back:
+    # its own, not the store's (a worker down is not the store down: `errors.NodeUnavailable`).
+    outage: Outage
 
     async def close(self) -> None:
         await self.answers.close()
@@ -106,7 +113,7 @@ class Workers:
         arguments = {**values, "shards": shards, "fence": sorted(set(shards))}
         pools = self._pools_of(node)
         pool = pools.answers if operation == "complete" else pools.requests
-        return await self._send(operation, node, pool, arguments, shards)
+        return await self._send(operation, node, pools, pool, arguments, shards)
 
     async def fetch_both(
         self, node: Node, claims: dict[str, object], completes: dict[str, object]
@@ -120,8 +127,10 @@ class Workers:
             "answer_shards": completed,
             "fence": sorted({*claimed, *completed}),
         }
-        pool = self._pools_of(node).requests
-        rows = await self._send("claim_complete", node, pool, arguments, claimed + completed)
+        pools = self._pools_of(node)
+        rows = await self._send(
+            "claim_complete", node, pools, pools.requests, arguments, claimed + completed
+        )
         return claimed_and_completed(rows)
 
     def _shards_of(self, node: Node, values: dict[str, object]) -> list[int]:
@@ -133,8 +142,8 @@ class Workers:
         return shards
 
     async def _send(
-        self, operation: str, node: Node, pool: Pool, arguments: dict[str, object],
-        shards: list[int],
+        self, operation: str, node: Node, pools: _Pools, pool: Pool,
+        arguments: dict[str, object], shards: list[int],
     ) -> list[asyncpg.Record]:  # fmt: skip
         named = tuple(self._shards.shards_on(node))  # every shard table the statement names
         query = self._statement(operation, node)
@@ -146,7 +155,10 @@ class Workers:
                 )
         except asyncpg.PostgresError as exc:
             if not _moved_away(exc):
-                raise
+                if isolable(exc) or refused_value(exc):
+                    raise  # a statement's refusal (a row's doing): the worker answers
+                pools.outage.failed(operation, exc)  # shutting down, out of connections
+                raise NodeUnavailable(f"the Citus worker {node}", exc) from exc
             # Read the map again (or take the read another refusal started: it may have begun
             # before the move ended, so once more if nothing seems to have moved). Sent again
             # when a shard of the batch moved, or one the statement names (it names every shard
@@ -159,6 +171,13 @@ class Workers:
                 ):
                     raise Rerouted(f"{node}: {exc}") from exc
             raise
+        except DRIVER_ERRORS as exc:
+            if refused_value(exc):
+                raise  # the driver's refusal of a value (errors.refused_value): not the worker's
+            pools.outage.failed(operation, exc)  # down, unreachable, or no answer in time
+            raise NodeUnavailable(f"the Citus worker {node}", exc) from exc
+        if pools.outage.down:
+            pools.outage.recovered()
         return rows
 
     async def close(self) -> None:
@@ -209,7 +228,12 @@ class Workers:
         # them: `store_answer_commit = off` would let a worker that crashes lose answers it
         # acknowledged, and the store counts such losses only for a failover of its primary.
         answers = max(1, options.pool_size // 2)
-        return _Pools(pool(options.pool_size, session), pool(answers, session))
+        outage = Outage(
+            f"{node} (a Citus worker)",
+            consequence="answering 503 store-unavailable for the keys of its shards, and"
+            " forwarding none of them until it is back; the other workers' keys are served",
+        )
+        return _Pools(pool(options.pool_size, session), pool(answers, session), outage)
 
 
 # Citus's words when the fence asks it to lock a shard that no longer exists (split, or dropped

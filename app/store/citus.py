@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import functools
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -148,6 +149,7 @@ class ShardMap:
         self._refreshing: asyncio.Task[None] | None = None
         self._reading: asyncio.Task[bool] | None = None
         self._pool: asyncpg.Pool | None = None
+        self._read_at = time.monotonic()
 
     @classmethod
     async def load(cls, pool: asyncpg.Pool) -> ShardMap:
@@ -168,6 +170,10 @@ class ShardMap:
     def node_of(self, shard: int) -> Node | None:
         """The worker that holds `shard` (as last read), if it can take statements directly."""
         return self._nodes.get(shard)
+
+    def age(self) -> float:
+        """Seconds since the map was last read (or made)."""
+        return time.monotonic() - self._read_at
 
     def most_on_a_worker(self) -> int:
         """The most shards one worker holds (as last read)."""
@@ -195,6 +201,7 @@ class ShardMap:
     async def _read(self) -> bool:
         assert self._pool is not None, "a map made by load() reads its shards again"
         shards = sorted(await _shards(self._pool), key=lambda shard: shard.low)
+        self._read_at = time.monotonic()
         if shards == self._shards:
             return False
         log.info("the shards of oncegate_keys changed: %d now", len(shards))

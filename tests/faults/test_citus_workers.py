@@ -318,3 +318,46 @@ async def test_a_worker_down_is_said_once_as_that_worker_never_as_the_store_flap
     back = [line for line in said if line.endswith(" is back")]
     assert len(unavailable) == 1 and f"{down.port}" in unavailable[0], said
     assert len(back) == 1 and f"{down.port}" in back[0], said
+
+
+async def test_a_worker_moved_to_a_new_address_is_followed_at_its_first_refused_connection(
+    database_url: str, citus_cluster: citus.Cluster
+) -> None:
+    """A worker that comes back at another address (a failover to its standby, a new host),
+    which the operator tells Citus with `citus_update_node`: Citus follows at once through the
+    coordinator, and so must the store's direct path, rather than refuse the worker's keys
+    with 503 until its next periodic read of the shard map (`citus.REFRESH_INTERVAL`)."""
+    moved, other = citus_cluster.workers[:2]
+    keys, _ = await keys_on_and_off(database_url, moved.port, other.port, 2)
+    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
+    store = await PostgresStore.connect(database_url)
+    old, new = moved.port, free_port()
+    coordinator = await asyncpg.connect(database_url)
+    try:
+        claimed = await store.requests.claim("r", scope, keys[0], fingerprint, 60, 60)
+        assert isinstance(claimed, Claim)  # the worker's pools opened at its old address
+        node = await coordinator.fetchval(
+            "SELECT nodeid FROM pg_dist_node WHERE nodeport = $1", old
+        )
+        await asyncio.to_thread(_restart_at, citus_cluster, moved, new)
+        try:
+            await coordinator.execute("SELECT citus_update_node($1, '127.0.0.1', $2)", node, new)
+            claimed = await store.requests.claim("r", scope, keys[1], fingerprint, 60, 60)
+            assert isinstance(claimed, Claim)
+            replay = await store.requests.claim("r", scope, keys[0], fingerprint, 60, 60)
+            assert not isinstance(replay, Claim)  # the row claimed before the move, found
+        finally:
+            await asyncio.to_thread(_restart_at, citus_cluster, moved, old)
+            await coordinator.execute("SELECT citus_update_node($1, '127.0.0.1', $2)", node, old)
+    finally:
+        await coordinator.close()
+        await store.close()
+
+
+def _restart_at(cluster: citus.Cluster, node: citus.Node, port: int) -> None:
+    """Stop `node` and start it again listening on `port` (its data as it was)."""
+    cluster.stop_node(node)
+    with (node.data / "postgresql.conf").open("a") as conf:
+        conf.write(f"port = {port}\n")
+    node.port = port
+    cluster.start_node(node)

@@ -51,6 +51,7 @@ Design rules:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,11 +65,20 @@ from .connections import citus_settings, request_settings
 from .pool import Pool
 from .rows import claimed_and_completed, claims_and_completes
 
+log = logging.getLogger("oncegate.store.postgres")
+
 # The operations sent to the workers: the two every forwarded request makes, alone or together.
 ON_WORKERS = frozenset({"claim", "complete", "claim_complete"})
 
 # What the fence raises when a shard of the batch is not on the worker any more (migration 0012).
 MOVED = "OGM01"
+
+# While a worker cannot be reached, the shard map is read again at most this often (at its
+# first failure at once), in case the worker answers at another address now: a failover moves a
+# worker with `citus_update_node`, and its keys would be refused until the map's next periodic
+# read (`citus.REFRESH_INTERVAL`, 30 s) although Citus serves them. One catalog read a second
+# while a worker is down, not one per statement refused.
+UNREACHABLE_REREAD = 1.0
 
 
 class Rerouted(Exception):
@@ -147,8 +157,10 @@ class Workers:
     ) -> list[asyncpg.Record]:  # fmt: skip
         named = tuple(self._shards.shards_on(node))  # every shard table the statement names
         query = self._statement(operation, node)
+        reached = False  # whether a connection to the worker was had: the statement then sent
         try:
             async with pool.acquire() as connection:
+                reached = True
                 wanted = {name: arguments[name] for name in query.parameters}
                 rows: list[asyncpg.Record] = await connection.fetch(
                     query.sql, *query.arguments(wanted)
@@ -157,8 +169,8 @@ class Workers:
             if not _moved_away(exc):
                 if isolable(exc) or refused_value(exc):
                     raise  # a statement's refusal (a row's doing): the worker answers
-                pools.outage.failed(operation, exc)  # shutting down, out of connections
-                raise NodeUnavailable(f"the Citus worker {node}", exc) from exc
+                # Shutting down, starting up, out of connections.
+                raise await self._unavailable(operation, node, pools, exc, reached, shards) from exc
             # Read the map again (or take the read another refusal started: it may have begun
             # before the move ended, so once more if nothing seems to have moved). Sent again
             # when a shard of the batch moved, or one the statement names (it names every shard
@@ -174,11 +186,33 @@ class Workers:
         except DRIVER_ERRORS as exc:
             if refused_value(exc):
                 raise  # the driver's refusal of a value (errors.refused_value): not the worker's
-            pools.outage.failed(operation, exc)  # down, unreachable, or no answer in time
-            raise NodeUnavailable(f"the Citus worker {node}", exc) from exc
+            # Down, unreachable, or no answer in time.
+            raise await self._unavailable(operation, node, pools, exc, reached, shards) from exc
         if pools.outage.down:
             pools.outage.recovered()
         return rows
+
+    async def _unavailable(
+        self, operation: str, node: Node, pools: _Pools, exc: BaseException, reached: bool,
+        shards: list[int],
+    ) -> Rerouted | NodeUnavailable:  # fmt: skip
+        """What a batch the worker could not take raises. Where no connection to the worker
+        was had, nothing was sent, and the worker may have moved to another address (a failover
+        to its standby, a new host: `citus_update_node`), which Citus follows at once through
+        the coordinator: the map is read again (at the worker's first failure, then at most
+        every `UNREACHABLE_REREAD` while it fails) and the batch `Rerouted` when its shards'
+        worker is elsewhere now. Otherwise the worker is down, said once (its `Outage`)."""
+        if not reached:
+            first = not pools.outage.down
+            if first or self._shards.age() > UNREACHABLE_REREAD:
+                try:
+                    await self._shards.refresh()
+                except DRIVER_ERRORS as failed:  # the coordinator too: the old map stands
+                    log.debug("could not read the shards of oncegate_keys: %s", failed)
+            if any(self._shards.node_of(shard) != node for shard in shards):
+                return Rerouted(f"{node} cannot be reached, and its shards are elsewhere now")
+        pools.outage.failed(operation, exc)
+        return NodeUnavailable(f"the Citus worker {node}", exc)
 
     async def close(self) -> None:
         for pools in self._pools.values():

@@ -112,9 +112,11 @@ async def verified(scope: TokenScope, key_set: KeySet, token: str) -> tuple[str,
     key = await key_set.key(key_id if isinstance(key_id, str) else None)
     if key is None:
         if not key_set.loaded:
+            # Not where from (the log says it, `KeySet.read`): a file's path or a URL, whose
+            # query may carry a credential, is the operator's, not every client's.
             raise errors.TokenKeysUnavailable(
-                f"the keys that verify this route's tokens could not be read from "
-                f"{scope.source}; nothing was claimed, retry later"
+                "the keys that verify this route's tokens could not be read; nothing was "
+                "claimed, retry later"
             )
         raise errors.InvalidToken("the token's signing key is not among the issuer's keys")
     if key.algorithm_name != algorithm:

@@ -208,6 +208,9 @@ async def test_keys_that_cannot_be_read_are_503_and_kept_when_a_later_read_fails
         with pytest.raises(errors.TokenKeysUnavailable) as raised:
             await identities.scope_part(missing, [f"Bearer {issuer.token()}"])
         assert raised.value.status == 503 and raised.value.retry_advised
+        # Where the keys are read from is the operator's (the log says it), never the client's:
+        # a file's path, or a URL that may carry a token in its query.
+        assert "missing.json" not in raised.value.detail and str(tmp_path) not in str(raised.value)
     finally:
         await identities.close()
     paypal = route(issuer)

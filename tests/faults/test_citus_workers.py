@@ -9,6 +9,9 @@ import asyncio
 import collections
 import hashlib
 import logging
+import os
+import pwd
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -360,4 +363,71 @@ def _restart_at(cluster: citus.Cluster, node: citus.Node, port: int) -> None:
     with (node.data / "postgresql.conf").open("a") as conf:
         conf.write(f"port = {port}\n")
     node.port = port
+    cluster.start_node(node)
+
+
+async def test_a_worker_failed_over_while_its_old_primary_answers_read_only_is_followed(
+    database_url: str, citus_cluster: citus.Cluster
+) -> None:
+    """A worker failed over to a copy of itself at another address (`citus_update_node`), its
+    old primary still answering at the old one, demoted (read-only, as a standby): the store's
+    statements there are refused, nothing written, and sent where the map, read again, says."""
+    demoted, other = citus_cluster.workers[:2]
+    keys, _ = await keys_on_and_off(database_url, demoted.port, other.port, 2)
+    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
+    store = await PostgresStore.connect(database_url)
+    old = demoted.port
+    promoted = citus.Node(
+        "promoted", free_port(), citus_cluster.directory / "promoted",
+        citus_cluster.directory / "promoted.log",
+    )  # fmt: skip
+    coordinator = await asyncpg.connect(database_url)
+    try:
+        claimed = await store.requests.claim("r", scope, keys[0], fingerprint, 60, 60)
+        assert isinstance(claimed, Claim)  # the worker's pools opened at its old address
+        node = await coordinator.fetchval(
+            "SELECT nodeid FROM pg_dist_node WHERE nodeport = $1", old
+        )
+        await asyncio.to_thread(_fail_over, citus_cluster, demoted, promoted)
+        try:
+            await coordinator.execute(
+                "SELECT citus_update_node($1, '127.0.0.1', $2)", node, promoted.port
+            )
+            claimed = await store.requests.claim("r", scope, keys[1], fingerprint, 60, 60)
+            assert isinstance(claimed, Claim)
+            replay = await store.requests.claim("r", scope, keys[0], fingerprint, 60, 60)
+            assert not isinstance(replay, Claim)  # the row claimed before, found on the copy
+        finally:
+            await asyncio.to_thread(citus_cluster.stop_node, promoted)
+            await asyncio.to_thread(_writable_again, citus_cluster, demoted)
+            await coordinator.execute("SELECT citus_update_node($1, '127.0.0.1', $2)", node, old)
+            await asyncio.to_thread(shutil.rmtree, promoted.data, True)
+    finally:
+        await coordinator.close()
+        await store.close()
+
+
+def _fail_over(cluster: citus.Cluster, node: citus.Node, promoted: citus.Node) -> None:
+    """Copy `node`'s data to `promoted` (stopped: a consistent copy, as a standby promoted with
+    nothing lost) and start it at its own port; start `node` again read-only, a demoted old
+    primary still answering at its address."""
+    cluster.stop_node(node)
+    shutil.copytree(node.data, promoted.data, symlinks=True)
+    with (promoted.data / "postgresql.conf").open("a") as conf:
+        conf.write(f"port = {promoted.port}\n")
+    (promoted.data / "postmaster.pid").unlink(missing_ok=True)
+    if os.geteuid() == 0:  # the servers run as their own user (tests/citus.py)
+        owner = pwd.getpwnam(citus.USER)
+        for path in [promoted.data, *promoted.data.rglob("*")]:
+            os.chown(path, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
+    cluster.start_node(promoted)
+    with (node.data / "postgresql.conf").open("a") as conf:
+        conf.write("default_transaction_read_only = on\n")
+    cluster.start_node(node)
+
+
+def _writable_again(cluster: citus.Cluster, node: citus.Node) -> None:
+    cluster.stop_node(node)
+    with (node.data / "postgresql.conf").open("a") as conf:
+        conf.write("default_transaction_read_only = off\n")
     cluster.start_node(node)

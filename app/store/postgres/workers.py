@@ -167,10 +167,13 @@ class Workers:
                 )
         except asyncpg.PostgresError as exc:
             if not _moved_away(exc):
-                if isolable(exc) or refused_value(exc):
+                if refused_value(exc) or (
+                    isolable(exc) and not isinstance(exc, asyncpg.ReadOnlySQLTransactionError)
+                ):
                     raise  # a statement's refusal (a row's doing): the worker answers
-                # Shutting down, starting up, out of connections.
-                raise await self._unavailable(operation, node, pools, exc, reached, shards) from exc
+                # Shutting down, starting up, out of connections, or a standby now (a failover
+                # demoted it): the worker refused the statement, nothing was written.
+                raise await self._unavailable(operation, node, pools, exc, False, shards) from exc
             # Read the map again (or take the read another refusal started: it may have begun
             # before the move ended, so once more if nothing seems to have moved). Sent again
             # when a shard of the batch moved, or one the statement names (it names every shard
@@ -186,23 +189,25 @@ class Workers:
         except DRIVER_ERRORS as exc:
             if refused_value(exc):
                 raise  # the driver's refusal of a value (errors.refused_value): not the worker's
-            # Down, unreachable, or no answer in time.
+            # Down, unreachable, or no answer in time: nothing was written if no connection was
+            # had; a statement whose connection broke may have committed.
             raise await self._unavailable(operation, node, pools, exc, reached, shards) from exc
         if pools.outage.down:
             pools.outage.recovered()
         return rows
 
     async def _unavailable(
-        self, operation: str, node: Node, pools: _Pools, exc: BaseException, reached: bool,
-        shards: list[int],
+        self, operation: str, node: Node, pools: _Pools, exc: BaseException,
+        maybe_written: bool, shards: list[int],
     ) -> Rerouted | NodeUnavailable:  # fmt: skip
-        """What a batch the worker could not take raises. Where no connection to the worker
-        was had, nothing was sent, and the worker may have moved to another address (a failover
-        to its standby, a new host: `citus_update_node`), which Citus follows at once through
-        the coordinator: the map is read again (at the worker's first failure, then at most
-        every `UNREACHABLE_REREAD` while it fails) and the batch `Rerouted` when its shards'
-        worker is elsewhere now. Otherwise the worker is down, said once (its `Outage`)."""
-        if not reached:
+        """What a batch the worker could not take raises. Where nothing was written (no
+        connection was had, or the worker refused the statement), the worker may have moved to
+        another address (a failover to its standby, a new host: `citus_update_node`), which
+        Citus follows at once through the coordinator: the map is read again (at the worker's
+        first failure, then at most every `UNREACHABLE_REREAD` while it fails) and the batch
+        `Rerouted` when its shards' worker is elsewhere now. Otherwise the worker is down, said
+        once (its `Outage`)."""
+        if not maybe_written:
             first = not pools.outage.down
             if first or self._shards.age() > UNREACHABLE_REREAD:
                 try:

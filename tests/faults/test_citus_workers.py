@@ -24,7 +24,7 @@ import pytest
 from oncegate.model import errors
 from oncegate.model.records import Claim
 from oncegate.store import migrate
-from oncegate.store.postgres import PostgresStore
+from oncegate.store.postgres import PostgresStore, workers
 from tests import citus
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import free_port
@@ -431,3 +431,50 @@ def _writable_again(cluster: citus.Cluster, node: citus.Node) -> None:
     with (node.data / "postgresql.conf").open("a") as conf:
         conf.write("default_transaction_read_only = off\n")
     cluster.start_node(node)
+
+
+async def test_a_worker_failed_over_whose_old_primary_comes_back_writable_gets_no_write(
+    database_url: str, citus_cluster: citus.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same failover, but the old primary starts again writable at its old address (not
+    fenced: its host rebooted): the store's next connection there would take writes Citus never
+    reads, and the key claimed there would be claimed again on the new primary once the map is
+    read (two forwards). The map is read before a worker's connection is opened, and the claim
+    goes to the new address."""
+    # However fast the restarts were (raising=False: the test runs, and fails, without it).
+    monkeypatch.setattr(workers, "CONNECT_REREAD", 0.0, raising=False)
+    demoted, other = citus_cluster.workers[:2]
+    keys, _ = await keys_on_and_off(database_url, demoted.port, other.port, 2)
+    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
+    store = await PostgresStore.connect(database_url)
+    old = demoted.port
+    promoted = citus.Node(
+        "promoted", free_port(), citus_cluster.directory / "promoted",
+        citus_cluster.directory / "promoted.log",
+    )  # fmt: skip
+    coordinator = await asyncpg.connect(database_url)
+    try:
+        claimed = await store.requests.claim("r", scope, keys[0], fingerprint, 60, 60)
+        assert isinstance(claimed, Claim)  # the worker's pools opened at its old address
+        node = await coordinator.fetchval(
+            "SELECT nodeid FROM pg_dist_node WHERE nodeport = $1", old
+        )
+        await asyncio.to_thread(_fail_over, citus_cluster, demoted, promoted)
+        await asyncio.to_thread(_writable_again, citus_cluster, demoted)
+        try:
+            await coordinator.execute(
+                "SELECT citus_update_node($1, '127.0.0.1', $2)", node, promoted.port
+            )
+            claimed = await store.requests.claim("r", scope, keys[1], fingerprint, 60, 60)
+            assert isinstance(claimed, Claim)
+            seen = "SELECT count(*) FROM oncegate_keys WHERE key = $1"
+            assert await coordinator.fetchval(seen, keys[1]) == 1  # where Citus reads it
+            again = await store.requests.claim("r", scope, keys[1], fingerprint, 60, 60)
+            assert not isinstance(again, Claim)  # held: never claimed (and forwarded) twice
+        finally:
+            await asyncio.to_thread(citus_cluster.stop_node, promoted)
+            await coordinator.execute("SELECT citus_update_node($1, '127.0.0.1', $2)", node, old)
+            await asyncio.to_thread(shutil.rmtree, promoted.data, True)
+    finally:
+        await coordinator.close()
+        await store.close()

@@ -80,6 +80,16 @@ MOVED = "OGM01"
 # while a worker is down, not one per statement refused.
 UNREACHABLE_REREAD = 1.0
 
+# Before a worker's pool opens a connection, the map is read again if it is older than this
+# (`Workers._still_placed`): a worker's pools keep their connections (`pool.IDLE_LIFETIME`), so
+# a read is paid only where a connection broke or the pool grows.
+CONNECT_REREAD = 1.0
+
+
+class Elsewhere(OSError):
+    """A connection to a worker not opened: the map, read again, places no shard there (it
+    moved to another address). Nothing was sent; the batch is `Rerouted` (`_unavailable`)."""
+
 
 class Rerouted(Exception):
     """A worker refused a batch because a shard of it is not there any more; the shard map was
@@ -238,6 +248,22 @@ class Workers:
             pools = self._pools[node] = self._open(node)
         return pools
 
+    async def _still_placed(self, node: Node) -> None:
+        """Before a new connection to `node`: the map read again if older than
+        `CONNECT_REREAD`, and `Elsewhere` raised (as a connection refused) when it places no
+        shard there any more. A worker failed over to another address (`citus_update_node`)
+        whose old primary came back writable would otherwise take the store's writes at its
+        old address, where Citus reads nothing, until the map's next periodic read; the pools
+        of a worker that answers keep their connections, so this costs a read only when one
+        is opened."""
+        if self._shards.age() > CONNECT_REREAD:
+            try:
+                await self._shards.refresh()
+            except DRIVER_ERRORS as failed:  # the coordinator down: the map read last stands
+                log.debug("could not read the shards of oncegate_keys: %s", failed)
+        if not self._shards.shards_on(node):
+            raise Elsewhere(f"the shard map places no shard on {node} any more")
+
     def _open(self, node: Node) -> _Pools:
         options = self._options
         # Planned once per connection, as on plain PostgreSQL: the statements name their shard
@@ -246,6 +272,7 @@ class Workers:
 
         def pool(size: int, settings: dict[str, str]) -> Pool:
             async def connect() -> asyncpg.Connection:
+                await self._still_placed(node)
                 connection: asyncpg.Connection = await asyncpg.connect(
                     self._url,
                     host=node.host,

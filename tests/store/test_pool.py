@@ -288,3 +288,31 @@ async def test_connections_idle_past_their_lifetime_are_closed_down_to_min_size(
         assert await backend_of(pool) > 0
     finally:
         await pool.close()
+
+
+async def test_a_pool_made_without_open_closes_its_idle_connections_too(
+    opened: Opened, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool made as a Citus worker's is (`Pool(...)`, opened lazily: store.postgres.workers)
+    trims its idle connections as one made by `open` does; else every connection a burst opened
+    to a worker stays open for as long as the gateway runs, to a worker that moved or was
+    removed too."""
+    monkeypatch.setattr(pool_module, "IDLE_CHECK", 0.01)
+    monkeypatch.setattr(pool_module, "IDLE_LIFETIME", 0.0)
+    pool = Pool(opened.connect, opened.init, 3, acquire_timeout=HANG)
+    try:
+        leases = [pool.acquire() for _ in range(2)]
+        for lease in leases:
+            await lease.__aenter__()
+        for lease in leases:
+            await lease.__aexit__(None, None, None)
+        assert len(opened.connections) == 2
+        for _ in range(500):  # each look is IDLE_CHECK apart: a few at most
+            if all(connection.is_closed() for connection in opened.connections):
+                break
+            await asyncio.sleep(0.01)
+        assert [connection.is_closed() for connection in opened.connections] == [True, True]
+        assert pool._size == 0
+        assert await backend_of(pool) > 0  # and opens one again when needed
+    finally:
+        await pool.close()

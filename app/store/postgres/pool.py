@@ -12,8 +12,9 @@ Design rules:
 - Last in, first out: the connections in use stay hot, the extra ones go quiet at the bottom of
   the list, and one that has been idle for `IDLE_LIFETIME` is closed (PostgreSQL's backend with
   it), as asyncpg's pool did, down to `min_size` (opened at the start; one that breaks is
-  replaced when a statement next needs it). Connections are not recycled after a number of
-  queries: they run the same dozen prepared statements for ever.
+  replaced when a statement next needs it), whether the pool was made by `open` or, as a Citus
+  worker's, made empty and opened as statements need it. Connections are not recycled after a
+  number of queries: they run the same dozen prepared statements for ever.
 - A connection goes back to the list after its statement ended cleanly, with an error
   PostgreSQL answered (a constraint, a refused value: the autocommitted statement changed
   nothing), or cancelled or timed out midway: asyncpg has then asked PostgreSQL to cancel the
@@ -188,6 +189,10 @@ class Pool:
                 waiter.set_result(connection)
                 return
         self._idle.append((connection, time.monotonic()))
+        if self._trim_timer is None:
+            # A pool made without `open` (a Citus worker's, opened when first needed) starts
+            # looking at its idle connections with the first one given back.
+            self._trim_timer = asyncio.get_running_loop().call_later(IDLE_CHECK, self._trim)
 
     def _free_place(self) -> None:
         """A connection closed (or never opened): its place goes to the first waiter, if any."""

@@ -249,3 +249,13 @@ def test_version_and_help_say_what_each_command_does_and_its_defaults() -> None:
     demo = oncegate("demo-upstream", "--help", env=wide).stdout
     assert "GET /actions lists every action really performed" in demo
     assert "port (9000)" in demo and "(127.0.0.1)" in demo
+
+
+def test_oncegate_keys_never_prints_the_password_of_an_admin_url() -> None:
+    """An admin port behind a proxy that wants basic credentials in its URL: when it cannot be
+    reached, the message names where, without the password."""
+    url = f"http://operator:UrlPassword42@127.0.0.1:{free_port()}"
+    result = oncegate("keys", "--admin-url", url, "list", env={"ONCEGATE_ADMIN_TOKEN": "a-token"})
+    assert result.returncode != 0
+    assert "cannot reach the admin API at http://operator@127.0.0.1:" in result.stderr
+    assert "UrlPassword42" not in result.stderr + result.stdout

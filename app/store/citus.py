@@ -110,7 +110,12 @@ async def describe(url: str) -> Distribution | None:
 # the next read, the store may send a batch to a worker that no longer holds its shard: the
 # worker's fence refuses it (nothing written, `store.postgres.workers`) and the store reads the
 # shards at once and sends the batch where they are now. So this only bounds how long a map
-# may be old when nothing is written: routing stays correct without it.
+# may be old when nothing is written: routing stays correct without it, with one exception. A
+# worker given a new address (`citus_update_node`) whose old primary stays up and writable is
+# written to over the connections a gateway already holds there until this read (its fence
+# cannot tell: cut off from Citus's metadata, it still holds its placements). A refused or new
+# connection reads the map at once (`postgres/workers.py`); docs/operations.md says to stop or
+# demote the old primary first.
 REFRESH_INTERVAL = 30.0
 
 

@@ -76,7 +76,7 @@ MOVED = "OGM01"
 # While a worker cannot be reached, the shard map is read again at most this often (at its
 # first failure at once), in case the worker answers at another address now: a failover moves a
 # worker with `citus_update_node`, and its keys would be refused until the map's next periodic
-# read (`citus.REFRESH_INTERVAL`, 30 s) although Citus serves them. One catalog read a second
+# read (`citus.REFRESH_INTERVAL`) although Citus serves them. One catalog read a second
 # while a worker is down, not one per statement refused.
 UNREACHABLE_REREAD = 1.0
 

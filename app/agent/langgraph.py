@@ -380,11 +380,11 @@ class Lineage:
                     "not know: it cannot tell whether its tasks are new work or a copy of work "
                     "done before, so it sends nothing"
                 )
-            if found.parent_id is None:
-                raise TaskKeyUnavailable(f"checkpoint {current} ({found.source}) has no parent")
             chain.append((current, found))
             if found.source == "fork":
                 current = yield from copy_of(namespace, found)
+            elif found.parent_id is None:
+                raise TaskKeyUnavailable(f"checkpoint {current} ({found.source}) has no parent")
             else:
                 current = found.parent_id
         for checkpoint, saved in reversed(chain):
@@ -398,11 +398,13 @@ class Lineage:
 
 def copy_of(namespace: str, fork: Record) -> Generator[Request, Any, str]:
     """The checkpoint `fork` is a copy of: its parent, when LangGraph forked a run addressed by
-    checkpoint id (one step on from it), or the sibling a `"__copy__"` copied (two steps on)."""
-    assert fork.parent_id is not None
-    parent = yield Read(namespace, fork.parent_id, own=False)
-    if parent is None or fork.step == parent.step + 1:
-        return fork.parent_id
+    checkpoint id (one step on from it), or the sibling a `"__copy__"` copied (two steps on; a
+    copy of a thread's first checkpoint, which has no parent, has none either: a functional API
+    run killed in its first step)."""
+    if fork.parent_id is not None:
+        parent = yield Read(namespace, fork.parent_id, own=False)
+        if parent is None or fork.step == parent.step + 1:
+            return fork.parent_id
     copied = yield Copied(namespace, fork)
     if copied is None:
         raise TaskKeyUnavailable(

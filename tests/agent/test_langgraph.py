@@ -576,6 +576,37 @@ def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
 
 
+def test_a_copy_of_a_functional_api_run_killed_in_its_first_step_keeps_its_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """An entrypoint's first step starts from the thread's first checkpoint, which has no
+    parent, and a `"__copy__"` of it has none either: the copy is still found as the sibling of
+    the same versions, so the thread goes on by its id, each email performed once."""
+    crash = [True]
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        @task
+        def send(number: int) -> str:
+            response = client.post("/emails", {"n": number}, action="email")
+            if number == 1 and crash and crash.pop():
+                raise Killed("killed after the second email, before LangGraph saved it")
+            return str(response.request.headers["Idempotency-Key"])
+
+        @entrypoint(checkpointer=checkpointer)
+        def flow(count: int) -> list[str]:
+            return [send(number).result() for number in range(count)]
+
+        with pytest.raises(Killed):
+            flow.invoke(3, config, durability="sync")
+        flow.update_state(config, None, as_node="__copy__")
+        found = flow.invoke(None, config, durability="sync")
+    assert len(set(found)) == 3
+    for key in found:
+        assert len(upstream.actions(key)) == 1, key
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 3
+
+
 def subgraph_of(node: Any) -> Any:
     """A graph whose one node, `outer`, is a subgraph whose one node, `inner`, is `node`."""
     sub = StateGraph(Loop)

@@ -36,8 +36,13 @@ What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and 
   the parent (`had_task`, LangGraph's own rule read from the parent: a trigger newer than what
   the node saw, or the same `Send`; for a subgraph's task, the subgraph was started from the
   parent). A task the update itself starts (a node it triggers anew) is new work, with a key
-  of its own. So the way to new work for a task killed after it acted is to record it as done
-  (`update_state(..., as_node=node)`), then give it new input as the node before it.
+  of its own. An update whose step ran only tasks its parent still had to run (read from the
+  checkpoint that step saved: `tasks_ran`) continues the parent's lineage, so the steps after it
+  are the ones the parent's run went on to, with their keys (a note on an earlier checkpoint
+  replays the emails after it too); one whose step ran a task the update started is new work,
+  and so are the steps after it. So the way to new work for a task killed after it acted is to
+  record it as done (`update_state(..., as_node=node)`), then give it new input as the node
+  before it.
 - Which `Send` a subgraph runs for is read back from its task id, which LangGraph makes from
   the checkpoint, the step, the node and the `Send`'s index (`push_task_id`); a subgraph run by a
   functional API task's call, whose path is not in its config, is refused.
@@ -358,18 +363,34 @@ class Lineage:
         from (the task of the level above that runs it). Decides only; the caller reads."""
         chain: list[tuple[str, Record]] = []
         current = checkpoint_id
+        child: Record | None = None  # the loop checkpoint just below `current`, if any
+        ran: list[Ran] | None = None  # the tasks the step from `current` (or its copy) ran
         while True:
             known = self._known.get((thread_id, namespace, current))
             if known is not None:
                 lineage = known
                 break
             found = yield Read(namespace, current, own=current == checkpoint_id)
+            if child is not None:
+                ran = tasks_ran(found, child)
+            child = found if found.source == "loop" else None
             if found.parent_id is None and anchor is not None:
                 # A subgraph's first checkpoint: a new one each time LangGraph starts the
                 # subgraph again (a fork gives it new task ids), the same task above it.
                 lineage = anchor
                 self._known.put((thread_id, namespace, current), lineage)
                 break
+            if found.source == "update" and ran is not None and found.parent_id is not None:
+                # An update whose step ran only tasks its parent still had to run continues
+                # the parent (an operator's note; LangGraph's time travel): the steps after it
+                # are the ones the parent's run went on to, with their keys.
+                parent = yield Read(namespace, found.parent_id, own=False)
+                if parent is not None and all(
+                    had_task(parent, node, path, triggers) for node, path, triggers in ran
+                ):
+                    chain.append((current, found))
+                    current = found.parent_id
+                    continue
             if found.source in ("input", "update"):
                 lineage = current
                 self._known.put((thread_id, namespace, current), lineage)
@@ -394,6 +415,25 @@ class Lineage:
                 lineage = hashlib.sha256(f"{lineage}\0next".encode()).hexdigest()[:32]
             self._known.put((thread_id, namespace, checkpoint), lineage)
         return lineage
+
+
+# A task a step ran: its node, its path in the step, the channels that started it.
+Ran = tuple[str, tuple[Any, ...], tuple[str, ...]]
+
+
+def tasks_ran(start: Record, made: Record) -> list[Ran]:
+    """The tasks the step from checkpoint `start` ran, read from the checkpoint `made` that the
+    step saved: each node whose seen versions it moved (LangGraph's `apply_writes` marks the
+    triggers of every task it ran as seen), and each `Send` of `start`."""
+    pulled: list[Ran] = [
+        (node, (PULL, node), tuple(
+            channel for channel, version in seen.items()
+            if start.seen.get(node, {}).get(channel) != version
+        ))
+        for node, seen in made.seen.items()
+        if seen != start.seen.get(node)
+    ]  # fmt: skip
+    return pulled + [(node, (PUSH, index), ()) for index, node in enumerate(start.sends)]
 
 
 def copy_of(namespace: str, fork: Record) -> Generator[Request, Any, str]:

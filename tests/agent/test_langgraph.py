@@ -549,6 +549,33 @@ def test_an_edit_of_an_earlier_checkpoint_keeps_the_key_of_the_task_it_had_to_ru
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_the_steps_after_an_edit_of_an_earlier_checkpoint_keep_their_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Time travel from before the first `send`: an edit that leaves every email as it was
+    (a note, or the same iteration written as `draft`) runs the three sends again with the
+    first run's keys, each answered from the gateway's store; an edit that changes the emails
+    is refused at the first send (422), before anything is sent."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+        graph = emails_graph(checkpointer, client)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [before_first] = [
+            state for state in graph.get_state_history(config)
+            if state.next == ("send",) and state.values["iteration"] == 1
+        ]  # fmt: skip
+        noted = graph.update_state(before_first.config, {"note": "checked by Ana"})
+        assert graph.invoke(None, noted, durability="sync")["keys"] == final["keys"]
+        same = graph.update_state(before_first.config, {"iteration": 1}, as_node="draft")
+        assert graph.invoke(None, same, durability="sync")["keys"] == final["keys"]
+        changed = graph.update_state(before_first.config, {"iteration": 20}, as_node="draft")
+        with pytest.raises(ActionKeyReused):
+            graph.invoke(None, changed, durability="sync")
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+
+
 def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:

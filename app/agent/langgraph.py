@@ -478,6 +478,15 @@ def had_task(parent: Record, node: str, path: tuple[Any, ...], triggers: tuple[s
     return False
 
 
+def still_to_run(parent: Record, node: str, path: tuple[Any, ...]) -> bool:
+    """`had_task` for a task whose triggers are unknown (a level above the running task): the
+    channels its node has seen stand for them, and a node that never ran is taken as still to
+    run (the old key: a replay or a 422, never a second send)."""
+    if path[:1] == (PULL,) and node not in parent.seen:
+        return True
+    return had_task(parent, node, path, tuple(parent.seen.get(node, {})))
+
+
 def push_task_id(level: Record, namespace: str, node: str, index: int) -> str:
     """The id LangGraph gives the task of the `index`-th `Send` (to `node`) of the step that
     starts from `level` (`langgraph/pregel/_algo.py`, `prepare_push_task_send`)."""
@@ -581,8 +590,12 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 if innermost:
                     continues = had_task(parent, node, path, task.triggers)
                 else:
+                    # A subgraph's task above the running one: its triggers are not in the
+                    # config, and it may not have started from `parent` (an update of an update).
                     parents = {**parent.parents, level.namespace: parent.checkpoint_id}
-                    continues = yield Started(level.namespace, parent.checkpoint_id, parents, node)
+                    continues = still_to_run(parent, node, path) or (
+                        yield Started(level.namespace, parent.checkpoint_id, parents, node)
+                    )
                 if not continues:
                     break
             start, current = parent.checkpoint_id, parent

@@ -682,11 +682,13 @@ def test_a_subgraphs_task_resumed_or_replayed_by_checkpoint_id_sends_the_same_ke
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
 
 
+@pytest.mark.parametrize("updates", [1, 2])
 def test_an_update_on_the_outer_level_after_a_subgraphs_send_keeps_its_key(
-    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream, updates: int
 ) -> None:
-    """The subgraph's node sent and was killed; an `update_state` of the outer graph that
-    leaves the subgraph to run again restarts it under new task ids: the email keeps its key."""
+    """The subgraph's node sent and was killed; an `update_state` of the outer graph (or two,
+    the second on the first) that leaves the subgraph to run again restarts it under new task
+    ids: the email keeps its key."""
     config = thread()
     crash = [True]
     with Gateway(gateway.url) as client:
@@ -700,7 +702,8 @@ def test_an_update_on_the_outer_level_after_a_subgraphs_send_keeps_its_key(
         graph = subgraph_of(inner).compile(checkpointer=checkpointer)
         with pytest.raises(Killed):
             graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
-        graph.update_state(config, {"iteration": 0})
+        for _ in range(updates):
+            graph.update_state(config, {"iteration": 0})
         assert graph.get_state(config).next == ("outer",)
         final = graph.invoke(None, config, durability="sync")
     [key] = final["keys"]

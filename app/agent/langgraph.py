@@ -762,13 +762,19 @@ SENT = Sent()
 def reused(error: ActionKeyReused) -> ActionKeyReused:
     """The gateway's 422 for a task's key, with what to do about it on LangGraph."""
     node = get_config().get("metadata", {}).get("langgraph_node", "<node>")
+    # `update_state` on the graph the caller invokes names a node of its top level: inside a
+    # subgraph, the node that runs the subgraph (a node's name holds no ':' or '|').
+    execution = get_runtime().execution_info
+    namespace = execution.checkpoint_ns if execution is not None else ""
+    top = namespace.split("|")[0].split(":")[0] or node
+    inside = f" (the node whose subgraph runs {node!r})" if top != node else ""
     return ActionKeyReused(
         f"{error}. On LangGraph this key is the one the task this run continues sent (a "
         "resume, a replay, or an update_state that left the task to run), and this run's "
         "request came out different, so nothing was sent. If the first request was performed "
         "and that is all, record what the node returned and resume: graph.update_state(config, "
-        f"output, as_node={node!r}). If this request is new work, to perform as well: record "
-        "the first that way, then give the node its new input as the node before it "
+        f"output, as_node={top!r}){inside}. If this request is new work, to perform as well: "
+        "record the first that way, then give the node its new input as the node before it "
         "(graph.update_state(config, values, as_node=...)): a task started by that update gets "
         "a key of its own. A request that changes on every run (a clock, a model's draft) is "
         "drafted in an earlier node (docs/agents.md, 'Drafting in an earlier node')",

@@ -711,6 +711,35 @@ def test_an_update_on_the_outer_level_after_a_subgraphs_send_keeps_its_key(
     assert len(upstream.actions(key)) == 1
 
 
+def test_a_changed_request_inside_a_subgraph_is_refused_with_advice_that_applies(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """The email a subgraph's node sent before the kill comes out different after an update:
+    refused (422), and the `as_node` the error names is a node of the graph the caller invokes,
+    so doing what it says records the email and the thread goes on, nothing sent again."""
+    config = thread()
+    crash = [True]
+    with Gateway(gateway.url) as client:
+
+        def inner(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"n": state["iteration"]}, action="email")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the email, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        graph = subgraph_of(inner).compile(checkpointer=checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        graph.update_state(config, {"iteration": 5})
+        with pytest.raises(ActionKeyReused) as reused:
+            graph.invoke(None, config, durability="sync")
+        assert "as_node='outer'" in str(reused.value)
+        graph.update_state(config, {"keys": [reused.value.key]}, as_node="outer")
+        final = graph.invoke(None, config, durability="sync")
+    assert final["keys"] == [reused.value.key]
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
+
+
 class Keys(TypedDict):
     keys: Annotated[list[str], operator.add]
 

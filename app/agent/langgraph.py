@@ -190,6 +190,17 @@ def running_task() -> Task:
             f"LangGraph's config has no checkpoint map ({CHECKPOINT_MAP_KEY!r}) with the top "
             "level's checkpoint: this LangGraph version is not one oncegate supports"
         )
+    for level in levels[1:]:
+        # LangGraph names a level `node:<task id>`; a subgraph compiled with checkpointer=True
+        # keeps one thread of checkpoints under its node's name alone, across every run of it.
+        if any(":" not in segment for segment in level.namespace.split("|")):
+            raise TaskKeyUnavailable(
+                f"this task runs in a subgraph compiled with checkpointer=True (namespace "
+                f"{level.namespace!r}), whose checkpoints LangGraph keeps across every run of "
+                "its node: oncegate cannot tell a resume of one run from the next, so it sends "
+                "nothing. Compile the subgraph without a checkpointer (the default, "
+                "checkpointer=None: its checkpoints are saved with the parent's run)"
+            )
     metadata = config.get("metadata", {})
     path, triggers = metadata.get("langgraph_path"), metadata.get("langgraph_triggers")
     if not isinstance(path, tuple | list) or not path:

@@ -289,6 +289,12 @@ def test_task_key_refuses_a_run_whose_keys_a_resume_would_not_find_again(
         one_node(act, None).invoke(start)
     with pytest.raises(TaskKeyUnavailable, match="inside a LangGraph node"):
         task_key("email")
+    keeping = StateGraph(Loop)  # a subgraph with checkpoints of its own across its node's runs
+    keeping.add_node("inner", act)
+    keeping.add_edge(START, "inner")
+    keeping.add_edge("inner", END)
+    with pytest.raises(TaskKeyUnavailable, match="checkpointer=True"):
+        one_node(keeping.compile(checkpointer=True), checkpointer).invoke(start, thread())
     # Both durabilities that save before the end make keys; where LangGraph keeps what the key
     # reads (not public): this fails loudly when it moves.
     for durability in ("sync", "async"):

@@ -637,6 +637,12 @@ def _wait_message(task: Task, request: Read, save_wait: float) -> str:
         f"the checkpoint this task's step started from ({request.checkpoint_id}) was not saved "
         f"within {save_wait:g} s ({task.durability!r} durability): sent before that save, the "
         "action would get another key on resume, so nothing was sent"
+    ) + (
+        ""
+        if request.namespace == ""
+        else f". The step is one of subgraph {request.namespace!r}: a subgraph compiled with "
+        "checkpointer=False never saves it; compile it without a checkpointer (the default, "
+        "checkpointer=None: its checkpoints are saved with the parent's run)"
     )
 
 

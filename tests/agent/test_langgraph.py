@@ -295,6 +295,18 @@ def test_task_key_refuses_a_run_whose_keys_a_resume_would_not_find_again(
     keeping.add_edge("inner", END)
     with pytest.raises(TaskKeyUnavailable, match="checkpointer=True"):
         one_node(keeping.compile(checkpointer=True), checkpointer).invoke(start, thread())
+
+    def waiting(state: Loop) -> dict[str, Any]:
+        return {"keys": [task_key("email", save_wait=0.2)]}
+
+    unsaved = StateGraph(Loop)  # a subgraph that saves no checkpoint (sync: LangGraph fails)
+    unsaved.add_node("inner", waiting)
+    unsaved.add_edge(START, "inner")
+    unsaved.add_edge("inner", END)
+    with pytest.raises(TaskKeyUnavailable, match="compiled with checkpointer=False never saves"):
+        one_node(unsaved.compile(checkpointer=False), checkpointer).invoke(
+            start, thread(), durability="async"
+        )
     # Both durabilities that save before the end make keys; where LangGraph keeps what the key
     # reads (not public): this fails loudly when it moves.
     for durability in ("sync", "async"):

@@ -522,9 +522,11 @@ def subgraph_task(level: Record, namespace: str, node: str, task_id: str) -> tup
             return (PUSH, index)
     if sent:
         raise TaskKeyUnavailable(
-            f"the step that runs subgraph {node!r} also sends to it, and oncegate cannot tell "
-            f"which of its {len(sent)} Sends task {task_id} is (LangGraph's task ids are not "
-            "made as this oncegate version reads them), so it sends nothing"
+            f"the step that runs subgraph {node!r} also sends to it, and task {task_id} is none "
+            f"of its {len(sent)} Sends, so it sends nothing: either the step also runs {node!r} "
+            "as a node (pulled and sent to in one step: give the Sends a node of their own "
+            "that runs the same subgraph), or LangGraph's task ids are not made as this "
+            "oncegate version reads them (see docs/agents.md, 'Versions')"
         )
     return (PULL, node)
 

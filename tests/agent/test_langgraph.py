@@ -795,6 +795,27 @@ def test_subgraphs_sent_to_in_one_step_keep_their_own_keys_in_a_replay(
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_a_subgraph_pulled_and_sent_to_in_one_step_is_refused_saying_what_to_do(
+    checkpointer: PostgresSaver,
+) -> None:
+    def inner(state: Loop) -> dict[str, Any]:
+        return {"keys": [task_key("email")]}
+
+    sub = StateGraph(Loop, output_schema=Keys)
+    sub.add_node("inner", inner)
+    sub.add_edge(START, "inner")
+    sub.add_edge("inner", END)
+    outer = StateGraph(Loop)
+    outer.add_node("fan", lambda state: {})
+    outer.add_node("outer", sub.compile())
+    outer.add_edge(START, "fan")
+    outer.add_edge("fan", "outer")
+    outer.add_conditional_edges("fan", lambda state: [Send("outer", {"iteration": 1})])
+    outer.add_edge("outer", END)
+    with pytest.raises(TaskKeyUnavailable, match="pulled and sent to in one step: give the"):
+        outer.compile(checkpointer=checkpointer).invoke({"iteration": 0, "keys": []}, thread())
+
+
 def retried(node: Any, checkpointer: PostgresSaver) -> Any:
     """A graph of `node` alone, retried by LangGraph with oncegate's `retry_on`."""
     builder = StateGraph(Loop)

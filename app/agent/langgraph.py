@@ -34,9 +34,10 @@ What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and 
   checkpoint still had them to run (one killed after it acted, then an update, then a resume;
   LangGraph's time travel, an update of an earlier checkpoint): such a task's key comes from
   the parent (`had_task`, LangGraph's own rule read from the parent: a trigger newer than what
-  the node saw, or the same `Send`; for a subgraph's task, the subgraph was started from the
-  parent). A task the update itself starts (a node it triggers anew) is new work, with a key
-  of its own. An update whose step ran only tasks its parent still had to run (read from the
+  the node saw, or the same `Send`; for the task above a subgraph's, its node still to run by
+  the channels it has seen, `still_to_run`, or the subgraph started from the parent). A task
+  the update itself starts (a node it triggers anew) is new work, with a key of its own. An
+  update whose step ran only tasks its parent still had to run (read from the
   checkpoint that step saved: `tasks_ran`) continues the parent's lineage, so the steps after it
   are the ones the parent's run went on to, with their keys (a note on an earlier checkpoint
   replays the emails after it too); one whose step ran a task the update started is new work,

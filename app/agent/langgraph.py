@@ -192,8 +192,17 @@ def running_task() -> Task:
             "level's checkpoint: this LangGraph version is not one oncegate supports"
         )
     for level in levels[1:]:
-        # LangGraph names a level `node:<task id>`; a subgraph compiled with checkpointer=True
-        # keeps one thread of checkpoints under its node's name alone, across every run of it.
+        # LangGraph names a level `node:<task id>`, and numbers the second and later calls of a
+        # subgraph inside one task (`node:<task id>|1`); a subgraph compiled with
+        # checkpointer=True keeps one thread of checkpoints under its node's name alone.
+        if any(segment.isdecimal() for segment in level.namespace.split("|")[1:]):
+            raise TaskKeyUnavailable(
+                f"this task runs in a subgraph called more than once in one node's code "
+                f"(namespace {level.namespace!r}: LangGraph numbers the second and later calls "
+                "of one task), whose place oncegate cannot find again from the checkpoints, so "
+                "it sends nothing. Call each subgraph once a node: give each call a node of its "
+                "own (or add the compiled subgraph as a node)"
+            )
         if any(":" not in segment for segment in level.namespace.split("|")):
             raise TaskKeyUnavailable(
                 f"this task runs in a subgraph compiled with checkpointer=True (namespace "
@@ -311,16 +320,20 @@ class Copied:
         return config, {"step": self.fork.step - 1}
 
     def decide(self, listed: Iterable[CheckpointTuple]) -> str | None:
-        """The one sibling of the fork with its versions, or None."""
+        """The one sibling of the fork with its versions, or None. Several siblings that are
+        all forks (a run addressed twice by one checkpoint id, two `"__copy__"`s of one
+        checkpoint: same parent, step and versions) are copies of one checkpoint: any of them."""
         found = {
-            sibling.checkpoint_id
+            sibling.checkpoint_id: sibling.source
             for saved in listed
             if (sibling := record(saved)) is not None
             and sibling.parent_id == self.fork.parent_id
             and sibling.checkpoint_id != self.fork.checkpoint_id
             and sibling.versions == self.fork.versions
         }
-        return found.pop() if len(found) == 1 else None
+        if len(found) == 1 or (found and set(found.values()) == {"fork"}):
+            return min(found)
+        return None
 
 
 Search = Started | Copied

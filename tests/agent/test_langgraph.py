@@ -621,6 +621,35 @@ def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
 
 
+def test_a_copy_of_a_run_replayed_twice_by_checkpoint_id_keeps_the_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A replay by checkpoint id, twice from one checkpoint, saves two forks of it beside each
+    other (same parent, step and versions); a `"__copy__"` of one of them is then beside two
+    checkpoints with its versions. Both are copies of the same checkpoint, with the same keys:
+    the thread goes on by its id with them, not refused on every resume (REVIEW7 R1)."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+        graph = emails_graph(checkpointer, client)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [before_third] = [
+            state for state in graph.get_state_history(config)
+            if state.next == ("send",) and state.values["iteration"] == 3
+        ]  # fmt: skip
+        for _ in range(2):
+            assert graph.invoke(None, before_third.config, durability="sync") == final
+        forks = [
+            state for state in graph.get_state_history(config)
+            if (state.metadata or {}).get("source") == "fork"
+        ]  # fmt: skip
+        assert len(forks) == 2
+        graph.update_state(forks[0].config, None, as_node="__copy__")
+        assert graph.invoke(None, config, durability="sync")["keys"] == final["keys"]
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
+
+
 def test_a_copy_of_a_functional_api_run_killed_in_its_first_step_keeps_its_keys(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:
@@ -663,6 +692,38 @@ def subgraph_of(node: Any) -> Any:
     outer.add_edge(START, "outer")
     outer.add_edge("outer", END)
     return outer
+
+
+def test_a_subgraph_called_twice_in_one_nodes_code_is_refused_saying_so(
+    checkpointer: PostgresSaver,
+) -> None:
+    """LangGraph numbers the second and later calls of a subgraph inside one task
+    (`outer:<task id>|1`): the second call's task is refused saying that, and what to do, not
+    that its subgraph was compiled with checkpointer=True (it was not; REVIEW7 R2)."""
+    keys_seen: list[str] = []
+
+    def inner(state: Loop) -> dict[str, Any]:
+        keys_seen.append(task_key("email"))
+        return {}
+
+    sub = StateGraph(Loop)
+    sub.add_node("inner", inner)
+    sub.add_edge(START, "inner")
+    sub.add_edge("inner", END)
+    compiled = sub.compile()
+
+    def twice(state: Loop) -> dict[str, Any]:
+        compiled.invoke({"iteration": 1, "keys": []})
+        compiled.invoke({"iteration": 2, "keys": []})
+        return {}
+
+    with pytest.raises(TaskKeyUnavailable) as refused:
+        one_node(twice, checkpointer).invoke({"iteration": 0, "keys": []}, thread(),
+                                             durability="sync")  # fmt: skip
+    message = str(refused.value)
+    assert "checkpointer=True" not in message
+    assert "called more than once" in message and "node of its own" in message
+    assert len(keys_seen) == 1  # the first call's task has its key
 
 
 def test_a_subgraphs_task_resumed_or_replayed_by_checkpoint_id_sends_the_same_key(

@@ -109,7 +109,18 @@ CHECKPOINT_MAP_KEY = "checkpoint_map"
 TASKS_CHANNEL = "__pregel_tasks"
 PULL = "__pregel_pull"
 PUSH = "__pregel_push"
-INTERNALS = (DURABILITY_KEY, CHECKPOINTER_KEY, CHECKPOINT_MAP_KEY, TASKS_CHANNEL, PULL, PUSH)
+# Not a node: where a checkpoint's `versions_seen` keeps the versions a resumed run had seen
+# when it started (LangGraph's `_first` sets it on every resume; a fork saves it as it is).
+INTERRUPT = "__interrupt__"
+INTERNALS = (
+    DURABILITY_KEY,
+    CHECKPOINTER_KEY,
+    CHECKPOINT_MAP_KEY,
+    TASKS_CHANNEL,
+    PULL,
+    PUSH,
+    INTERRUPT,
+)
 DEFAULT_TIMEOUT = 30.0
 # How long a key waits for the save of its step's checkpoint under durability="async". The save
 # runs beside the step and takes milliseconds; a save that has not landed in this long is stuck
@@ -449,14 +460,15 @@ Ran = tuple[str, tuple[Any, ...], tuple[str, ...]]
 def tasks_ran(start: Record, made: Record) -> list[Ran]:
     """The tasks the step from checkpoint `start` ran, read from the checkpoint `made` that the
     step saved: each node whose seen versions it moved (LangGraph's `apply_writes` marks the
-    triggers of every task it ran as seen), and each `Send` of `start`."""
+    triggers of every task it ran as seen), and each `Send` of `start`. `INTERRUPT`'s entry,
+    which every resumed run moves, is no task."""
     pulled: list[Ran] = [
         (node, (PULL, node), tuple(
             channel for channel, version in seen.items()
             if start.seen.get(node, {}).get(channel) != version
         ))
         for node, seen in made.seen.items()
-        if seen != start.seen.get(node)
+        if seen != start.seen.get(node) and node != INTERRUPT
     ]  # fmt: skip
     return pulled + [(node, (PUSH, index), ()) for index, node in enumerate(start.sends)]
 

@@ -321,6 +321,7 @@ def test_task_key_refuses_a_run_whose_keys_a_resume_would_not_find_again(
         constants.TASKS,
         constants.PULL,
         constants.PUSH,
+        constants.INTERRUPT,
     )
 
 
@@ -592,6 +593,52 @@ def test_the_steps_after_an_edit_of_an_earlier_checkpoint_keep_their_keys(
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
     for key in final["keys"]:
         assert len(upstream.actions(key)) == 1, key
+
+
+def test_a_note_on_the_fork_a_replay_by_checkpoint_id_was_killed_in_keeps_the_later_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A replay by checkpoint id saves LangGraph's fork, then is killed after its first email;
+    an operator's note on the thread (an update of that fork) and a resume: the later emails are
+    the ones the first run sent, answered from the gateway's store, not performed again (the
+    fork's `versions_seen['__interrupt__']`, which every resume sets, is not a task; REVIEW7 R4)."""
+    config = thread()
+    crash: list[bool] = []
+    with Gateway(gateway.url) as client:
+
+        def draft(state: Emails) -> dict[str, Any]:
+            return {"iteration": state["iteration"] + 1}
+
+        def send(state: Emails) -> dict[str, Any]:
+            response = client.post("/emails", {"n": state["iteration"]}, action="email")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the email, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        builder = StateGraph(Emails)
+        builder.add_node("draft", draft)
+        builder.add_node("send", send)
+        builder.add_edge(START, "draft")
+        builder.add_edge("draft", "send")
+        builder.add_conditional_edges(
+            "send", lambda state: "draft" if state["iteration"] < LOOPS else END
+        )
+        graph = builder.compile(checkpointer=checkpointer)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [before_first] = [
+            state for state in graph.get_state_history(config)
+            if state.next == ("send",) and state.values["iteration"] == 1
+        ]  # fmt: skip
+        crash.append(True)
+        with pytest.raises(Killed):
+            graph.invoke(None, before_first.config, durability="sync")
+        assert (graph.get_state(config).metadata or {}).get("source") == "fork"
+        graph.update_state(config, {"note": "checked by Ana"})
+        resumed = graph.invoke(None, config, durability="sync")
+    assert resumed["keys"] == final["keys"]
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
 
 
 def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(

@@ -72,7 +72,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -682,15 +682,23 @@ def answer(task: Task, request: Request, save_wait: float) -> Record | bool | st
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(task.checkpointer.get_tuple(config))
     if found is None and request.own and task.durability == "async":
-        deadline = time.monotonic() + save_wait
-        pause = 0.002
-        while found is None:
-            if time.monotonic() >= deadline:
-                raise TaskKeyUnavailable(_wait_message(task, request, save_wait))
+        for pause in pauses(task, request, save_wait):
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
             found = record(task.checkpointer.get_tuple(config))
+            if found is not None:
+                break
     return found
+
+
+def pauses(task: Task, request: Read, save_wait: float) -> Iterator[float]:
+    """The pauses between reads of a step's checkpoint that durability "async" has not saved
+    yet: from 2 ms, doubling up to 50 ms; `TaskKeyUnavailable` once `save_wait` has passed."""
+    deadline = time.monotonic() + save_wait
+    pause = 0.002
+    while time.monotonic() < deadline:
+        yield pause
+        pause = min(pause * 2, 0.05)
+    raise TaskKeyUnavailable(_wait_message(task, request, save_wait))
 
 
 def task_key(action: str, *, tool_call_id: str | None = None, save_wait: float = SAVE_WAIT) -> str:
@@ -734,14 +742,11 @@ async def aanswer(task: Task, request: Request, save_wait: float) -> Record | bo
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(await aread(task.checkpointer, config))
     if found is None and request.own and task.durability == "async":
-        deadline = time.monotonic() + save_wait
-        pause = 0.002
-        while found is None:
-            if time.monotonic() >= deadline:
-                raise TaskKeyUnavailable(_wait_message(task, request, save_wait))
+        for pause in pauses(task, request, save_wait):
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.05)
             found = record(await aread(task.checkpointer, config))
+            if found is not None:
+                break
     return found
 
 

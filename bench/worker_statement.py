@@ -213,6 +213,7 @@ async def measure(cluster: citus.Cluster, single_url: str, arguments: argparse.N
             runs[ONE_SERVER] = functools.partial(single.step, count)
             pids = {name: worker_pid for name in shapes} | {ONE_SERVER: single_pid}
             for name in runs:  # plans made, the fence's function compiled, tables analyzed
+                worker.previous = []
                 for _ in range(WARM):
                     await runs[name]()
             await on_worker.execute("ANALYZE")
@@ -221,6 +222,8 @@ async def measure(cluster: citus.Cluster, single_url: str, arguments: argparse.N
             for round_ in range(arguments.rounds):
                 names = list(runs) if round_ % 2 == 0 else list(reversed(runs))
                 for name in names:
+                    # Each shape completes only its own claims (another names other shard tables).
+                    worker.previous = []
                     before = backend_cpu(pids[name])
                     for _ in range(arguments.statements):
                         await runs[name]()

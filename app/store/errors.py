@@ -50,6 +50,9 @@ _WHOLE_SERVER = (
     asyncpg.PostgresConnectionError,  # class 08
     asyncpg.exceptions.InsufficientResourcesError,  # class 53
     asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, cancelled
+    # 25006: a server that takes no writes (a standby, a primary demoted by a failover, or set
+    # read-only); no row of a batch is the cause.
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
 )
 
 

@@ -177,9 +177,7 @@ class Workers:
                 )
         except asyncpg.PostgresError as exc:
             if not _moved_away(exc):
-                if refused_value(exc) or (
-                    isolable(exc) and not isinstance(exc, asyncpg.ReadOnlySQLTransactionError)
-                ):
+                if refused_value(exc) or isolable(exc):
                     raise  # a statement's refusal (a row's doing): the worker answers
                 # Shutting down, starting up, out of connections, or a standby now (a failover
                 # demoted it): the worker refused the statement, nothing was written.

@@ -178,9 +178,15 @@ class ShardMap:
         """The worker that holds `shard` (as last read), if it can take statements directly."""
         return self._nodes.get(shard)
 
-    def age(self) -> float:
-        """Seconds since the map was last read (or made)."""
-        return time.monotonic() - self._read_at
+    async def refresh_if_older(self, seconds: float) -> None:
+        """Read the shards again if the map is older than `seconds` (0: now); a read that fails
+        (the coordinator down too) leaves the map as last read."""
+        if time.monotonic() - self._read_at < seconds:
+            return
+        try:
+            await self.refresh()
+        except DRIVER_ERRORS as exc:
+            log.debug("could not read the shards of oncegate_keys: %s", exc)
 
     def most_on_a_worker(self) -> int:
         """The most shards one worker holds (as last read)."""

@@ -51,7 +51,6 @@ Design rules:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,8 +63,6 @@ from ..queries import FRAGMENTS, Query, compose
 from .connections import citus_settings, request_settings
 from .pool import Pool
 from .rows import claimed_and_completed, claims_and_completes
-
-log = logging.getLogger("oncegate.store.postgres")
 
 # The operations sent to the workers: the two every forwarded request makes, alone or together.
 ON_WORKERS = frozenset({"claim", "complete", "claim_complete"})
@@ -216,12 +213,8 @@ class Workers:
         `Rerouted` when its shards' worker is elsewhere now. Otherwise the worker is down, said
         once (its `Outage`)."""
         if not maybe_written:
-            first = not pools.outage.down
-            if first or self._shards.age() > UNREACHABLE_REREAD:
-                try:
-                    await self._shards.refresh()
-                except DRIVER_ERRORS as failed:  # the coordinator too: the old map stands
-                    log.debug("could not read the shards of oncegate_keys: %s", failed)
+            # At the worker's first failure at once, then at most every UNREACHABLE_REREAD.
+            await self._shards.refresh_if_older(UNREACHABLE_REREAD if pools.outage.down else 0)
             if any(self._shards.node_of(shard) != node for shard in shards):
                 return Rerouted(f"{node} cannot be reached, and its shards are elsewhere now")
         pools.outage.failed(operation, exc)
@@ -254,11 +247,7 @@ class Workers:
         old address, where Citus reads nothing, until the map's next periodic read; the pools
         of a worker that answers keep their connections, so this costs a read only when one
         is opened."""
-        if self._shards.age() > CONNECT_REREAD:
-            try:
-                await self._shards.refresh()
-            except DRIVER_ERRORS as failed:  # the coordinator down: the map read last stands
-                log.debug("could not read the shards of oncegate_keys: %s", failed)
+        await self._shards.refresh_if_older(CONNECT_REREAD)
         if not self._shards.shards_on(node):
             raise Elsewhere(f"the shard map places no shard on {node} any more")
 

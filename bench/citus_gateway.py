@@ -6,19 +6,22 @@ front of it, its `ONCEGATE_DATABASE_URL` the target: one plain PostgreSQL 15, or
 of a Citus cluster of two workers (tests/citus.py's servers, the same settings), its key table
 in `--shards` shards (a database per shard count). `POST /emails` with a new Idempotency-Key per
 request over `--connections` keep-alive connections (bench/quick.py's load generator) for
-`--duration` seconds after a warm-up, `--repeats` times, the targets in turn. Before the
+`--duration` seconds after a warm-up, `--repeats` times, the targets in turn, once per count of
+connections: at 64 one gateway process sets the pace and a worker's statements carry half of
+what the one server's do; at 256 they fill, as where PostgreSQL is the limit. Before the
 measured repeats, each target is driven once so, unmeasured, and `VACUUM (ANALYZE)` runs on every
 node of its database (as bench/citus_pairs.py and bench/citus_scale.py do): no repeat runs on a
 fresh key table planned without statistics. Autovacuum is off on every server and each run's
 writes are vacuumed after it, outside it, so no vacuum falls inside a run. Each repeat runs the
-targets in an order rotated by one, and each row's ratio is to the same repeat's one server. From
+targets in an order rotated by one, and each row's ratio is to the one server of the same repeat
+and connections. From
 /proc: the CPU per forward of the gateway process and of every PostgreSQL node (postmasters, their
 children and the children they reaped; on the cluster the coordinator apart). From the gateway's
 /metrics (`oncegate_store_batch_size`): the operations per statement of its claims and completes
 (on the cluster a worker's, both kinds in one) and how many such statements a forward took.
 
-    .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64] [--repeats 2]
-        [--shards default,32]
+    .venv/bin/python bench/citus_gateway.py [--duration 5] [--connections 64,256] [--repeats 2]
+        [--shards default,32] [--profile DIR]
 
 Needs Citus installed (as the tests do). Every process and server is stopped, and the directory
 removed, in a `finally`; the run is under SIGALRM.
@@ -28,14 +31,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -44,6 +50,7 @@ sys.path.insert(0, str(BENCH.parent))  # tests.citus: the cluster the tests star
 
 import capacity  # noqa: E402
 import citus_pairs  # noqa: E402
+import profiling  # noqa: E402
 import quick  # noqa: E402
 import run  # noqa: E402
 
@@ -61,6 +68,7 @@ OPERATIONS = ("claim", "complete", "claim_complete")
 class Row:
     target: str
     repeat: int
+    connections: int
     forwards_per_second: float
     forwards: int
     gateway_ms: float
@@ -69,6 +77,8 @@ class Row:
     load: float  # the machine's load average (1 min) at the end of the run
     # Per batched operation the store sent in the run: (operations, statements).
     batches: dict[str, tuple[float, float]]
+    # py-spy's samples of the gateway during the run, per part of the request path (`--profile`).
+    profile: collections.Counter[str] | None = None
 
     def line(self, rows: list[Row]) -> str:
         postgres = f"{self.postgres_ms:.3f}"
@@ -78,11 +88,13 @@ class Row:
             )
         one_server = [
             row.postgres_ms for row in rows
-            if row.repeat == self.repeat and row.target == citus_pairs.ONE_SERVER
+            if row.repeat == self.repeat and row.connections == self.connections
+            and row.target == citus_pairs.ONE_SERVER
         ]  # fmt: skip
         times = f"{self.postgres_ms / one_server[0]:.2f}x" if one_server else "-"
         return (
-            f"| {self.repeat} | {self.target} | {self.forwards_per_second:,.0f} |"
+            f"| {self.repeat} | {self.connections} | {self.target} |"
+            f" {self.forwards_per_second:,.0f} |"
             f" {self.gateway_ms:.3f} | {postgres} | {times} | {self.sizes()} |"
             f" {self.statements_per_forward():.2f} | {self.load:.1f} |"
         )
@@ -102,9 +114,12 @@ class Row:
 
 
 def measure(
-    target: str, url: str, postmasters: list[int], upstream_port: int, work: Path,
-    arguments: argparse.Namespace, repeat: int = 0,
+    target: str, endpoint: citus_pairs.Endpoint, connections: int, upstream_port: int,
+    work: Path, arguments: argparse.Namespace, repeat: int = 0,
 ) -> Row:  # fmt: skip
+    """One gateway on `endpoint`, driven over `connections` connections: a warm-up, then the
+    measured run."""
+    url, postmasters = endpoint.url, endpoint.postmasters
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith("ONCEGATE_")}  # fmt: skip
     environment["ONCEGATE_DATABASE_URL"] = url
@@ -120,18 +135,21 @@ def measure(
         )  # fmt: skip
         gateway = started[0]
         quick.wait_listening(gateway, port, log, STARTUP_TIMEOUT)
-        asyncio.run(
-            capacity.drive(port, arguments.connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}")
-        )
+        asyncio.run(capacity.drive(port, connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}"))
         groups = {"gateway": [gateway.pid]} | {
             f"node{index}": [pid] for index, pid in enumerate(postmasters)
         }
         page_before = run.scrape(admin_port)
+        spy, spied = None, None
+        if arguments.profile is not None:
+            spied = arguments.profile / f"{target}-{connections}-{repeat}.txt"
+            spy = profiling.start(gateway.pid, math.ceil(arguments.duration), spied)
         before = run.cpu_seconds(groups)
         result = asyncio.run(
-            capacity.drive(port, arguments.connections, arguments.duration, uuid.uuid4().hex[:12])
+            capacity.drive(port, connections, arguments.duration, uuid.uuid4().hex[:12])
         )
         after = run.cpu_seconds(groups)
+        profile = profiling.finish(spy, spied) if spy is not None and spied is not None else None
         batches = sent(
             run.batch_sizes(page_before) or {}, run.batch_sizes(run.scrape(admin_port)) or {}
         )
@@ -146,6 +164,7 @@ def measure(
     return Row(
         target,
         repeat,
+        connections,
         result.requests / result.elapsed,
         result.requests,
         used["gateway"] * 1000 / forwards,
@@ -153,6 +172,7 @@ def measure(
         used["node0"] * 1000 / forwards if len(nodes) > 1 else None,
         os.getloadavg()[0],
         batches,
+        profile,
     )
 
 
@@ -168,10 +188,41 @@ def sent(
     return found
 
 
+def counts(text: str) -> list[int]:
+    """`--connections`: positive counts, comma-separated."""
+    try:
+        found = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not counts: {text!r}") from None
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"counts of at least 1: {text!r}")
+    return found
+
+
+def profile_table(rows: list[Row], connections: int) -> str:
+    """At `connections`, each target's samples over its repeats, each part's share times the
+    target's median gateway CPU a forward; the differences to the one server."""
+    measured: dict[str, tuple[collections.Counter[str], float]] = {}
+    for target in dict.fromkeys(row.target for row in rows):
+        mine = [row for row in rows if row.target == target and row.connections == connections]
+        counted: collections.Counter[str] = collections.Counter()
+        for row in mine:
+            counted += row.profile or collections.Counter()
+        measured[target] = (counted, statistics.median(row.gateway_ms for row in mine))
+    return profiling.table(measured, baseline=citus_pairs.ONE_SERVER)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0)
-    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument(
+        "--connections",
+        type=counts,
+        default=[64, 256],
+        metavar="N,N,...",
+        help="the load's connections, each count a run per target and repeat (default: 64,256:"
+        " where the gateway sets the pace, and where PostgreSQL's statements fill)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--shards",
@@ -181,14 +232,27 @@ def main() -> int:
         help="the key table's shard counts on the cluster (default: `default`, migrate's"
         " choice, two per worker; and 32)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample each gateway with py-spy during the measured runs (raw stacks kept in"
+        " DIR) and print where its CPU went per forward, per part of the request path",
+    )
     arguments = parser.parse_args()
+    if arguments.profile is not None:
+        if not profiling.available():
+            print(
+                "citus_gateway: --profile needs py-spy (make .venv/.bench-tools)", file=sys.stderr
+            )
+            return 2
+        arguments.profile.mkdir(parents=True, exist_ok=True)
     why = citus.unavailable()
     if why is not None:
         print(f"citus_gateway: no Citus here: {why}", file=sys.stderr)
         return 2
-    budget = 2 * STARTUP_TIMEOUT + (1 + len(arguments.shards)) * (arguments.repeats + 1) * (
-        WARMUP + arguments.duration + STARTUP_TIMEOUT
-    )
+    runs = (1 + len(arguments.shards)) * (len(arguments.connections) * arguments.repeats + 1)
+    budget = 2 * STARTUP_TIMEOUT + runs * (WARMUP + arguments.duration + STARTUP_TIMEOUT)
 
     def out_of_time(signum: int, frame: object) -> None:
         raise TimeoutError(f"the benchmark ran out of its {budget:.0f}s budget")
@@ -210,40 +274,52 @@ def main() -> int:
             quick.wait_listening(upstream[0], upstream_port, work / "upstream.log", STARTUP_TIMEOUT)
             for target, endpoint in targets.items():
                 row = measure(
-                    target, endpoint.url, endpoint.postmasters, upstream_port, work, arguments
-                )
+                    target, endpoint, arguments.connections[0], upstream_port, work, arguments,
+                )  # fmt: skip
                 asyncio.run(citus_pairs.vacuum(endpoint))
                 run.progress(
                     f"warm-up {target}: {row.forwards_per_second:,.0f} forwards/s, then VACUUM"
                     " (ANALYZE) on every node"
                 )
             for repeat in range(1, arguments.repeats + 1):
-                for target in citus_pairs.in_order(list(targets), repeat):
+                for connections, target in product(
+                    arguments.connections, citus_pairs.in_order(list(targets), repeat)
+                ):
                     endpoint = targets[target]
                     row = measure(
-                        target, endpoint.url, endpoint.postmasters, upstream_port, work,
-                        arguments, repeat,
+                        target, endpoint, connections, upstream_port, work, arguments, repeat
                     )  # fmt: skip
                     rows.append(row)
                     # What the run wrote, vacuumed outside it (autovacuum is off on every
                     # server, as in bench/citus_pairs.py): no vacuum falls inside another run.
                     asyncio.run(citus_pairs.vacuum(endpoint))
-                    run.progress(f"{target}: {row.forwards_per_second:,.0f} forwards/s")
+                    run.progress(
+                        f"{target}, {connections} connections:"
+                        f" {row.forwards_per_second:,.0f} forwards/s"
+                    )
         print(
-            f"one `oncegate serve` process per target, {arguments.connections} connections, a new"
+            "one `oncegate serve` process per target and run, a new"
             f" key per request, {WARMUP:g} s warm-up + {arguments.duration:g} s per run, every"
             " database first driven once unmeasured, autovacuum off and VACUUM (ANALYZE) on every"
             " node after every run, outside it, the order rotated each repeat; CPU from /proc"
         )
         print(f"\n$ {quick.command_line()}\n")
         print(
-            "| repeat | target | forwards/s | gateway CPU ms/forward | PostgreSQL CPU ms/forward"
-            " (coordinator + workers) | x the repeat's one server | operations per statement"
+            "| repeat | connections | target | forwards/s | gateway CPU ms/forward"
+            " | PostgreSQL CPU ms/forward"
+            " (coordinator + workers) | x the one server (same repeat, connections)"
+            " | operations per statement"
             " (claim / complete / both) | the store's statements a forward | load average |"
         )
-        print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
+        print("|---:|---:|---|---:|---:|---:|---:|---|---:|---:|")
         for row in rows:
             print(row.line(rows))
+        for connections in arguments.connections if arguments.profile is not None else []:
+            print(
+                f"\nwhere the gateway's CPU went per forward at {connections} connections (py-spy,"
+                f" {profiling.RATE} Hz):\n"
+            )
+            print(profile_table(rows, connections))
         return 0
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"citus_gateway failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -38,6 +38,8 @@ PARTS: Sequence[tuple[str, tuple[str, ...]]] = (
     ("metrics", ("prometheus_client/", "oncegate/telemetry/metrics.py")),
     ("tracing hooks", ("oncegate/telemetry/tracing.py",)),
     ("store: asyncpg", ("asyncpg/",)),
+    # The Citus worker path's own code (hashes, the shard map, its statements' arguments).
+    ("store: Citus routing", ("oncegate/store/citus.py", "oncegate/store/postgres/workers.py")),
     ("store: batching, rows", ("oncegate/store/",)),
     (
         "upstream client (aiohttp)",

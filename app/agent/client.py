@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from ..kernel import keys
+from ..kernel import keys, urls
 from ..model import errors
 from .checkpoints import JSON
 
@@ -192,7 +192,7 @@ class Attempts:
         key, url, path = self._key, self._url, self._path
         if isinstance(outcome, httpx.ConnectError | httpx.ConnectTimeout):
             # Nothing was sent: always safe to try again.
-            reason = f"cannot connect to {url}: {outcome!r}"
+            reason = f"cannot connect to {urls.shown(url)}: {outcome!r}"
             wait = self._backoff()
         elif isinstance(outcome, httpx.TransportError):
             if key is None:
@@ -200,7 +200,7 @@ class Attempts:
                     f"the connection broke after the request was sent and it has no "
                     f"Idempotency-Key: it may or may not have been performed ({outcome!r})"
                 ) from outcome
-            reason = f"connection to {url} broke: {outcome!r}"
+            reason = f"connection to {urls.shown(url)} broke: {outcome!r}"
             wait = self._backoff()
         else:
             response = outcome

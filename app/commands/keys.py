@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
 from .. import settings
+from ..kernel import urls
 from ..model import errors
 
 if TYPE_CHECKING:
@@ -144,20 +144,10 @@ class AdminClient:
         try:
             response = self._client.request(method, path, **options)
         except httpx.HTTPError as exc:
-            raise Refused(f"cannot reach the admin API at {_shown(self.url)}: {exc}") from None
+            raise Refused(f"cannot reach the admin API at {urls.shown(self.url)}: {exc}") from None
         if response.is_error:
             raise Refused(_problem(response))
         return response.json() if response.content else None
-
-
-def _shown(url: str) -> str:
-    """`url` for a message: without the password of its user information, if it has one (an
-    admin port behind a proxy that takes basic credentials)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
 
 
 class Refused(Exception):

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..kernel import headers, keys
+from ..kernel import headers, keys, urls
 from .units import Duration, Size, Wait
 
 DEFAULT_TTL = 24 * 3600.0
@@ -40,19 +40,19 @@ UNUSABLE_KEY_HEADERS = frozenset(
 
 def check_upstream(value: str) -> str:
     parts = urlsplit(value)
+    # Each message shows the URL without a password or the query's values (`urls.shown`): a
+    # refused URL is the operator's, and so may be an API key in its query.
     if "@" in parts.netloc:
         # Credentials in the URL would be logged with every route line and mixed into requests
         # that carry their own Authorization; the upstream's credentials are the client's job.
-        # The message shows the URL without them.
-        shown = parts._replace(netloc="…@" + parts.netloc.rpartition("@")[2]).geturl()
         raise ValueError(
-            f"{shown!r}: an upstream URL must not carry credentials (user:password@); let "
-            "clients send their own Authorization header"
+            f"{urls.shown(value)!r}: an upstream URL must not carry credentials"
+            " (user:password@); let clients send their own Authorization header"
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+        raise ValueError(f"{urls.shown(value)!r} is not an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
-        raise ValueError(f"{value!r}: an upstream URL takes no query or fragment")
+        raise ValueError(f"{urls.shown(value)!r}: an upstream URL takes no query or fragment")
     return value.rstrip("/")
 
 
@@ -108,7 +108,9 @@ class TokenScope(BaseModel):
             if "@" in parts.netloc:  # it would be logged with every failed read
                 raise ValueError("a jwks_url must not carry credentials (user:password@)")
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+                raise ValueError(
+                    f"{urls.shown(value)!r} is not an http:// or https:// URL with a host"
+                )
         return value
 
     @model_validator(mode="after")
@@ -119,8 +121,12 @@ class TokenScope(BaseModel):
 
     @property
     def source(self) -> str:
-        """Where the keys are read from, for messages and logs."""
-        return str(self.jwks_file) if self.jwks_file is not None else str(self.jwks_url)
+        """Where the keys are read from, for the operator's log: a URL without its query's
+        values (`urls.shown`: a JWKS URL may carry its credential there, `?token=...`)."""
+        if self.jwks_file is not None:
+            return str(self.jwks_file)
+        assert self.jwks_url is not None  # one of the two (`_one_source`)
+        return urls.shown(self.jwks_url)
 
 
 class Route(BaseModel):

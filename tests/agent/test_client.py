@@ -197,6 +197,20 @@ async def test_connection_refused_is_retried_until_the_deadline(http: httpx.Asyn
     assert 1.0 <= time.monotonic() - started <= 2.0
 
 
+async def test_a_gateway_url_with_credentials_is_never_said_with_them(
+    http: httpx.AsyncClient,
+) -> None:
+    # A gateway behind a proxy that wants credentials in its URL: the action's error names
+    # where it could not connect (or where the connection broke), without them.
+    url = f"http://agent:Secret9@127.0.0.1:{free_port()}"
+    with pytest.raises(GaveUp, match=r"cannot connect to http://\*\*\*@127\.0\.0\.1") as refused:
+        await client_for(http, url, deadline=0.2).send("/emails", {}, new_action_key())
+    broke = Attempts(RetryPolicy(deadline=0), random.Random(0), url + "/emails", "/emails", "k-9")
+    with pytest.raises(GaveUp, match=r"connection to http://\*\*\*@127") as broken:
+        broke.after(httpx.ReadError("the connection was reset"))
+    assert "Secret9" not in str(refused.value) + str(broken.value)
+
+
 def test_retry_after_reads_seconds_and_dates() -> None:
     assert retry_after(httpx.Response(409, headers={"Retry-After": "3"})) == 3.0
     date = httpx.Response(409, headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})

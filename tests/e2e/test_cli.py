@@ -251,11 +251,21 @@ def test_version_and_help_say_what_each_command_does_and_its_defaults() -> None:
     assert "port (9000)" in demo and "(127.0.0.1)" in demo
 
 
-def test_oncegate_keys_never_prints_the_password_of_an_admin_url() -> None:
-    """An admin port behind a proxy that wants basic credentials in its URL: when it cannot be
-    reached, the message names where, without the password."""
-    url = f"http://operator:UrlPassword42@127.0.0.1:{free_port()}"
+@pytest.mark.parametrize(
+    ("credentials", "query"),
+    [("operator:UrlPassword42@", ""), ("UrlToken42@", ""), ("", "/?token=UrlToken42")],
+)
+def test_oncegate_keys_never_prints_the_credentials_of_an_admin_url(
+    credentials: str, query: str
+) -> None:
+    """An admin port behind a proxy that wants credentials in its URL (basic credentials, a
+    token as the user name or in the query): when it cannot be reached, the message names
+    where, without them."""
+    port = free_port()
+    url = f"http://{credentials}127.0.0.1:{port}{query}"
     result = oncegate("keys", "--admin-url", url, "list", env={"ONCEGATE_ADMIN_TOKEN": "a-token"})
     assert result.returncode != 0
-    assert "cannot reach the admin API at http://operator@127.0.0.1:" in result.stderr
+    where = f"{'***@' if credentials else ''}127.0.0.1:{port}{'/?token=***' if query else ''}"
+    assert f"cannot reach the admin API at http://{where}:" in result.stderr
     assert "UrlPassword42" not in result.stderr + result.stdout
+    assert "UrlToken42" not in result.stderr + result.stdout

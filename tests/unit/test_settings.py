@@ -392,6 +392,39 @@ def test_upstream_with_credentials_is_refused_without_echoing_them(
     assert "s3cret" not in load_error(Path(), flags={"upstream": upstream})
 
 
+@pytest.mark.parametrize(
+    ("upstream", "said"),
+    [
+        # An API key in the query, refused for the query: said with the names, not the values.
+        ("https://api.test/v1?api_key=s3cret&region=eu", "'https://api.test/v1?api_key=***&region=***'"),
+        ("https://api.test/v1#s3cret", "'https://api.test/v1#***'"),
+        # Refused for its scheme before its query is looked at.
+        ("ftp://api.test/v1?token=s3cret", "'ftp://api.test/v1?token=***' is not an http://"),
+        ("api.test/v1?token=s3cret", "'api.test/v1?token=***' is not an http://"),
+    ],
+)  # fmt: skip
+def test_an_upstream_refused_is_said_without_its_querys_values(
+    tmp_path: Path, upstream: str, said: str
+) -> None:
+    message = load_error(
+        tmp_path, f"routes:\n  - name: a\n    match: /\n    upstream: '{upstream}'\n"
+    )
+    assert "routes[0].upstream" in message and said in message
+    assert "s3cret" not in message
+    flagged = load_error(Path(), flags={"upstream": upstream})
+    assert said in flagged and "s3cret" not in flagged
+
+
+def test_a_jwks_url_refused_is_said_without_its_querys_values(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        "routes:\n  - {name: a, match: /, upstream: 'http://u.test', scope_jwt: {issuer: x,"
+        " jwks_url: 'ftp://issuer.test/jwks?token=s3cret'}}\n",
+    )
+    assert "'ftp://issuer.test/jwks?token=***' is not an http://" in message
+    assert "s3cret" not in message
+
+
 def test_upstream_flag_without_scheme_is_refused() -> None:
     message = load_error(Path(), flags={"upstream": "localhost:9001"})
     assert "upstream" in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from oncegate import settings
 from oncegate.kernel import keys
 from oncegate.model import errors
 from oncegate.service import token_keys, tokens
+from tests.helpers import free_port
 from tests.issuer import ISSUER, Issuer
 
 
@@ -222,6 +224,27 @@ async def test_keys_that_cannot_be_read_are_503_and_kept_when_a_later_read_fails
         assert await identities.scope_part(paypal, [issuer_token])  # the keys held still verify
     finally:
         await identities.close()
+
+
+async def test_the_log_names_a_jwks_url_that_cannot_be_read_without_its_querys_values(
+    issuer: Issuer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A JWKS URL may carry its credential in the query; the operator's log says where the keys
+    # could not be read from, and that a query was there, never the credential. (Nothing
+    # listens on the port: the read is refused, as a JWKS host that is down refuses it.)
+    secret_url = f"http://127.0.0.1:{free_port()}/jwks?token=Secret7&tenant=acme"
+    unreachable = route(issuer, jwks_file=None, jwks_url=secret_url)
+    caplog.set_level(logging.ERROR, "oncegate.service.tokens")
+    identities = await started(unreachable)
+    try:
+        with pytest.raises(errors.TokenKeysUnavailable):
+            await identities.scope_part(unreachable, [f"Bearer {issuer.token()}"])
+    finally:
+        await identities.close()
+    said = [record.getMessage() for record in caplog.records]
+    assert any("could not read the token keys" in line for line in said), said
+    assert "Secret7" not in caplog.text and "acme" not in caplog.text
+    assert secret_url.split("?")[0] + "?token=***&tenant=***" in caplog.text
 
 
 async def test_a_route_without_scope_jwt_adds_nothing(issuer: Issuer) -> None:

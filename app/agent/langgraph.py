@@ -36,7 +36,10 @@ What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and 
   the parent (`had_task`, LangGraph's own rule read from the parent: a trigger newer than what
   the node saw, or the same `Send`; for the task above a subgraph's, its node still to run by
   the channels it has seen, `still_to_run`, or the subgraph started from the parent). A task
-  the update itself starts (a node it triggers anew) is new work, with a key of its own. An
+  the update itself starts (a node it triggers anew) is new work, with a key of its own. The
+  same holds for an input that `update_state(config, values, as_node="__input__")` saves:
+  unlike `invoke(input)`, which discards its parent's tasks, it leaves them to run
+  (`left_to_run`). An
   update whose step ran only tasks its parent still had to run (read from the
   checkpoint that step saved: `tasks_ran`) continues the parent's lineage, so the steps after it
   are the ones the parent's run went on to, with their keys (a note on an earlier checkpoint
@@ -515,6 +518,23 @@ def had_task(parent: Record, node: str, path: tuple[Any, ...], triggers: tuple[s
     return False
 
 
+def left_to_run(made: Record, parent: Record, node: str, path: tuple[Any, ...]) -> bool:
+    """Whether checkpoint `made`, an update or an input saved on `parent`, left the task at
+    `path` (of `node`) as `parent` had it. An update does: `update_state` runs no task of its
+    parent's. An input made by `invoke(input)` does not: LangGraph's `_first` discards every task
+    its parent still had to run (it marks their triggers as seen). One made by
+    `update_state(config, values, as_node="__input__")` leaves them: the node's seen versions,
+    or the step's `Send`s, are its parent's. A functional API call in an input's step, whose
+    entrypoint the input starts again, is new work."""
+    if made.source != "input":
+        return True
+    if path[:1] == (PULL,) and len(path) == 2:
+        return made.seen.get(node) == parent.seen.get(node)
+    if path[:1] == (PUSH,) and len(path) > 1 and isinstance(path[1], int):
+        return made.sends == parent.sends
+    return False
+
+
 def still_to_run(parent: Record, node: str, path: tuple[Any, ...]) -> bool:
     """`had_task` for a task whose triggers are unknown (a level above the running task): the
     channels its node has seen stand for them, and a node that never ran is taken as still to
@@ -619,24 +639,25 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
         # whose parent still had this task to run, which it continues, up to the first that
         # starts it.
         start, current = level.checkpoint_id, own
-        while current.source in ("fork", "update") and (parent_id := current.parent_id):
+        while current.source in ("fork", "update", "input") and (parent_id := current.parent_id):
             if current.source == "fork":
                 start = yield from through(copy_of(level.namespace, current))
                 current = yield from read(level.namespace, start, False)
                 continue
             parent = yield from read(level.namespace, parent_id, False)
-            if current.source == "update":
-                if innermost:
-                    continues = had_task(parent, node, path, task.triggers)
-                else:
-                    # A subgraph's task above the running one: its triggers are not in the
-                    # config, and it may not have started from `parent` (an update of an update).
-                    parents = {**parent.parents, level.namespace: parent.checkpoint_id}
-                    continues = still_to_run(parent, node, path) or (
-                        yield Started(level.namespace, parent.checkpoint_id, parents, node)
-                    )
-                if not continues:
-                    break
+            if not left_to_run(current, parent, node, path):
+                break
+            if innermost:
+                continues = had_task(parent, node, path, task.triggers)
+            else:
+                # A subgraph's task above the running one: its triggers are not in the
+                # config, and it may not have started from `parent` (an update of an update).
+                parents = {**parent.parents, level.namespace: parent.checkpoint_id}
+                continues = still_to_run(parent, node, path) or (
+                    yield Started(level.namespace, parent.checkpoint_id, parents, node)
+                )
+            if not continues:
+                break
             start, current = parent.checkpoint_id, parent
         lineage = yield from through(LINEAGE.walk(task.thread_id, level.namespace, start, anchor))
         anchor = _digest(lineage, repr(path))

@@ -3,7 +3,7 @@
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
         [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
         [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
-        [--subgraph] [--note TEXT]
+        [--subgraph] [--note TEXT [--note-as NODE]]
 
 The graph loops `LOOPS` times through `draft` then `send`; `send` POSTs an email through the
 gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by LangGraph's
@@ -22,7 +22,9 @@ thread's latest checkpoint by its id, which LangGraph runs as a fork).
 - `--mark-sent RECEIPT_JSON`: before resuming, record that answer as what `send` returned
   (`update_state(..., as_node="send")`), the way out of a body that changed.
 - `--note TEXT`: before resuming, an operator's `update_state(config, {"note": TEXT})`, which
-  the email does not read: the interrupted `send` is still to run after it.
+  the email does not read: the interrupted `send` is still to run after it. `--note-as NODE`:
+  written as that node (`__input__`: as new input, which LangGraph saves as an input checkpoint
+  and which, unlike `invoke(input)`, leaves `send` to run).
 - `--subgraph`: `send` is a subgraph whose one node, `email`, sends (the key then descends
   from the outer step's and the subgraph's checkpoints).
 - A `send` whose client refuses to make a key prints `{"event": "refused", "error": ...}` and
@@ -199,7 +201,7 @@ def run_sync(arguments: argparse.Namespace) -> None:
                 config, {"receipts": [json.loads(arguments.mark_sent)]}, as_node="send"
             )
         if arguments.note is not None:
-            graph.update_state(config, {"note": arguments.note})
+            graph.update_state(config, {"note": arguments.note}, as_node=arguments.note_as)
         if saver.get_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -228,7 +230,7 @@ async def run_async(arguments: argparse.Namespace) -> None:
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
         if arguments.note is not None:
-            await graph.aupdate_state(config, {"note": arguments.note})
+            await graph.aupdate_state(config, {"note": arguments.note}, as_node=arguments.note_as)
         if await saver.aget_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -253,6 +255,7 @@ def main() -> None:
     parser.add_argument("--clock", action="store_true")
     parser.add_argument("--mark-sent", metavar="RECEIPT_JSON")
     parser.add_argument("--note")
+    parser.add_argument("--note-as")
     parser.add_argument("--subgraph", action="store_true")
     arguments = parser.parse_args()
     if arguments.api == "sync":

@@ -176,12 +176,16 @@ def test_a_body_drafted_in_the_sending_node_is_refused_on_resume_and_marked_sent
 
 
 @pytest.mark.parametrize(
-    ("api", "resume_by", "subgraph"),
+    ("api", "resume_by", "subgraph", "note_as"),
     [
-        ("sync", "thread", False),
-        ("async", "checkpoint-id", False),
-        ("sync", "thread", True),
-        ("async", "thread", True),
+        ("sync", "thread", False, None),
+        ("async", "checkpoint-id", False, None),
+        ("sync", "thread", True, None),
+        ("async", "thread", True, None),
+        ("sync", "thread", False, "__input__"),
+        ("async", "checkpoint-id", False, "__input__"),
+        ("sync", "checkpoint-id", True, "__input__"),
+        ("async", "thread", True, "__input__"),
     ],
 )
 def test_an_update_between_the_kill_and_the_resume_keeps_the_interrupted_tasks_key(
@@ -192,19 +196,22 @@ def test_an_update_between_the_kill_and_the_resume_keeps_the_interrupted_tasks_k
     api: str,
     resume_by: str,
     subgraph: bool,
+    note_as: str | None,
 ) -> None:
     """Killed after the second email, then an operator's `update_state` that leaves `send` to
     run (a note the email does not read) before the resume: the task it still had to run is
     the one killed, so it sends the key the killed one sent, answered from the gateway's store.
-    With `send` a subgraph, the update restarts the subgraph under new task ids: the same."""
+    With `send` a subgraph, the update restarts the subgraph under new task ids: the same. So
+    does a note written as new input (`as_node="__input__"`, saved as an input checkpoint):
+    unlike `invoke(input)`, it leaves `send` to run, beside the graph's start."""
     thread = f"case-{uuid.uuid4()}"
     shape = ("--api", api, *(("--subgraph",) if subgraph else ()))
     first = GraphProcess(database_url, gateway, thread, *shape, "--freeze-at", "2")
     processes.append(first)
     killed = sent(first.until("frozen"))[-1]
     first.kill()
-    second = GraphProcess(database_url, gateway, thread, *shape, "--note", "called the customer",
-                          "--resume-by", resume_by)  # fmt: skip
+    noted = ("--note", "called the customer", *(("--note-as", note_as) if note_as else ()))
+    second = GraphProcess(database_url, gateway, thread, *shape, *noted, "--resume-by", resume_by)
     processes.append(second)
     after = sent(second.finish(LOOPS))
     assert [item["iteration"] for item in after] == [2, 3]

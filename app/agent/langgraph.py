@@ -504,8 +504,9 @@ def had_task(parent: Record, node: str, path: tuple[Any, ...], triggers: tuple[s
     whose trigger holds a value newer than what the node last saw (LangGraph's own rule, read
     from the checkpoint), or the `Send` at that index. A functional API task (a call of its
     entrypoint) is taken as its parent's: never as new work."""
-    if path[:1] == (PUSH,) and len(path) == 2 and isinstance(path[1], int):
-        return path[1] < len(parent.sends) and parent.sends[path[1]] == node
+    index = send_index(path)
+    if index is not None:
+        return index < len(parent.sends) and parent.sends[index] == node
     if path[:1] != (PULL,):
         return True
     seen = parent.seen.get(node)
@@ -530,9 +531,18 @@ def left_to_run(made: Record, parent: Record, node: str, path: tuple[Any, ...]) 
         return True
     if path[:1] == (PULL,) and len(path) == 2:
         return made.seen.get(node) == parent.seen.get(node)
-    if path[:1] == (PUSH,) and len(path) > 1 and isinstance(path[1], int):
+    if send_index(path) is not None:
         return made.sends == parent.sends
     return False
+
+
+def send_index(path: tuple[Any, ...]) -> int | None:
+    """The index of the `Send` a task's path names, or None for any other task. LangGraph's path
+    of a node's `Send` is `(PUSH, index, False)` (`tasks_ran` and `subgraph_task` write `(PUSH,
+    index)`); a functional API call's is `(PUSH, <its entrypoint's path>, number)`."""
+    if path[:1] == (PUSH,) and len(path) > 1 and type(path[1]) is int:
+        return path[1]
+    return None
 
 
 def still_to_run(parent: Record, node: str, path: tuple[Any, ...]) -> bool:

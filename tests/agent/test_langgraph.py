@@ -575,6 +575,57 @@ def test_an_edit_of_an_earlier_checkpoint_keeps_the_key_of_the_task_it_had_to_ru
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_new_sends_an_edit_starts_are_new_work_once_the_advice_is_followed(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Time travel on a fan-out: an update of the checkpoint of two `Send`s, written as `draft`
+    (whose edge makes the `Send`s), makes two other emails. Each is refused at the key of the
+    first run's `Send` at its index (422, nothing sent); done as `ActionKeyReused` says (the
+    `Send`s recorded as done, then the new input as `draft`), the new `Send`s are new work, with
+    keys of their own, each performed once. LangGraph's path of a `Send` is
+    `('__pregel_push', index, False)`: read as such, not as a functional API call's."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        def draft(state: Emails) -> dict[str, Any]:
+            return {"iteration": state["iteration"] + 1}
+
+        def fan_out(state: Emails) -> list[Send]:
+            return [Send("send", {"iteration": state["iteration"] * 10 + n}) for n in range(2)]
+
+        def send(state: Emails) -> dict[str, Any]:
+            response = client.post("/emails", {"n": state["iteration"]}, action="email")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        builder = StateGraph(Emails)
+        builder.add_node("draft", draft)
+        builder.add_node("send", send)
+        builder.add_edge(START, "draft")
+        builder.add_conditional_edges("draft", fan_out, ["send"])
+        builder.add_edge("send", END)
+        graph = builder.compile(checkpointer=checkpointer)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [fanned] = [
+            state for state in graph.get_state_history(config) if state.next == ("send", "send")
+        ]
+        changed = graph.update_state(fanned.config, {"iteration": 7}, as_node="draft")
+        with pytest.raises(ActionKeyReused) as reused:
+            graph.invoke(None, changed, durability="sync")
+        assert reused.value.key in final["keys"]
+        assert "as_node='send'" in str(reused.value)
+        done = graph.update_state(changed, {"keys": final["keys"]}, as_node="send")
+        again = graph.update_state(done, {"iteration": 7}, as_node="draft")
+        new = graph.invoke(None, again, durability="sync")
+    new_keys = [key for key in new["keys"] if key not in final["keys"]]
+    assert len(new_keys) == 2
+    performed = sorted(
+        action["request"]["n"] for key in new_keys for action in upstream.actions(key)
+    )
+    assert performed == [70, 71]
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+
+
 def test_the_steps_after_an_edit_of_an_earlier_checkpoint_keep_their_keys(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:

@@ -196,7 +196,12 @@ def running_task() -> Task:
             "durability='sync' or 'async' (LangGraph's default)"
         )
     levels: list[Level] = []
+    segments = execution.checkpoint_ns.split("|") if execution.checkpoint_ns else []
     for namespace, checkpoint_id in configurable.get(CHECKPOINT_MAP_KEY, {}).items():
+        # Only the levels the task runs in: a run addressed by a subgraph's own checkpoint
+        # (`get_state(config, subgraphs=True)`) carries that checkpoint's namespace too.
+        if namespace and namespace.split("|") != segments[: namespace.count("|") + 1]:
+            continue
         # A functional API task runs in its entrypoint's checkpoint: a level seen already.
         if all(level.checkpoint_id != checkpoint_id for level in levels):
             levels.append(Level(namespace, checkpoint_id))

@@ -26,7 +26,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, StateGraph
-from langgraph.types import Command, Send, interrupt
+from langgraph.types import Command, Send, StateSnapshot, interrupt
 from langgraph.types import RetryPolicy as NodeRetryPolicy
 
 from oncegate.agent import keys
@@ -864,6 +864,57 @@ def test_a_subgraphs_task_resumed_or_replayed_by_checkpoint_id_sends_the_same_ke
         assert replayed["keys"] == [key]
     assert len(upstream.actions(key)) == 1
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_a_run_addressed_by_a_subgraphs_own_checkpoint_keeps_the_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream, edit: bool
+) -> None:
+    """LangGraph's way into a subgraph: `get_state(config, subgraphs=True)` gives the
+    subgraph's own config (its checkpoint in `checkpoint_map`), which `invoke` resumes, and
+    `update_state` edits, returning a config of the same kind. The subgraph sends three emails
+    in a loop and is killed after its second: resumed that way, with or without an edit that
+    leaves the emails as they were, each email is performed once (the map's entry for the
+    addressed subgraph, which the running task's namespace is not under, is no level of it)."""
+    config = thread()
+    crash = [True]
+    with Gateway(gateway.url) as client:
+
+        def draft(state: Loop) -> dict[str, Any]:
+            return {"iteration": state["iteration"] + 1}
+
+        def send(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"n": state["iteration"]}, action="email")
+            if state["iteration"] == 2 and crash and crash.pop():
+                raise Killed("killed after the email, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        sub = StateGraph(Loop)
+        sub.add_node("draft", draft)
+        sub.add_node("send", send)
+        sub.add_edge(START, "draft")
+        sub.add_edge("draft", "send")
+        sub.add_conditional_edges(
+            "send", lambda state: "draft" if state["iteration"] < LOOPS else END
+        )
+        outer = StateGraph(Loop)
+        outer.add_node("outer", sub.compile())
+        outer.add_edge(START, "outer")
+        outer.add_edge("outer", END)
+        graph = outer.compile(checkpointer=checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        inside = graph.get_state(config, subgraphs=True).tasks[0].state
+        assert isinstance(inside, StateSnapshot) and inside.next == ("send",)
+        addressed = inside.config
+        if edit:
+            addressed = graph.update_state(addressed, {"iteration": 2}, as_node="draft")
+        final = graph.invoke(None, addressed, durability="sync")
+    assert len(final["keys"]) == len(set(final["keys"])) == LOOPS
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+    emails = thread_emails(upstream, config["configurable"]["thread_id"])
+    assert sorted(email["request"]["n"] for email in emails) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("updates", [1, 2])

@@ -112,6 +112,8 @@ CHECKPOINT_MAP_KEY = "checkpoint_map"
 TASKS_CHANNEL = "__pregel_tasks"
 PULL = "__pregel_pull"
 PUSH = "__pregel_push"
+# What LangGraph 1.2 puts in the path of a node's error handler, after the failed task's path.
+ERROR_HANDLER = "node_error_handler"
 # Not a node: where a checkpoint's `versions_seen` keeps the versions a resumed run had seen
 # when it started (LangGraph's `_first` sets it on every resume; a fork saves it as it is).
 INTERRUPT = "__interrupt__"
@@ -632,6 +634,7 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
             return str(done.value)
 
     segments = task.checkpoint_ns.split("|")
+    handling = handled(task)
     parts: list[Part] = []
     anchor: str | None = None
     for index, level in enumerate(task.levels):
@@ -660,9 +663,14 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 current = yield from read(level.namespace, start, False)
                 continue
             parent = yield from read(level.namespace, parent_id, False)
-            if not left_to_run(current, parent, node, path):
+            # A node's error handler runs in the step of the task that failed, for it.
+            subject = handling if innermost and handling else (node, path)
+            if not left_to_run(current, parent, *subject):
                 break
-            if innermost:
+            if innermost and handling:
+                # Still to run where the failed task is (its triggers are not in the config).
+                continues = still_to_run(parent, *handling)
+            elif innermost:
                 continues = had_task(parent, node, path, task.triggers)
             else:
                 # A subgraph's task above the running one: its triggers are not in the
@@ -678,6 +686,16 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
         anchor = _digest(lineage, repr(path))
         parts.append(Part(node, anchor))
     return parts
+
+
+def handled(task: Task) -> tuple[str, tuple[Any, ...]] | None:
+    """The node and path of the failed task that the running task handles, when it is a node's
+    error handler (LangGraph 1.2's `add_node(..., error_handler=...)`), which LangGraph runs in
+    the failed task's step and namespace, its path the failed task's then `(ERROR_HANDLER,
+    False)`. None for any other task."""
+    if task.route[-2:] != (ERROR_HANDLER, False):
+        return None
+    return task.checkpoint_ns.split("|")[-1].rpartition(":")[0], task.route[:-2]
 
 
 def compose(task: Task, parts: list[Part], action: str, tool_call_id: str | None) -> str:

@@ -12,6 +12,7 @@ resumed task has another id, which is why `task_key` insists on `durability="syn
 
 from __future__ import annotations
 
+import inspect
 import json
 import operator
 import uuid
@@ -697,6 +698,51 @@ def test_a_note_on_the_fork_a_replay_by_checkpoint_id_was_killed_in_keeps_the_la
     for key in final["keys"]:
         assert len(upstream.actions(key)) == 1, key
     assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
+
+
+@pytest.mark.skipif(
+    "error_handler" not in inspect.signature(StateGraph.add_node).parameters,
+    reason="node error handlers came with LangGraph 1.2",
+)
+def test_a_nodes_error_handler_killed_after_its_action_keeps_its_key_across_an_update(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """LangGraph 1.2's `add_node(..., error_handler=...)`: `send` fails, its handler alerts
+    through the gateway and is killed after the alert. An operator's note (an `update_state`
+    that leaves `send` to run), then a resume: the handler runs again for the same failed task,
+    and sends the alert's key again, answered from the gateway's store (before: another key,
+    the alert performed twice)."""
+    config = thread()
+    crash = [True]
+    with Gateway(gateway.url) as client:
+
+        def draft(state: Emails) -> dict[str, Any]:
+            return {"iteration": state["iteration"] + 1}
+
+        def send(state: Emails) -> dict[str, Any]:
+            raise RuntimeError("the mail server refused the email")
+
+        def alert(state: Emails) -> dict[str, Any]:
+            response = client.post("/emails", {"failed": state["iteration"]}, action="alert")
+            if crash.pop() if crash else False:
+                raise Killed("killed after the alert, before LangGraph saved the step")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        builder = StateGraph(Emails)
+        builder.add_node("draft", draft)
+        builder.add_node("send", send, error_handler=alert)
+        builder.add_edge(START, "draft")
+        builder.add_edge("draft", "send")
+        builder.add_edge("send", END)
+        graph = builder.compile(checkpointer=checkpointer)
+        with pytest.raises(Killed):
+            graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        graph.update_state(config, {"note": "checked by Ana"})
+        assert graph.get_state(config).next == ("send",)
+        final = graph.invoke(None, config, durability="sync")
+    [key] = final["keys"]
+    assert len(upstream.actions(key)) == 1
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 1
 
 
 def test_a_copy_of_the_checkpoint_a_task_was_killed_in_keeps_its_key(

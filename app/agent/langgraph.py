@@ -137,6 +137,10 @@ LINEAGE_CACHE = 20_000
 # Checkpoints a process keeps as read (the steps' own, which every action of a step reads):
 # each holds its channels' versions, a few kB at most.
 RECORD_CACHE = 1_024
+# Checkpoints a walk up a run's steps reads in one query (`Earlier`), the parents of the one it
+# stands at: a new process walks back to the thread's last new input (hundreds of steps on a
+# long thread), in one query per this many steps instead of one per step.
+WALK_BATCH = 64
 # Keys a client remembers having sent, with the attempt of the task that sent them.
 SENT_MEMORY = 4_096
 
@@ -294,11 +298,13 @@ def record(saved: CheckpointTuple | None) -> Record | None:
 @dataclass(frozen=True, slots=True)
 class Read:
     """Read this checkpoint of the task's thread; `own`: the step's own checkpoint, which an
-    "async" run may still be saving."""
+    "async" run may still be saving; `below`: the loop checkpoint whose parent it is, when a
+    walk comes up from there (its parents are read in batches, `Earlier`)."""
 
     namespace: str
     checkpoint_id: str
     own: bool
+    below: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +319,8 @@ class Started:
 
     def search(self, thread_id: str) -> tuple[RunnableConfig, dict[str, Any]]:
         """The thread's checkpoints (every namespace) whose levels above are `parents`."""
-        return {"configurable": {"thread_id": thread_id}}, {"parents": dict(self.parents)}
+        config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
+        return config, {"filter": {"parents": dict(self.parents)}}
 
     def decide(self, listed: Iterable[CheckpointTuple]) -> bool:
         for saved in listed:
@@ -338,7 +345,7 @@ class Copied:
         config: RunnableConfig = {
             "configurable": {"thread_id": thread_id, "checkpoint_ns": self.namespace}
         }
-        return config, {"step": self.fork.step - 1}
+        return config, {"filter": {"step": self.fork.step - 1}}
 
     def decide(self, listed: Iterable[CheckpointTuple]) -> str | None:
         """The one sibling of the fork with its versions, or None. Several siblings that are
@@ -357,7 +364,27 @@ class Copied:
         return None
 
 
-Search = Started | Copied
+@dataclass(frozen=True, slots=True)
+class Earlier:
+    """The checkpoints of `namespace` saved before `checkpoint_id`, the newest first, at most
+    `limit`: on a run's own branch, the parents a walk up its steps reads next."""
+
+    namespace: str
+    checkpoint_id: str
+    limit: int
+
+    def search(self, thread_id: str) -> tuple[RunnableConfig, dict[str, Any]]:
+        config: RunnableConfig = {
+            "configurable": {"thread_id": thread_id, "checkpoint_ns": self.namespace}
+        }
+        before = reading(thread_id, self.namespace, self.checkpoint_id)
+        return config, {"before": before, "limit": self.limit}
+
+    def decide(self, listed: Iterable[CheckpointTuple]) -> tuple[Record, ...]:
+        return tuple(found for saved in listed if (found := record(saved)) is not None)
+
+
+Search = Started | Copied | Earlier
 Request = Read | Search
 
 
@@ -411,12 +438,16 @@ class Lineage:
         current = checkpoint_id
         child: Record | None = None  # the loop checkpoint just below `current`, if any
         ran: list[Ran] | None = None  # the tasks the step from `current` (or its copy) ran
+        climbed = 0  # the steps walked up so far
         while True:
             known = self._known.get((thread_id, namespace, current))
             if known is not None:
                 lineage = known
                 break
-            found = yield Read(namespace, current, own=current == checkpoint_id)
+            # A process that has run the steps before knows the lineage of the one before the
+            # step's parent (one read a step); further up, the walk goes on: a batch a query.
+            below = None if child is None or climbed < 2 else child.checkpoint_id
+            found = yield Read(namespace, current, own=current == checkpoint_id, below=below)
             if child is not None:
                 ran = tasks_ran(found, child)
             child = found if found.source == "loop" else None
@@ -454,6 +485,7 @@ class Lineage:
                 raise TaskKeyUnavailable(f"checkpoint {current} ({found.source}) has no parent")
             else:
                 current = found.parent_id
+                climbed += 1
         for checkpoint, saved in reversed(chain):
             if saved.source == "loop":
                 # Not the step's number: a fork takes a number of its own (its parent's + 1), so
@@ -606,9 +638,16 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
     """The key's parts, the top level first (see the module's docstring). Yields each read it
     needs and is sent its answer; decides only."""
 
-    def read(namespace: str, checkpoint_id: str, own: bool) -> Generator[Request, Any, Record]:
+    def read(
+        namespace: str, checkpoint_id: str, own: bool, below: str | None = None
+    ) -> Generator[Request, Any, Record]:
         entry = (task.thread_id, namespace, checkpoint_id)
         known = RECORDS.get(entry)
+        if known is None and below is not None:
+            # A walk up a run's steps: this one and the next parents, in one query.
+            for earlier in (yield Earlier(namespace, below, WALK_BATCH)):
+                RECORDS.put((task.thread_id, namespace, earlier.checkpoint_id), earlier)
+            known = RECORDS.get(entry)
         if known is None:
             known = yield Read(namespace, checkpoint_id, own)
             if known is None:
@@ -626,7 +665,9 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
             request = next(asking)
             while True:
                 if isinstance(request, Read):
-                    reply = yield from read(request.namespace, request.checkpoint_id, request.own)
+                    reply = yield from read(
+                        request.namespace, request.checkpoint_id, request.own, request.below
+                    )
                 else:
                     reply = yield request
                 request = asking.send(reply)
@@ -728,11 +769,19 @@ def _wait_message(task: Task, request: Read, save_wait: float) -> str:
     )
 
 
-def answer(task: Task, request: Request, save_wait: float) -> Record | bool | str | None:
+Answer = Record | bool | str | tuple[Record, ...] | None
+
+
+def answer(task: Task, request: Request, save_wait: float) -> Answer:
     """A request of `derive`, answered with the saver's sync API."""
     if isinstance(request, Search):
-        config, where = request.search(task.thread_id)
-        return request.decide(task.checkpointer.list(config, filter=where))
+        config, options = request.search(task.thread_id)
+        try:
+            return request.decide(task.checkpointer.list(config, **options))
+        except NotImplementedError:
+            if isinstance(request, Earlier):  # a saver that cannot list: read one at a time
+                return ()
+            raise
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(task.checkpointer.get_tuple(config))
     if found is None and request.own and task.durability == "async":
@@ -783,15 +832,20 @@ async def aread(
     return await checkpointer.aget_tuple(config)
 
 
-async def aanswer(task: Task, request: Request, save_wait: float) -> Record | bool | str | None:
+async def aanswer(task: Task, request: Request, save_wait: float) -> Answer:
     """`answer`, with the saver's async API (in a thread for a saver that has none)."""
     if isinstance(request, Search):
-        config, where = request.search(task.thread_id)
+        config, options = request.search(task.thread_id)
         checkpointer = task.checkpointer
-        if type(checkpointer).alist is BaseCheckpointSaver.alist:
-            listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, filter=where)))
-        else:
-            listed = [saved async for saved in checkpointer.alist(config, filter=where)]
+        try:
+            if type(checkpointer).alist is BaseCheckpointSaver.alist:
+                listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, **options)))
+            else:
+                listed = [saved async for saved in checkpointer.alist(config, **options)]
+        except NotImplementedError:
+            if isinstance(request, Earlier):  # a saver that cannot list: read one at a time
+                return ()
+            raise
         return request.decide(listed)
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(await aread(task.checkpointer, config))

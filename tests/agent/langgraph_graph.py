@@ -3,15 +3,17 @@
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
         [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
         [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
-        [--subgraph] [--note TEXT [--note-as NODE]]
+        [--subgraph] [--note TEXT [--note-as NODE]] [--loops N]
 
-The graph loops `LOOPS` times through `draft` then `send`; `send` POSTs an email through the
-gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by LangGraph's
-`PostgresSaver` on the given database. Each `send` prints one JSON line: its iteration, the task
-id, the task's namespace, the key and whether the gateway replayed the answer. A run with no
-checkpoint yet starts the thread; otherwise it resumes it: `invoke(None, {thread})`, or with
-`--resume-by checkpoint-id` as many users do, `invoke(None, graph.get_state(config).config)` (the
-thread's latest checkpoint by its id, which LangGraph runs as a fork).
+The graph loops `LOOPS` times (`--loops N`: N) through `draft` then `send`; `send` POSTs an
+email through the gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by
+LangGraph's `PostgresSaver` on the given database. Each `send` prints one JSON line: its
+iteration, the task id, the task's namespace, the key, whether the gateway replayed the answer,
+and how many reads (`get_tuple`, `list`) the checkpointer served while the email was sent (its
+key's). A run with no checkpoint yet starts the thread; otherwise it resumes it:
+`invoke(None, {thread})`, or with `--resume-by checkpoint-id` as many users do,
+`invoke(None, graph.get_state(config).config)` (the thread's latest checkpoint by its id, which
+LangGraph runs as a fork).
 
 - `--freeze-at N`: after the N-th iteration's email was answered, print `{"event": "frozen"}`
   and wait for the SIGKILL: the kill lands between the action and LangGraph's write of the step.
@@ -51,6 +53,7 @@ from oncegate.agent.client import ActionKeyReused
 from oncegate.agent.langgraph import AsyncGateway, Gateway, TaskKeyUnavailable
 
 LOOPS = 3
+READS = [0]  # the checkpointer's reads so far (`CountingSaver`)
 
 
 class State(TypedDict):
@@ -87,7 +90,7 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
             drafted["drafted_at"] = time.time_ns()
         return drafted
 
-    def sent(state: State, response: Any) -> dict[str, Any]:
+    def sent(state: State, response: Any, reads: int) -> dict[str, Any]:
         execution = get_runtime().execution_info
         assert execution is not None
         report(
@@ -97,6 +100,7 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
             checkpoint_ns=execution.checkpoint_ns,
             key=response.request.headers["Idempotency-Key"],
             replayed=response.headers.get("Idempotent-Replayed") == "true",
+            reads=reads,
         )
         if state["iteration"] == arguments.freeze_at:
             freeze()
@@ -109,6 +113,7 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
 
     def send(state: State) -> dict[str, Any]:
         assert isinstance(gateway, Gateway)
+        before = READS[0]
         try:
             response = gateway.post("/emails", body(state), action="email")
         except TaskKeyUnavailable as error:
@@ -116,18 +121,19 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
         except ActionKeyReused as error:
             report(event="reused", iteration=state["iteration"], key=error.key)
             raise
-        return sent(state, response)
+        return sent(state, response, READS[0] - before)
 
     async def send_async(state: State) -> dict[str, Any]:
         assert isinstance(gateway, AsyncGateway)
+        before = READS[0]
         try:
             response = await gateway.post("/emails", body(state), action="email")
         except TaskKeyUnavailable as error:
             return refused(state, error)
-        return sent(state, response)
+        return sent(state, response, READS[0] - before)
 
     def again(state: State) -> str:
-        return "draft" if state["iteration"] < LOOPS else END
+        return "draft" if state["iteration"] < arguments.loops else END
 
     builder = StateGraph(State)
     builder.add_node("draft", draft)
@@ -154,7 +160,31 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
     return builder
 
 
-class HeldSaver(PostgresSaver):
+class CountingSaver(PostgresSaver):
+    """Counts the checkpoints read (`READS`): each `get_tuple`, each `list`."""
+
+    def get_tuple(self, config: Any) -> Any:
+        READS[0] += 1
+        return super().get_tuple(config)
+
+    def list(self, config: Any, **kwargs: Any) -> Any:
+        READS[0] += 1
+        return super().list(config, **kwargs)
+
+
+class AsyncCountingSaver(AsyncPostgresSaver):
+    """`CountingSaver` for the async API."""
+
+    async def aget_tuple(self, config: Any) -> Any:
+        READS[0] += 1
+        return await super().aget_tuple(config)
+
+    def alist(self, config: Any, **kwargs: Any) -> Any:
+        READS[0] += 1
+        return super().alist(config, **kwargs)
+
+
+class HeldSaver(CountingSaver):
     """Never finishes saving the checkpoint of one step (the others are saved as usual)."""
 
     step: int
@@ -166,7 +196,7 @@ class HeldSaver(PostgresSaver):
         return super().put(config, checkpoint, metadata, new_versions)
 
 
-class AsyncHeldSaver(AsyncPostgresSaver):
+class AsyncHeldSaver(AsyncCountingSaver):
     """`HeldSaver` for the async API."""
 
     step: int
@@ -191,7 +221,7 @@ def run_sync(arguments: argparse.Namespace) -> None:
             held.step = arguments.hold_checkpoint_of_step
             saver = held
         else:
-            saver = PostgresSaver(connection)
+            saver = CountingSaver(connection)
         saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
         if arguments.mark_sent is not None:
@@ -226,7 +256,7 @@ async def run_async(arguments: argparse.Namespace) -> None:
             held.step = arguments.hold_checkpoint_of_step
             saver = held
         else:
-            saver = AsyncPostgresSaver(connection)
+            saver = AsyncCountingSaver(connection)
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
         if arguments.note is not None:
@@ -257,6 +287,7 @@ def main() -> None:
     parser.add_argument("--note")
     parser.add_argument("--note-as")
     parser.add_argument("--subgraph", action="store_true")
+    parser.add_argument("--loops", type=int, default=LOOPS)
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

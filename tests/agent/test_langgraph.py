@@ -34,6 +34,7 @@ from oncegate.agent import keys
 from oncegate.agent.client import ActionKeyReused, ActionOutcomeUnknown, ActionRejected
 from oncegate.agent.langgraph import (
     INTERNALS,
+    WALK_BATCH,
     ActionNameReused,
     Gateway,
     TaskKeyUnavailable,
@@ -219,6 +220,38 @@ def test_an_update_between_the_kill_and_the_resume_keeps_the_interrupted_tasks_k
     assert after[0]["key"] == killed["key"] and after[0]["replayed"]
     emails = thread_emails(upstream, thread)
     assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
+
+
+@pytest.mark.parametrize(("api", "subgraph"), [("sync", False), ("async", False), ("sync", True)])
+def test_a_new_process_reads_a_long_threads_steps_in_batches(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    api: str,
+    subgraph: bool,
+) -> None:
+    """A key descends from every checkpoint back to the thread's last new input. A process
+    that ran the steps before reads the step's own checkpoint and the one before it (`draft`'s,
+    whose lineage no key asked for); a new one, resuming after a kill at step 300, walks back
+    through all of them: from the third on, `WALK_BATCH` a query (`list`), not a `get_tuple`
+    each (REVIEW7 R3: 301 reads here before). Counted on the real saver."""
+    loops = 150
+    thread = f"case-{uuid.uuid4()}"
+    shape = ("--api", api, "--loops", str(loops), *(("--subgraph",) if subgraph else ()))
+    first = GraphProcess(database_url, gateway, thread, *shape, "--freeze-at", str(loops))
+    processes.append(first)
+    warm = sent(first.until("frozen"))
+    first.kill()
+    second = GraphProcess(database_url, gateway, thread, *shape)
+    processes.append(second)
+    [resumed] = sent(second.finish(loops))
+    assert resumed["key"] == warm[-1]["key"] and resumed["replayed"]
+    # Inside the subgraph, two more: its step's own checkpoint and its first one.
+    inner = 2 if subgraph else 0
+    assert max(item["reads"] for item in warm[1:]) == 2 + inner
+    steps = 2 * loops + 1  # the checkpoints before the step's own, the input's included
+    assert resumed["reads"] <= 2 + -(-steps // WALK_BATCH) + inner
 
 
 def test_a_subgraph_resumed_by_checkpoint_id_keeps_its_key_and_the_thread_goes_on(

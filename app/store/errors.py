@@ -127,7 +127,11 @@ class Outage:
 
 
 def translated(
-    operation: str, failure: str = "", *, on_the_pools: bool = True
+    operation: str,
+    failure: str = "",
+    *,
+    on_the_pools: bool = True,
+    routed: Callable[..., str] | None = None,
 ) -> Callable[
     [Callable[Parameters, Coroutine[Any, Any, Result]]],
     Callable[Parameters, Coroutine[Any, Any, Result]],
@@ -137,12 +141,27 @@ def translated(
 
     An operation that is not `on_the_pools` (the listening connection's) says nothing to the
     store's `Outage`: that connection has a host and a life of its own, so its success must not
-    say the store is back, nor name its host as the primary; its caller says its failure."""
+    say the store is back, nor name its host as the primary; its caller says its failure.
+
+    A `routed` operation (the request path's claim and complete, which a Citus store sends to the
+    worker of their key, not through the coordinator) tells the store's `Outage` only when its
+    statement went to the store's own server: `routed` reads the key from the call's arguments,
+    and the room's `on_server(key)` says where it went (asked only on a failure, or while the
+    store is down). A worker's statement tells that worker's `Outage`, never the store's, or a
+    claim on a worker would say the coordinator is back while it is down."""
 
     def decorate(
         method: Callable[Parameters, Coroutine[Any, Any, Result]],
     ) -> Callable[Parameters, Coroutine[Any, Any, Result]]:
         timer = metrics.STORE_OPERATION_DURATION.labels(operation)
+
+        def told(outage: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outage | None:
+            """The store's `Outage`, where this call's statement went to the store's server."""
+            if not isinstance(outage, Outage):
+                return None
+            if routed is not None and not args[0].on_server(routed(*args, **kwargs)):
+                return None  # a Citus worker's: said by that worker's own Outage
+            return outage
 
         @functools.wraps(method)
         async def run(*args: Parameters.args, **kwargs: Parameters.kwargs) -> Result:
@@ -163,8 +182,8 @@ def translated(
                               reason(exc))  # fmt: skip
                 if isinstance(exc, NodeUnavailable):  # said by that node's own Outage
                     log.debug("store %s failed: %s", operation, reason(exc))
-                elif isinstance(outage, Outage):
-                    outage.failed(operation, exc)
+                elif (store := told(outage, args, kwargs)) is not None:
+                    store.failed(operation, exc)
                 elif on_the_pools:
                     log.warning("store %s failed: %s", operation, reason(exc))
                 else:
@@ -172,7 +191,7 @@ def translated(
                 raise unavailable(exc, failure) from exc
             finally:
                 timer.observe(time.perf_counter() - started)
-            if isinstance(outage, Outage) and outage.down:
+            if isinstance(outage, Outage) and outage.down and told(outage, args, kwargs):
                 outage.recovered()
             return result
 

@@ -21,8 +21,11 @@ import asyncpg
 import httpx
 import pytest
 
+from oncegate.kernel.sealing import plaintext
 from oncegate.model import errors
+from oncegate.model.answers import StoredAnswer
 from oncegate.model.records import Claim
+from oncegate.store import citus as citus_store
 from oncegate.store import migrate
 from oncegate.store.postgres import PostgresStore, workers
 from tests import citus
@@ -478,3 +481,119 @@ async def test_a_worker_failed_over_whose_old_primary_comes_back_writable_gets_n
     finally:
         await coordinator.close()
         await store.close()
+
+
+async def metadata_synced(database_url: str) -> None:
+    """Wait until every worker has Citus's metadata synced: until then (a test before this one
+    moved a worker with `citus_update_node`) the store sends its keys' claims through the
+    coordinator (`citus.Shard.node` None), as it must."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + 60
+        while not await connection.fetchval(
+            "SELECT bool_and(hasmetadata AND metadatasynced AND isactive) FROM pg_dist_node"
+            " WHERE noderole = 'primary' AND groupid <> 0"
+        ):
+            assert time.monotonic() < deadline, "the workers' metadata was never synced"
+            await asyncio.sleep(0.2)
+    finally:
+        await connection.close()
+
+
+async def test_the_coordinator_down_is_said_once_as_the_coordinator_while_the_workers_serve(
+    database_url: str, citus_cluster: citus.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator down (its postmaster stopped, as `pg_ctl -m immediate` stops it: SIGQUIT
+    to its pid), the workers up: claims and completes go straight to the workers and go on,
+    what goes through the coordinator (here a read of a key) fails closed. The log says so once,
+    naming the coordinator and what still works, and once when it is back; it never says the
+    store forwards nothing, nor flaps at every request that alternates between the two."""
+    first, second = citus_cluster.workers[:2]
+    on_first, on_second = await keys_on_and_off(database_url, first.port, second.port, 4)
+    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
+    coordinator = citus_cluster.coordinator
+    await metadata_synced(database_url)
+    store = await PostgresStore.connect(database_url)
+    try:
+        for key in (on_first[0], on_second[0]):  # each worker's pools opened and used
+            claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
+            assert isinstance(claimed, Claim)
+        await asyncio.to_thread(citus_cluster.stop_node, coordinator, "immediate")
+        caplog.set_level(logging.INFO, logger="oncegate")
+        try:
+            for one, other in zip(on_first[1:], on_second[1:], strict=True):
+                with pytest.raises(errors.StoreUnavailable):  # through the coordinator
+                    await store.requests.get(scope, on_first[0])
+                for key in (one, other):  # straight to each worker
+                    claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
+                    assert isinstance(claimed, Claim)
+                    answer = StoredAnswer(201, plaintext([], b"{}"))
+                    assert await store.requests.complete(claimed, answer)
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, coordinator)
+        deadline = time.monotonic() + 30
+        while True:  # the coordinator back, with the same store: a read through it again
+            try:
+                found = await store.requests.get(scope, on_first[0])
+            except errors.StoreUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+                continue
+            assert found is not None
+            break
+    finally:
+        await store.close()
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    unavailable = [line for line in said if "unavailable" in line]
+    back = [line for line in said if line.endswith(" is back")]
+    assert len(unavailable) == 1, said
+    assert f":{coordinator.port}" in unavailable[0] and "coordinator" in unavailable[0], said
+    assert "forwarding nothing" not in unavailable[0] and "workers" in unavailable[0], said
+    assert len(back) == 1 and f":{coordinator.port}" in back[0], said
+
+
+async def test_the_coordinator_down_the_gateway_forwards_new_keys_and_says_so_once(
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    database_url: str,
+    citus_cluster: citus.Cluster,
+) -> None:
+    """Through a gateway: the coordinator down, new keys on both workers are forwarded once and
+    replayed; /healthz is 200 (the process runs), /readyz 503 (the contract's: PostgreSQL, the
+    coordinator the URL names, does not answer, and the schema's revision cannot be read), and
+    /metrics answers. The gateway's log says the coordinator is down once, as the coordinator,
+    and once that it is back."""
+    first, second = citus_cluster.workers[:2]
+    on_first, on_second = await keys_on_and_off(database_url, first.port, second.port, 3)
+    coordinator = citus_cluster.coordinator
+    await metadata_synced(database_url)
+    # The gateway's map read once more since (it reads it every REFRESH_INTERVAL).
+    await asyncio.sleep(1.5 * citus_store.REFRESH_INTERVAL)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        for key in (on_first[0], on_second[0]):  # each worker's pools opened
+            assert (await post(client, key)).status_code == 201
+        said_before = len(gateway.process.output())
+        await asyncio.to_thread(citus_cluster.stop_node, coordinator, "immediate")
+        try:
+            for key in on_first[1:] + on_second[1:]:
+                first_answer = await post(client, key)
+                assert first_answer.status_code == 201, first_answer.text
+                again = await post(client, key)
+                assert again.headers["idempotent-replayed"] == "true"
+            assert (await client.get(gateway.admin_url + "/healthz")).status_code == 200
+            ready = await client.get(gateway.admin_url + "/readyz")
+            assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
+            assert (await client.get(gateway.admin_url + "/metrics")).status_code == 200
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, coordinator)
+        deadline = time.monotonic() + 30
+        while (await client.get(gateway.admin_url + "/readyz")).status_code != 200:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+    said = gateway.process.output()[said_before:].splitlines()
+    down = [line for line in said if "(the Citus coordinator) is unavailable" in line]
+    back = [line for line in said if "(the Citus coordinator) is back" in line]
+    assert len(down) == 1 and len(back) == 1, said
+    assert not [line for line in said if "forwarding nothing" in line], said
+    performed = collections.Counter(action["idempotency_key"] for action in upstream.actions())
+    assert [performed[key] for key in on_first[1:] + on_second[1:]] == [1] * 4

@@ -16,8 +16,10 @@ Citus, chosen once when the store opens; `rows`, one named query, and rows to re
 Design rules:
 - Every statement is autocommitted but a rekey batch's: one round trip, no transaction held open.
 - Every driver or socket error becomes `errors.StoreUnavailable` (every method of the rooms
-  wears `store.errors.translated`, and they share one `Outage`): the gateway fails closed and
-  never forwards a request it could not claim.
+  wears `store.errors.translated`, and they share one `Outage`, the server's the URL names, made
+  by the dialect: on Citus the coordinator's, which a claim or complete sent to a worker never
+  tells, each worker having its own): the gateway fails closed and never forwards a request it
+  could not claim.
 - Closing runs in an order that matters: the request path first (the claims, then the settles
   of claims nobody waited for, then the settles), then the listener, then the pools.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...settings import StoreOptions, database_url
-from ..errors import Outage, translated
+from ..errors import translated
 from .connections import Listener, Pools
 from .dialect import Dialect, RekeyBatch, for_pools
 from .operator import OperatorQueries
@@ -51,7 +53,7 @@ class PostgresStore:
         self._pools = pools
         # With several hosts, the outage lines name the primary: which host failed, which took over.
         primary = pools.primary if pools.primary.several_hosts else None
-        self.outage = Outage(where or "(unnamed)", primary)
+        self.outage = dialect.outage(where or "(unnamed)", primary)
         self._dialect = dialect
         self._listener = Listener(url, options)
         self.requests = RequestPath(pools, options, self.outage, dialect, self._listener)

@@ -36,6 +36,7 @@ from ...model.answers import SealedAnswer
 from ...settings import StoreOptions
 from ..batching import Batcher, PerShard
 from ..citus import ShardMap
+from ..errors import Outage
 from ..queries import DIALECTS, Server, Statements
 from .connections import Pools
 from .operations import Claiming, OnKey
@@ -54,6 +55,16 @@ Row = TypeVar("Row")
 # well under that on the test cluster).
 SPLIT_READS = 21
 SPLIT_PAUSE = 0.1
+
+# What the gateway does while the Citus coordinator is down and the workers are up (the log's
+# words, once): claims and completes go to the workers themselves (`workers`), everything else
+# of the store goes through the coordinator (tests/faults/test_citus_workers.py).
+COORDINATOR_DOWN = (
+    "answering 503 store-unavailable for what goes through it (reading a key a claim found"
+    " held, waiting on one, taking one over, releasing one or marking it unknown, renewing a"
+    " lease; the purge, the key count, /readyz) until it is back; claims and stored answers go"
+    " to the workers themselves, so new keys are still forwarded and answered ones replayed"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +110,14 @@ class Dialect(Protocol):
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         """What the claim's shape takes besides the batch's arrays."""
+
+    def on_server(self, key: str) -> bool:
+        """Whether `key`'s claim and complete go to the server the store connects to (on
+        Citus: the coordinator), rather than elsewhere (the key's worker)."""
+
+    def outage(self, where: str, primary: object) -> Outage:
+        """The `Outage` of the server the store connects to, at `where`: its words for what
+        the gateway does while that server is down."""
 
     async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
         """Delete one bounded batch of expired rows; how many went."""
@@ -181,6 +200,12 @@ class Plain(_Server):
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {}
+
+    def on_server(self, key: str) -> bool:
+        return True
+
+    def outage(self, where: str, primary: object) -> Outage:
+        return Outage(where, primary)
 
     async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
         return touched(await self._execute(connection, "purge", batch_size=batch_size))
@@ -312,6 +337,12 @@ class OnCitus(_Server):
 
     def claim_arguments(self, sent: Sequence[Claiming]) -> dict[str, object]:
         return {"anchor": sent[0].key}  # the batch's keys share its shard
+
+    def on_server(self, key: str) -> bool:
+        return self.workers.route(key) is None
+
+    def outage(self, where: str, primary: object) -> Outage:
+        return Outage(f"{where} (the Citus coordinator)", primary, COORDINATOR_DOWN)
 
     async def purge(self, connection: asyncpg.Connection, batch_size: int) -> int:
         found = self.statements["purge_candidates"]

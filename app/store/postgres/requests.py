@@ -210,6 +210,12 @@ class RequestPath:
     def claims_idle(self) -> bool:
         return self._claims.idle()
 
+    def on_server(self, key: str) -> bool:
+        """Whether `key`'s claim and complete go to the store's server (`errors.translated`'s
+        `routed`): on Citus they go to the key's worker, which the coordinator's `Outage` must
+        not hear of."""
+        return self._dialect.on_server(key)
+
     @translated("renew")
     async def renew(self, claim: Claim, lease: float) -> bool:
         row = await self._dialect.fetchrow(
@@ -254,7 +260,7 @@ class RequestPath:
                 len(waited), type(exc).__name__, exc,
             )  # fmt: skip
 
-    @translated("claim")
+    @translated("claim", routed=lambda path, route, scope, key, *_, **__: key)
     async def claim(
         self,
         route: str,
@@ -419,7 +425,7 @@ class RequestPath:
         )
         return taken_by_rows(batch, sent, rows)
 
-    @translated("complete")
+    @translated("complete", routed=lambda path, claim, *_, **__: claim.key)
     async def complete(self, claim: Claim, answer: StoredAnswer) -> bool:
         completing = Completing(claim.id, claim.token, claim.key, answer)
         with tracing.store_operation("complete"):

@@ -28,6 +28,9 @@ Design rules:
   says so once, naming the worker, and once when it is back (its own `Outage`); the store's
   (the coordinator's) is not told (`errors.NodeUnavailable`), or each request alternating between
   a worker down and one up would say the whole store went down and came back.
+- The coordinator down costs what goes through it; the workers' statements go on, and tell the
+  coordinator's `Outage` nothing either way (`errors.translated`'s `routed`): a claim a worker
+  took must not say the coordinator is back, nor one it refused that the coordinator is down.
 - A worker's claims and completes share one statement (`fetch_both`; the store batches them together
   per worker): 64 requests in flight over two workers make statements of about 25 operations again,
   with one fence and one commit, instead of two statements of 10-11; such a statement carries up to

@@ -95,6 +95,53 @@ async def distribution(connection: asyncpg.Connection) -> Distribution | None:
     return Distribution(row["workers"], row["shard_count"], row["distribution_column"], row["most"])
 
 
+async def undistributable(connection: asyncpg.Connection) -> str | None:
+    """Why `oncegate migrate` cannot distribute the key table on this Citus database, in words
+    with what to do; None where it can, where the key table is distributed already, and on plain
+    PostgreSQL. Asked before any migration runs (`migrate.upgrade`), so a refusal leaves the
+    database as it was, not half migrated and stopped by Citus's own error.
+
+    - No worker to put shards on.
+    - `citus.shard_replication_factor` above 1: each shard would have a placement on several
+      workers, kept in step only by statements through the coordinator. The gateway writes a
+      key's claim straight to the one worker its map names (`postgres/workers.py`), which the
+      other placements never see: two placements could each take a claim of one key, and the
+      key would be forwarded twice. (Citus refuses it too: it colocates no function with such
+      a table, "cannot colocate function".)"""
+    if not await has_citus(connection):
+        return None
+    row = await connection.fetchrow(
+        "SELECT current_database() AS database,"
+        "  current_setting('citus.shard_replication_factor')::int AS placements,"
+        "  EXISTS (SELECT FROM pg_dist_partition"
+        "          WHERE logicalrelid::text = 'oncegate_keys') AS distributed,"
+        "  (SELECT count(*) FROM pg_dist_node WHERE noderole = 'primary' AND isactive"
+        "   AND shouldhaveshards AND groupid <> 0) AS workers"
+    )
+    if row["distributed"]:
+        return None
+    if not row["workers"]:
+        return (
+            "this database has the citus extension but no worker to put shards on: add the"
+            " workers first (SELECT citus_add_node(host, port) on the coordinator), then migrate"
+        )
+    if row["placements"] > 1:
+        return (
+            f"citus.shard_replication_factor is {row['placements']} for database"
+            f" {row['database']}: oncegate keeps each shard of its key table on one worker (a"
+            " factor of 1, Citus's default), because the gateways write a key's claim straight"
+            " to the worker that holds its shard, and a second placement would never see it: two"
+            " placements could each take a claim of the same key, and a retry would be forwarded"
+            ' twice (Citus refuses it too: "cannot colocate function"). Nothing was changed.'
+            " Set it back to 1 where it was set (ALTER DATABASE"
+            f" {row['database']} RESET citus.shard_replication_factor; or ALTER ROLE, ALTER"
+            " SYSTEM, postgresql.conf, the URL's options), then run oncegate migrate again; to"
+            " survive the loss of a worker, give each one a streaming standby"
+            ' (docs/operations.md, "A worker down")'
+        )
+    return None
+
+
 @translated("describe", "cannot connect to PostgreSQL")
 async def describe(url: str) -> Distribution | None:
     """`distribution` of the database at `url` (for `oncegate migrate`)."""

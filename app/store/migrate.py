@@ -10,12 +10,15 @@ lines instead; a test holds it equal to Alembic's answer.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 from collections.abc import Iterable
 from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import TYPE_CHECKING
+
+from ..model import errors
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -43,14 +46,29 @@ def _config(url: str) -> Config:
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to `revision`. Idempotent. Runs its own event loop: call it before
     the server's loop starts, or from a thread. A PostgreSQL that cannot be reached raises
-    `errors.StoreUnavailable`, as the store does."""
+    `errors.StoreUnavailable`, as the store does; a Citus database the key table cannot be
+    distributed on (`citus.undistributable`) `errors.ConfigError`, before any migration runs."""
     from alembic import command
 
     from .postgres import connections
 
+    refusal = asyncio.run(_refusal(url))
+    if refusal is not None:
+        raise errors.ConfigError(refusal)
     config = _config(url)
     config.attributes["connect"] = connections.connect  # unreachable: StoreUnavailable
     command.upgrade(config, revision)
+
+
+async def _refusal(url: str) -> str | None:
+    from . import citus
+    from .postgres import connections
+
+    connection = await connections.connect(url)
+    try:
+        return await citus.undistributable(connection)
+    finally:
+        await connection.close()
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
+from oncegate.model import errors
 from oncegate.store import migrate
 from tests import citus
 from tests.store.test_migrations import ROWS_OF_EVERY_STATE, _states, _write_rows_of_every_state
@@ -227,8 +228,10 @@ async def test_migrate_on_citus_without_workers_says_to_add_them(
     finally:
         await connection.close()
     try:
-        with pytest.raises(RuntimeError, match=r"no worker to put shards on.*citus_add_node"):
+        # Refused before any migration runs: one sentence from `oncegate migrate` (exit 2).
+        with pytest.raises(errors.ConfigError, match=r"no worker to put shards on.*citus_add_node"):
             await asyncio.to_thread(migrate.upgrade, url)
+        assert await _fetch(url, "SELECT to_regclass('alembic_version') AS t") == [(None,)]
     finally:
         connection = await asyncpg.connect(citus_cluster.url())
         try:
@@ -290,3 +293,26 @@ def test_migrate_honours_a_shard_count_the_operator_set_and_warns_of_its_cost(
     assert "a Citus worker holds 3 shards of oncegate_keys, more than the 2" in warning
     assert "add workers (citus_add_node, then citus_rebalance_start)" in warning
     assert "leave citus.shard_count at Citus's default before `oncegate migrate`" in warning
+
+
+def test_migrate_refuses_a_shard_replication_factor_above_one_saying_why_and_what_to_do(
+    citus_database: str,
+) -> None:
+    """`citus.shard_replication_factor = 2` would put each shard on two workers, and the gateway
+    writes a key's claim to one of them only: refused before anything is changed, in one
+    sentence naming the setting and the fix, not with Citus's own error from the middle of
+    revision 0008 ("cannot colocate function ...", a traceback). Set back, it migrates."""
+    asyncio.run(_set_shard_count(citus_database, "SET citus.shard_replication_factor = 2"))
+    refused = _migrate(citus_database)
+    assert refused.returncode == 2, refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stdout == "", refused.stderr
+    [said] = refused.stderr.splitlines()
+    assert said.startswith("oncegate: citus.shard_replication_factor is 2 for database "), said
+    assert "RESET citus.shard_replication_factor" in said and "migrate again" in said, said
+    assert asyncio.run(_fetch(citus_database, "SELECT to_regclass('alembic_version') AS t")) == [
+        (None,)
+    ]
+    asyncio.run(_set_shard_count(citus_database, "RESET citus.shard_replication_factor"))
+    migrated = _migrate(citus_database)
+    assert migrated.returncode == 0, migrated.stderr
+    assert migrated.stdout.splitlines()[-1].startswith("oncegate_keys is distributed by key")

@@ -156,19 +156,27 @@ def run(arguments: argparse.Namespace) -> int:
     if arguments.gateway and not arguments.upstream and "C" in arguments.strategies:
         raise errors.ConfigError("--gateway needs --upstream: the one it forwards to")
     logs.configure("text", "warning")
-    with stack.running(arguments.database_url, arguments.upstream, arguments.gateway) as services:
-        lab = crashlab.Lab(
-            services,
-            runs=arguments.runs,
-            seed=arguments.seed,
-            strategies=arguments.strategies,
-            jobs=arguments.jobs,
-            kill_gateway=arguments.kill_gateway,
-            late_resume=arguments.late_resume,
-            progress=report.ProgressBar(sys.stderr),
-            runtime=runtime,
-        )
-        outcome = lab.run()
+    try:
+        with stack.running(
+            arguments.database_url, arguments.upstream, arguments.gateway
+        ) as services:
+            lab = crashlab.Lab(
+                services,
+                runs=arguments.runs,
+                seed=arguments.seed,
+                strategies=arguments.strategies,
+                jobs=arguments.jobs,
+                kill_gateway=arguments.kill_gateway,
+                late_resume=arguments.late_resume,
+                progress=report.ProgressBar(sys.stderr),
+                runtime=runtime,
+            )
+            outcome = lab.run()
+    except stack.NotStarted as exc:
+        # Everything the lab started is stopped by now (`stack.running`).
+        print(f"oncegate lab: {exc}; everything the lab started is stopped", file=sys.stderr)
+        # As that command's status (2 a busy port, 3 PostgreSQL unreachable), 1 when stopped.
+        return exc.status if exc.status is not None and exc.status > 0 else 1
     if arguments.json:
         print(json.dumps(outcome.document()))
         note = model.too_few_runs(outcome.runs) if "B" in outcome.strategies else None

@@ -11,6 +11,7 @@ their keys expired without waiting a day.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -23,9 +24,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import yaml
+
+from ..settings import database_url
 
 STARTUP_TIMEOUT = 30.0
 # The lab's route: actions take milliseconds, so 2 s is a generous upstream timeout, and a lease
@@ -48,6 +52,21 @@ def free_port() -> int:
         return port
 
 
+class NotStarted(Exception):
+    """A service of the lab's own did not start; it was stopped. The message is one sentence:
+    which service, how it ended, and its last words, without what the lab handed it in secret
+    (the admin token, the database's password). `status`: its exit status, or None when the lab
+    stopped it (still not listening after `STARTUP_TIMEOUT`)."""
+
+    def __init__(self, message: str, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# What each of the lab's commands is, for its messages.
+NAMES = {"serve": "gateway", "demo-upstream": "demo upstream"}
+
+
 class Service:
     """One `oncegate` subprocess, logging to a file."""
 
@@ -58,6 +77,8 @@ class Service:
         self.start()
 
     def start(self) -> None:
+        """Start it and wait until it listens on each of its ports; `NotStarted` (and the
+        process stopped) when it ends first or does not listen within `STARTUP_TIMEOUT`."""
         self._log_file = self.log.open("ab")
         # The lab's own `oncegate` commands, with arguments it built itself.
         self.popen = subprocess.Popen(  # noqa: S603
@@ -71,11 +92,35 @@ class Service:
         for port in self.ports:
             while not _listening(port):
                 if self.popen.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"oncegate {' '.join(self.args)} did not start; see {self.log}:\n"
-                        + self.log.read_text(errors="replace")[-2000:]
-                    )
+                    self._not_started()
                 time.sleep(0.02)
+        if self.popen.poll() is not None:  # another process listens there: its port was taken
+            self._not_started()
+
+    def _not_started(self) -> NoReturn:
+        """Stop it (one still starting is terminated), and say why it did not start."""
+        assert self.popen is not None
+        status = self.popen.poll()
+        self.stop()
+        name = NAMES.get(self.args[0], f"oncegate {self.args[0]}")
+        if status is None:
+            ended = f"it was not listening within {STARTUP_TIMEOUT:g} s, and was stopped"
+        else:
+            ended = f"it exited with status {status}"
+        raise NotStarted(f"the lab's {name} did not start ({ended}): {self._last_words()}", status)
+
+    def _last_words(self) -> str:
+        """The last line it wrote (a command's error is one line: `oncegate: ...`; a JSON log
+        line's message), without the secrets it was handed."""
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line]
+        if not lines:
+            return "it said nothing"
+        said = lines[-1].removeprefix("oncegate: ")
+        with contextlib.suppress(ValueError, AttributeError):
+            said = str(json.loads(said).get("message", said))
+        for secret in _secrets(self.env):
+            said = said.replace(secret, "[hidden]")
+        return said[:500]
 
     def kill(self) -> None:
         """SIGKILL, the way a crash or an OOM kill ends a process: nothing runs after it."""
@@ -96,6 +141,22 @@ class Service:
                 self.popen.wait()
         if self._log_file is not None:
             self._log_file.close()
+
+
+def _secrets(env: dict[str, str]) -> list[str]:
+    """What a service was handed that no message may show: the admin token, and the passwords
+    of the database's URL (as written, and percent-decoded)."""
+    hidden = [env.get("ONCEGATE_ADMIN_TOKEN", "")]
+    url = env.get("ONCEGATE_DATABASE_URL", "")
+    if url:
+        parts = urlsplit(url)
+        passwords = [parts.password or ""] + [
+            value
+            for name, value in parse_qsl(parts.query)
+            if name in database_url.SECRET_PARAMETERS
+        ]
+        hidden += passwords + [unquote(password) for password in passwords]
+    return sorted({secret for secret in hidden if secret}, key=len, reverse=True)
 
 
 def _listening(port: int) -> bool:

@@ -14,8 +14,9 @@ import pwd
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import asyncpg
 import httpx
@@ -31,6 +32,8 @@ from oncegate.store.postgres import PostgresStore, workers
 from tests import citus
 from tests.faults.conftest import DemoUpstream, GatewayProcess, problem_name
 from tests.helpers import free_port
+
+Result = TypeVar("Result")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,7 @@ async def test_a_worker_down_fails_its_keys_closed_and_the_other_keeps_working(
 
 WORKERS = 24
 BEFORE, DOWN = 1.0, 2.0
+SCOPE, FINGERPRINT = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
 ANSWERS = {201, 409, 502, 503, 504}  # forwarded or replayed; the contract's problems
 
 
@@ -282,6 +286,32 @@ async def test_a_worker_added_and_shards_rebalanced_under_light_load_lose_and_re
     assert sum(1 for _, _, replayed in sent if replayed == "true") == len(keys)
 
 
+async def claimed(store: PostgresStore, key: str) -> Claim:
+    """`key` claimed (a new key: won), on its worker's pools (opened by the first)."""
+    found = await store.requests.claim("r", SCOPE, key, FINGERPRINT, 60, 60)
+    assert isinstance(found, Claim)
+    return found
+
+
+async def once_it_answers(attempt: Callable[[], Awaitable[Result]]) -> Result:
+    """`attempt`'s result once it no longer fails with `StoreUnavailable` (a node restarted)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return await attempt()
+        except errors.StoreUnavailable:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+
+
+def outage_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str], list[str]]:
+    """What the log said (warnings and above), its lines that something is unavailable, and
+    those that it is back."""
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    unavailable = [line for line in said if "unavailable" in line]
+    return said, unavailable, [line for line in said if line.endswith(" is back")]
+
+
 async def test_a_worker_down_is_said_once_as_that_worker_never_as_the_store_flapping(
     database_url: str, citus_cluster: citus.Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -291,37 +321,24 @@ async def test_a_worker_down_is_said_once_as_that_worker_never_as_the_store_flap
     between the two workers' keys."""
     down, up = citus_cluster.workers[:2]
     on_down, on_up = await keys_on_and_off(database_url, down.port, up.port, 4)
-    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
     store = await PostgresStore.connect(database_url)
     try:
         for key in (on_down[0], on_up[0]):  # each worker's pools opened and used
-            claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
-            assert isinstance(claimed, Claim)
+            await claimed(store, key)
         await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
         caplog.set_level(logging.INFO, logger="oncegate")
         try:
             for refused, served in zip(on_down[1:], on_up[1:], strict=True):
                 with pytest.raises(errors.StoreUnavailable):
-                    await store.requests.claim("r", scope, refused, fingerprint, 60, 60)
-                claimed = await store.requests.claim("r", scope, served, fingerprint, 60, 60)
-                assert isinstance(claimed, Claim)
+                    await claimed(store, refused)
+                await claimed(store, served)
         finally:
             await asyncio.to_thread(citus_cluster.start_node, down)
-        deadline = time.monotonic() + 30
-        while True:  # the worker back, with the same store: its keys claimed again
-            try:
-                claimed = await store.requests.claim("r", scope, on_down[3], fingerprint, 60, 60)
-            except errors.StoreUnavailable:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
-                continue
-            assert isinstance(claimed, Claim)
-            break
+        # The worker back, with the same store: its keys claimed again.
+        await once_it_answers(lambda: claimed(store, on_down[3]))
     finally:
         await store.close()
-    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
-    unavailable = [line for line in said if "unavailable" in line]
-    back = [line for line in said if line.endswith(" is back")]
+    said, unavailable, back = outage_lines(caplog)
     assert len(unavailable) == 1 and f"{down.port}" in unavailable[0], said
     assert len(back) == 1 and f"{down.port}" in back[0], said
 
@@ -510,42 +527,28 @@ async def test_the_coordinator_down_is_said_once_as_the_coordinator_while_the_wo
     store forwards nothing, nor flaps at every request that alternates between the two."""
     first, second = citus_cluster.workers[:2]
     on_first, on_second = await keys_on_and_off(database_url, first.port, second.port, 4)
-    scope, fingerprint = hashlib.sha256(b"scope").digest(), hashlib.sha256(b"request").digest()
     coordinator = citus_cluster.coordinator
     await metadata_synced(database_url)
     store = await PostgresStore.connect(database_url)
     try:
         for key in (on_first[0], on_second[0]):  # each worker's pools opened and used
-            claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
-            assert isinstance(claimed, Claim)
+            await claimed(store, key)
         await asyncio.to_thread(citus_cluster.stop_node, coordinator, "immediate")
         caplog.set_level(logging.INFO, logger="oncegate")
         try:
             for one, other in zip(on_first[1:], on_second[1:], strict=True):
                 with pytest.raises(errors.StoreUnavailable):  # through the coordinator
-                    await store.requests.get(scope, on_first[0])
+                    await store.requests.get(SCOPE, on_first[0])
                 for key in (one, other):  # straight to each worker
-                    claimed = await store.requests.claim("r", scope, key, fingerprint, 60, 60)
-                    assert isinstance(claimed, Claim)
                     answer = StoredAnswer(201, plaintext([], b"{}"))
-                    assert await store.requests.complete(claimed, answer)
+                    assert await store.requests.complete(await claimed(store, key), answer)
         finally:
             await asyncio.to_thread(citus_cluster.start_node, coordinator)
-        deadline = time.monotonic() + 30
-        while True:  # the coordinator back, with the same store: a read through it again
-            try:
-                found = await store.requests.get(scope, on_first[0])
-            except errors.StoreUnavailable:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
-                continue
-            assert found is not None
-            break
+        # The coordinator back, with the same store: a read through it again.
+        assert await once_it_answers(lambda: store.requests.get(SCOPE, on_first[0])) is not None
     finally:
         await store.close()
-    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
-    unavailable = [line for line in said if "unavailable" in line]
-    back = [line for line in said if line.endswith(" is back")]
+    said, unavailable, back = outage_lines(caplog)
     assert len(unavailable) == 1, said
     assert f":{coordinator.port}" in unavailable[0] and "coordinator" in unavailable[0], said
     assert "forwarding nothing" not in unavailable[0] and "workers" in unavailable[0], said

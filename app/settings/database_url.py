@@ -35,6 +35,9 @@ DEFAULT_PORT = 5432
 # (or, for one host, whatever that host is) are accepted.
 WRITABLE_SESSIONS = ("read-write", "primary")
 ALL_SESSIONS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
+# libpq's, which asyncpg takes too; any other value it refuses only when it connects, past the
+# edge (where `oncegate serve` and `migrate` ended in a traceback).
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
 
 class InvalidDatabaseUrl(ValueError):
@@ -141,6 +144,10 @@ def parse(url: str) -> DatabaseUrl:
     else:
         hosts = _hosts(hostspec or "localhost", query.get("port"), quoted=True)
     database = unquote(parts.path.lstrip("/")) or query.get("dbname") or None
+    if query.get("sslmode", "") not in ("", *SSL_MODES):  # empty: unset, as asyncpg reads it
+        raise InvalidDatabaseUrl(  # its value not repeated: a mangled URL may hold a secret there
+            f"the database URL's sslmode is not one of {', '.join(SSL_MODES)}"
+        )
     session = query.get("target_session_attrs") or None
     if session is not None and session not in ALL_SESSIONS:
         raise InvalidDatabaseUrl(

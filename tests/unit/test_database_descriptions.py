@@ -63,6 +63,8 @@ def test_a_url_is_described_as_its_hosts_and_database(url: str, described: str) 
         ("postgresql://u@h1,h2/db?target_session_attrs=any", "needs target_session_attrs"),
         ("postgresql://u@db/x?target_session_attrs=standby", "settle on a standby"),
         ("postgresql://u@db/x?target_session_attrs=sideways", "is not one of"),
+        ("postgresql://u@db/x?sslmode=bogus", "sslmode is not one of disable, allow, prefer"),
+        ("postgresql://u@db/x?sslmode=Require", "sslmode is not one of"),
         ("postgresql://u@db:port/x", "not a number"),
         ("postgresql://u@db:70000/x", "not a number"),
         ("postgresql://u@h1,,h2/x?target_session_attrs=read-write", "empty entry"),

@@ -45,6 +45,20 @@ DRIVER_ERRORS = (
     NodeUnavailable,
 )
 
+# Citus's words when the coordinator could not reach a worker for a statement sent through it
+# (SQLSTATE 08006, the coordinator's own report over a connection that is fine): that worker is
+# down, not the coordinator. tests/faults/test_citus_workers.py fails if the words change.
+REMOTE_NODE = "connection to the remote node "
+
+
+def worker_unreached(exc: BaseException) -> bool:
+    """The Citus coordinator answered that a worker it needed could not be reached: the store's
+    server (the coordinator) is up, so its `Outage` is not told (a purge or a key count, which
+    read every shard, would otherwise say the coordinator is down, and the next statement that
+    it is back, each time)."""
+    return isinstance(exc, asyncpg.PostgresError) and str(exc).startswith(REMOTE_NODE)
+
+
 # Errors about the connection or the server as a whole: every statement would fail the same way.
 _WHOLE_SERVER = (
     asyncpg.PostgresConnectionError,  # class 08
@@ -182,6 +196,9 @@ def translated(
                               reason(exc))  # fmt: skip
                 if isinstance(exc, NodeUnavailable):  # said by that node's own Outage
                     log.debug("store %s failed: %s", operation, reason(exc))
+                elif worker_unreached(exc):
+                    log.warning("store %s failed: the Citus coordinator could not reach a worker"
+                                " (%s)", operation, reason(exc))  # fmt: skip
                 elif (store := told(outage, args, kwargs)) is not None:
                     store.failed(operation, exc)
                 elif on_the_pools:

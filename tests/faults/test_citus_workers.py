@@ -600,3 +600,31 @@ async def test_the_coordinator_down_the_gateway_forwards_new_keys_and_says_so_on
     assert not [line for line in said if "forwarding nothing" in line], said
     performed = collections.Counter(action["idempotency_key"] for action in upstream.actions())
     assert [performed[key] for key in on_first[1:] + on_second[1:]] == [1] * 4
+
+
+async def test_a_worker_down_seen_through_the_coordinator_is_not_said_as_the_coordinator(
+    database_url: str, citus_cluster: citus.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker down, the coordinator up: what the store sends through the coordinator to every
+    shard (the purge, the key count) fails as Citus reports it, "connection to the remote node
+    <worker> failed". That is the worker down, not the coordinator: the coordinator's `Outage`
+    says nothing, or every purge would say the coordinator is unavailable and the next readiness
+    probe that it is back."""
+    down = citus_cluster.workers[0]
+    await metadata_synced(database_url)
+    store = await PostgresStore.connect(database_url)
+    try:
+        await asyncio.to_thread(citus_cluster.stop_node, down, "immediate")
+        caplog.set_level(logging.INFO, logger="oncegate")
+        try:
+            for _ in range(3):
+                with pytest.raises(errors.StoreUnavailable):
+                    await store.upkeep.purge(100)
+                assert await store.upkeep.schema_revision() == migrate.head()
+        finally:
+            await asyncio.to_thread(citus_cluster.start_node, down)
+    finally:
+        await store.close()
+    said, unavailable, back = outage_lines(caplog)
+    assert not unavailable and not back, said
+    assert [line for line in said if f":{down.port}" in line and "could not reach" in line], said

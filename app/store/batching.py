@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 from ..model.reach import SHIELDED
@@ -275,6 +275,15 @@ class PerShard(Generic[Item, Outcome]):
                 raise RuntimeError("the batchers are closed")
             batcher = self._batchers[shard] = self._make()
         return await batcher.run(item)
+
+    def forget(self, current: Collection[Hashable]) -> None:
+        """Drop the batcher of each shard (or worker) not among `current` (the shard map no
+        longer names it) that has nothing queued or in flight: it would never be used again.
+        One still busy is looked at again at the next call; one of a shard or worker named
+        again later is made anew by its first operation."""
+        for shard, batcher in list(self._batchers.items()):
+            if shard not in current and batcher.idle():
+                del self._batchers[shard]
 
     async def close(self) -> None:
         self._closed = True

@@ -13,7 +13,9 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import asyncpg
 
@@ -204,6 +206,9 @@ class ShardMap:
         self._reading: asyncio.Task[bool] | None = None
         self._pool: asyncpg.Pool | None = None
         self._read_at = time.monotonic()
+        # Called after each read of the map (changed or not): the store forgets, there, the
+        # pools and batchers of the workers and shards the map no longer names.
+        self.on_read: list[Callable[[], None]] = []
 
     @classmethod
     async def load(cls, pool: asyncpg.Pool) -> ShardMap:
@@ -240,6 +245,11 @@ class ShardMap:
         held = Counter(holder for holder in self._nodes.values() if holder is not None)
         return max(held.values(), default=0)
 
+    def placements(self) -> Mapping[int, Node | None]:
+        """Each shard (as last read) and the worker that holds it, if it takes statements
+        directly."""
+        return MappingProxyType(self._nodes)
+
     def shards_on(self, node: Node) -> list[int]:
         """Every shard `node` holds (as last read), in ascending order."""
         return sorted(shard for shard, holder in self._nodes.items() if holder == node)
@@ -262,12 +272,14 @@ class ShardMap:
         assert self._pool is not None, "a map made by load() reads its shards again"
         shards = sorted(await _shards(self._pool), key=lambda shard: shard.low)
         self._read_at = time.monotonic()
-        if shards == self._shards:
-            return False
-        log.info("the shards of oncegate_keys changed: %d now", len(shards))
-        self._shards, self._lows = shards, [shard.low for shard in shards]
-        self._nodes = {shard.id: shard.node for shard in shards}
-        return True
+        changed = shards != self._shards
+        if changed:
+            log.info("the shards of oncegate_keys changed: %d now", len(shards))
+            self._shards, self._lows = shards, [shard.low for shard in shards]
+            self._nodes = {shard.id: shard.node for shard in shards}
+        for listener in self.on_read:
+            listener()
+        return changed
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -1,7 +1,8 @@
 """Claims and completes sent to the Citus workers themselves (store/postgres/workers.py), on a
 real cluster: shard moves and splits under load lose and repeat nothing, including for a store
 whose shard map is old (it reads the map only when a worker refuses it); a write never lands on
-a placement that was moved away. (No two-phase commit on the request path:
+a placement that was moved away; a worker left with no shard has its pools closed and
+forgotten, and new ones when shards come back. (No two-phase commit on the request path:
 test_citus_store.py; the moves themselves commit on several nodes.)
 
 The load is the store's own request path (`PostgresStore`, many concurrent claims, completes
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -390,3 +392,90 @@ async def test_through_the_coordinator_a_single_key_statement_met_by_a_split_is_
     assert after is not None and after.state == "in_progress" and after.token == claim.token
     if operation == "mark_waited":
         assert await coordinator.fetchval("SELECT waited FROM oncegate_keys WHERE key = $1", held)
+
+
+async def store_connections(node: citus.Node, database: str) -> list[asyncpg.Record]:
+    """The client connections on `node`'s database but Citus's own (its internal connections
+    and the rebalancer's name themselves `citus_...`) and this one: the store's."""
+    connection = await asyncpg.connect(node.url(database))
+    try:
+        return await connection.fetch(
+            "SELECT pid, application_name, state, query FROM pg_stat_activity"
+            " WHERE datname = current_database() AND backend_type = 'client backend'"
+            "   AND pid <> pg_backend_pid() AND application_name NOT LIKE 'citus%'"
+        )
+    finally:
+        await connection.close()
+
+
+async def until(condition: Callable[[], bool | Awaitable[bool]], what: str) -> None:
+    """Wait for `condition`, looked at every 0.2 s 300 times (the store reads its map every
+    2 s)."""
+    for _ in range(300):
+        holds = condition()
+        if await holds if inspect.isawaitable(holds) else holds:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"still not so after 300 looks: {what}")
+
+
+async def test_a_worker_the_map_no_longer_names_has_its_pools_closed_and_is_served_again_after(
+    coordinator: asyncpg.Connection,
+    database_url: str,
+    citus_cluster: citus.Cluster,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every shard moved off a worker under a store's load: once the store's map says so (its
+    # read every 2 s), the worker's pools are closed (their connections gone from the worker)
+    # and forgotten with its batcher, while the keys are served on the other worker, each
+    # claimed once. Shards moved back: new pools, and its keys served there again.
+    caplog.set_level(logging.INFO, "oncegate.store.postgres")
+    database = database_url.rsplit("/", 1)[1]
+    drained, other = citus_cluster.workers[:2]
+    store = await PostgresStore.connect(database_url)
+    workers = store.requests._dialect.workers  # type: ignore[attr-defined]
+    batchers = store.requests._claims._batchers  # type: ignore[attr-defined]  # per worker
+
+    def pools_on(port: int) -> list[citus_store.Node]:
+        return [node for node in workers._pools if node.port == port]
+
+    load = Load(store)
+    try:
+        await until(lambda: len(load.completed) > 20, "the load under way")
+        (node,) = pools_on(drained.port)
+        assert node in batchers
+        assert await store_connections(drained, database)  # the store's pools there
+        for shard, port in sorted((await placements(coordinator)).items()):
+            if port == drained.port:
+                await coordinator.execute(
+                    "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,"
+                    " shard_transfer_mode => 'block_writes')",
+                    shard, drained.port, other.port,
+                )  # fmt: skip
+        assert drained.port not in (await placements(coordinator)).values()
+
+        async def closed() -> bool:
+            return not pools_on(drained.port) and not await store_connections(drained, database)
+
+        await until(closed, "the drained worker's pools closed, its connections gone")
+        await until(lambda: node not in batchers, "the drained worker's batcher forgotten")
+        served = len(load.completed)
+        await until(lambda: len(load.completed) > served + 20, "keys served meanwhile")
+        assert await store_connections(other, database)  # served there
+        said = [record.getMessage() for record in caplog.records]
+        assert sum(f"{node} holds no shard" in line for line in said) == 1, said
+        # The shards back: the worker's pools and batcher made anew, its keys served there.
+        await coordinator.execute("SELECT citus_rebalance_start(shard_transfer_mode =>"
+                                  " 'block_writes')")  # fmt: skip
+        await coordinator.execute("SELECT citus_rebalance_wait()")
+        assert drained.port in (await placements(coordinator)).values()
+        await until(lambda: node in batchers and bool(pools_on(drained.port)),
+                    "the worker's pools and batcher back")  # fmt: skip
+        back = len(load.completed)
+        await until(lambda: len(load.completed) > back + 20, "keys served after")
+        assert await store_connections(drained, database)
+    finally:
+        await load.stop()
+        await store.close()
+    assert load.wrong == []
+    await check_held(coordinator, load.completed)

@@ -167,6 +167,40 @@ async def test_batchers_per_shard_are_idle_only_when_every_shard_is() -> None:
     await shards.close()
 
 
+async def test_a_shard_no_longer_current_loses_its_batcher_only_once_it_is_idle() -> None:
+    """`PerShard.forget`: the batcher of a shard (or worker) the map no longer names is dropped
+    when nothing of it is queued or in flight, kept while a statement is (its callers get their
+    outcomes), and made anew by the shard's next operation."""
+    recorders: list[Recorder] = []
+
+    def make() -> Batcher[int, int]:
+        recorders.append(Recorder())
+        return Batcher("test", recorders[-1].send, max_size=8)
+
+    shards: PerShard[int, int] = PerShard(lambda item: item % 2, make)
+    for recorder_index, item in enumerate((2, 1)):
+        sent = asyncio.create_task(shards.run(item))
+        await settle()
+        recorders[recorder_index].gate.set()
+        assert await sent == item * 10
+    recorders[1].gate.clear()
+    in_flight = asyncio.create_task(shards.run(3))  # the odd shard's statement, held
+    await settle()
+    shards.forget({2})  # neither 0 nor 1 is current: the even one is idle, the odd one busy
+    assert list(shards._batchers) == [1]
+    recorders[1].gate.set()
+    assert await in_flight == 30
+    await settle()
+    shards.forget({2})
+    assert shards._batchers == {}
+    again = asyncio.create_task(shards.run(4))
+    await settle()
+    assert len(recorders) == 3 and recorders[2].batches == [[4]]  # a new batcher for shard 0
+    recorders[2].gate.set()
+    assert await again == 40
+    await shards.close()
+
+
 async def test_a_lone_shielded_operation_that_fails_raises_in_its_task_and_the_queue_goes_on() -> (
     None
 ):

@@ -255,14 +255,36 @@ class OnCitus(_Server):
     def __init__(self, shards: ShardMap, workers: Workers) -> None:
         self.shards = shards
         self.workers = workers
+        self._batchers: list[PerShard[Any, Any]] = []
+        shards.on_read.append(self._forget_gone)
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
     ) -> Batcher[Keyed, Outcome] | PerShard[Keyed, Outcome]:
         shards = self.shards
+        made: PerShard[Keyed, Outcome]
         if operation in ON_WORKERS:
-            return PerShard(self._route, make)
-        return PerShard(lambda each: shards.shard_of(each.key), make)
+            made = PerShard(self._route, make)
+        else:
+            made = PerShard(lambda each: shards.shard_of(each.key), make)
+        self._batchers.append(made)
+        return made
+
+    def _forget_gone(self) -> None:
+        """After each read of the map: the pools of the workers it no longer names closed
+        (`Workers.forget_gone`), and the idle batchers of workers and shards it no longer routes
+        to dropped, so neither grows with every worker or shard the store ever met."""
+        self.workers.forget_gone()
+        placements = self.shards.placements()
+        current: set[Hashable] = {*placements, *placements.values()}  # `_route`'s, and shards
+        current.update(
+            (kind, shard)
+            for shard, node in placements.items()
+            if node is None
+            for kind in ("claim", "complete")
+        )
+        for batchers in self._batchers:
+            batchers.forget(current)
 
     async def fetch(
         self, operation: str, pool: Pool, values: dict[str, object]
@@ -400,8 +422,8 @@ class OnCitus(_Server):
         return RekeyBatch(resealed, unopenable, last, done=len(rows) < batch_size)
 
     async def close(self) -> None:
+        await self.shards.close()  # first: no read of the map forgets a worker meanwhile
         await self.workers.close()
-        await self.shards.close()
 
     async def _key_of(self, connection: asyncpg.Connection, record_id: int) -> str | None:
         row = await self._fetchrow(connection, "key_of", id=record_id)

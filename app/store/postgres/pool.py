@@ -111,6 +111,11 @@ class Pool:
         async with self.acquire() as connection:
             return await connection.fetchrow(sql, *arguments)
 
+    def unused(self) -> bool:
+        """Whether no connection is lent or being opened and nobody waits for one: closing the
+        pool now cuts no statement short (`workers.Workers.forget_gone`)."""
+        return self._size == len(self._idle) and not self._waiters
+
     def take_idle(self) -> asyncpg.Connection | None:
         """An idle connection, or None: taken without a coroutine, as most statements are."""
         if self._closed:

@@ -31,6 +31,11 @@ Design rules:
 - The coordinator down costs what goes through it; the workers' statements go on, and tell the
   coordinator's `Outage` nothing either way (`errors.translated`'s `routed`): a claim a worker
   took must not say the coordinator is back, nor one it refused that the coordinator is down.
+- A worker the map places no shard on any more (moved away, drained, given a new address) has
+  its pools closed and forgotten, and the store its batcher, once nothing is in flight there
+  (`Workers.forget_gone`, `dialect.OnCitus`, after each read of the map); it gets new ones if
+  the map names it again. So a gateway that lives through many failovers or node replacements
+  holds pools, connections and batchers only for the workers it routes to.
 - A worker's claims and completes share one statement (`fetch_both`; the store batches them together
   per worker): 64 requests in flight over two workers make statements of about 25 operations again,
   with one fence and one commit, instead of two statements of 10-11; such a statement carries up to
@@ -54,6 +59,8 @@ Design rules:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,6 +73,8 @@ from ..queries import FRAGMENTS, Query, compose
 from .connections import citus_settings, request_settings
 from .pool import Pool
 from .rows import claimed_and_completed, claims_and_completes
+
+log = logging.getLogger("oncegate.store.postgres")
 
 # The operations sent to the workers: the two every forwarded request makes, alone or together.
 ON_WORKERS = frozenset({"claim", "complete", "claim_complete"})
@@ -104,6 +113,9 @@ class _Pools:
     # its own, not the store's (a worker down is not the store down: `errors.NodeUnavailable`).
     outage: Outage
 
+    def unused(self) -> bool:
+        return self.requests.unused() and self.answers.unused()
+
     async def close(self) -> None:
         await self.answers.close()
         await self.requests.close()
@@ -119,6 +131,7 @@ class Workers:
         self._shards = shards
         self._pools: dict[Node, _Pools] = {}
         self._statements: dict[tuple[str, tuple[int, ...]], Query] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # pools of workers forgotten, closing
 
     def route(self, key: str) -> Node | None:
         """The worker a key's claim and complete go to, or None: through the coordinator."""
@@ -223,9 +236,38 @@ class Workers:
         pools.outage.failed(operation, exc)
         return NodeUnavailable(f"the Citus worker {node}", exc)
 
+    def forget_gone(self) -> None:
+        """Close and forget the pools of every worker the map (just read) places no shard on
+        any more: its shards all moved away (a rebalance, a drain before `citus_remove_node`),
+        or it answers at a new address (`citus_update_node`: a new `Node`). Otherwise a gateway
+        that lives through many failovers or node replacements would keep a pool pair per
+        worker it ever used, and connections to a node Citus dropped until they idled out. Only
+        pools with nothing lent, being opened or waited for are closed: one a statement is in
+        flight on is looked at again after the next read (`citus.REFRESH_INTERVAL`), so every
+        statement sent there ends as it would have (a batch for shards gone from it is refused
+        by its fence and rerouted, as ever). Nothing new is sent there meanwhile: a batch is made
+        for a worker the map names (`_shards_of`). A worker the map names again gets new pools
+        when first needed (`_pools_of`). The statements composed for shard sets no worker holds
+        any more are forgotten too."""
+        placed = {node for node in self._shards.placements().values() if node is not None}
+        for node, pools in list(self._pools.items()):
+            if node in placed or not pools.unused():
+                continue
+            del self._pools[node]
+            log.info("the Citus worker %s holds no shard of oncegate_keys now: its connections"
+                     " are closed", node)  # fmt: skip
+            closing = asyncio.create_task(pools.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        held = {tuple(self._shards.shards_on(node)) for node in placed}
+        for gone in [key for key in self._statements if key[1] not in held]:
+            del self._statements[gone]
+
     async def close(self) -> None:
         for pools in self._pools.values():
             await pools.close()
+        if self._closing:
+            await asyncio.gather(*self._closing)
 
     def _statement(self, operation: str, node: Node) -> Query:
         shards = tuple(self._shards.shards_on(node))

@@ -274,6 +274,7 @@ async def test_a_worker_added_and_shards_rebalanced_under_light_load_lose_and_re
                 await asyncio.gather(*clients)
                 await coordinator.close()
     finally:
+        await leave_the_cluster(database_url, added)
         await asyncio.to_thread(citus_cluster.stop_node, added, "immediate")
     assert moved > 0  # shards really moved while the gateway served
     performed = collections.Counter(
@@ -284,6 +285,23 @@ async def test_a_worker_added_and_shards_rebalanced_under_light_load_lose_and_re
     assert {status for _, status, _ in sent} == {201}  # nothing refused, nothing lost
     assert all(performed[key] == 1 for key in keys)  # every key performed once, none twice
     assert sum(1 for _, _, replayed in sent if replayed == "true") == len(keys)
+
+
+async def leave_the_cluster(database_url: str, node: citus.Node) -> None:
+    """`node`'s shards moved back to the other workers and the node removed from Citus, before
+    it is stopped: the module's database is left as the test found it. A node stopped while it
+    held shards, or while Citus still counted it, left the later tests a database whose keys on
+    it fail and whose metadata never shows synced."""
+    coordinator = await asyncpg.connect(database_url)
+    try:
+        listed = await coordinator.fetchval(
+            "SELECT count(*) FROM pg_dist_node WHERE nodeport = $1", node.port
+        )
+        if listed:
+            await coordinator.execute("SELECT citus_drain_node('127.0.0.1', $1)", node.port)
+            await coordinator.execute("SELECT citus_remove_node('127.0.0.1', $1)", node.port)
+    finally:
+        await coordinator.close()
 
 
 async def claimed(store: PostgresStore, key: str) -> Claim:

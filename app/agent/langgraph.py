@@ -47,6 +47,9 @@ What the key is made of (LangGraph 1.1 and 1.2, `langgraph/pregel/_algo.py` and 
   and so are the steps after it. So the way to new work for a task killed after it acted is to
   record it as done (`update_state(..., as_node=node)`), then give it new input as the node
   before it.
+- A `Send` that carries a tool call (the prebuilt agent's v2 sends one a call) continues the
+  parent's `Send` with the same call, wherever an update (an edit of the model's message) moved
+  it in the step (`same_send`); one with a call its parent did not have is new work.
 - Which `Send` a subgraph runs for is read back from its task id, which LangGraph makes from
   the checkpoint, the step, the node and the `Send`'s index (`push_task_id`); a subgraph run by a
   functional API task's call, whose path is not in its config, is refused.
@@ -270,6 +273,7 @@ class Record:
     seen: Mapping[str, Mapping[str, Any]]  # versions_seen, per node
     available: frozenset[str]  # the channels that hold a value
     sends: tuple[str, ...]  # the node of each `Send` the checkpoint's step runs, in order
+    calls: tuple[str | None, ...]  # the tool call's id each of those `Send`s carries, if any
     parents: Mapping[str, str]  # the checkpoint of each level above, by namespace
 
 
@@ -291,8 +295,21 @@ def record(saved: CheckpointTuple | None) -> Record | None:
         seen=checkpoint.get("versions_seen", {}),
         available=frozenset(values),
         sends=tuple(str(getattr(packet, "node", "")) for packet in values.get(TASKS_CHANNEL, ())),
+        calls=tuple(tool_call_of(packet) for packet in values.get(TASKS_CHANNEL, ())),
         parents=dict(saved.metadata.get("parents") or {}),
     )
+
+
+def tool_call_of(packet: Any) -> str | None:
+    """The id of the tool call a `Send` carries: the prebuilt agent's v2 sends each call of the
+    model's message to its tools node as a `ToolCallWithContext` (`{"tool_call": {...}, ...}`),
+    or as the tool call itself. None for any other `Send`."""
+    arg = getattr(packet, "arg", None)
+    call = arg.get("tool_call", arg) if isinstance(arg, Mapping) else None
+    if isinstance(call, Mapping) and "name" in call and "args" in call:
+        identity = call.get("id")
+        return identity if isinstance(identity, str) and identity else None
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,6 +601,23 @@ def send_index(path: tuple[Any, ...]) -> int | None:
     return None
 
 
+def same_send(
+    made: Record, parent: Record, node: str, path: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
+    """The path, in `parent`'s step, of the `Send` at `path` in the step of `made` (an update
+    saved on `parent`). A `Send` carrying a tool call is the parent's `Send` to `node` with the
+    same call, wherever an edit of the model's message moved it (dropped or reordered the calls
+    before it), and None (new work) when the parent had no such call; any other path is
+    returned as it is (a `Send` is its parent's at the same index)."""
+    index = send_index(path)
+    if index is None or index >= len(made.calls) or made.calls[index] is None:
+        return path
+    for other, (name, call) in enumerate(zip(parent.sends, parent.calls, strict=False)):
+        if name == node and call == made.calls[index]:
+            return (path[0], other, *path[2:])
+    return None
+
+
 def still_to_run(parent: Record, node: str, path: tuple[Any, ...]) -> bool:
     """`had_task` for a task whose triggers are unknown (a level above the running task): the
     channels its node has seen stand for them, and a node that never ran is taken as still to
@@ -712,7 +746,10 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 # Still to run where the failed task is (its triggers are not in the config).
                 continues = still_to_run(parent, *handling)
             elif innermost:
-                continues = had_task(parent, node, path, task.triggers)
+                # A tool call's `Send` continues the parent's with that call, at its place.
+                moved = same_send(current, parent, node, path)
+                continues = moved is not None and had_task(parent, node, moved, task.triggers)
+                path = moved if moved is not None and continues else path
             else:
                 # A subgraph's task above the running one: its triggers are not in the
                 # config, and it may not have started from `parent` (an update of an update).

@@ -2,7 +2,7 @@
 
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
         [--agent toolnode|react-v1|react-v2] [--api sync|async] [--freeze]
-        [--resume-by thread|checkpoint-id] [--update]
+        [--resume-by thread|checkpoint-id] [--update] [--drop-first-call]
 
 A scripted model (`ScriptedModel`) answers the thread's first message with one message holding
 `CALLS` tool calls (an email to each of two customers); once the tools answered, it ends the
@@ -19,7 +19,10 @@ whether the gateway replayed it). With `--freeze`, the tool answered last prints
 `{"event": "frozen"}` and waits for the SIGKILL: every email of the message was answered, and
 LangGraph has saved nothing of the tool step (v2 may have saved the first task's writes).
 With `--update`, the resume is preceded by an operator's `update_state` that adds no message:
-the tool calls are still to run after it.
+the tool calls are still to run after it. With `--drop-first-call`, the resume is preceded by
+an operator's edit of the model's message, as LangGraph's human-in-the-loop guides show: the
+same message (its id) without its first tool call, written as the model's node. v2 then sends
+the second call at the first `Send`'s place.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Annotated, Any
 
 import psycopg
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import BaseTool, InjectedToolCallId, tool
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -163,6 +166,13 @@ def start_or_resume(saved: bool) -> Any:
     return {"messages": [HumanMessage("Tell both customers their refund is on its way.")]}
 
 
+def without_first_call(messages: list[AnyMessage]) -> dict[str, Any]:
+    """The update that drops the first tool call of the model's last message (the same id)."""
+    last = [message for message in messages if isinstance(message, AIMessage)][-1]
+    edited = AIMessage(content=last.content, id=last.id, tool_calls=last.tool_calls[1:])
+    return {"messages": [edited]}
+
+
 def run_sync(arguments: argparse.Namespace) -> None:
     config: Any = {"configurable": {"thread_id": arguments.thread}}
     with (
@@ -177,6 +187,9 @@ def run_sync(arguments: argparse.Namespace) -> None:
         saved = saver.get_tuple(config) is not None
         if saved and arguments.update:
             graph.update_state(config, {"messages": []})
+        if saved and arguments.drop_first_call:
+            messages = graph.get_state(config).values["messages"]
+            graph.update_state(config, without_first_call(messages))
         if saved and arguments.resume_by == "checkpoint-id":
             config = graph.get_state(config).config
         final = graph.invoke(start_or_resume(saved), config)
@@ -197,6 +210,9 @@ async def run_async(arguments: argparse.Namespace) -> None:
         saved = await saver.aget_tuple(config) is not None
         if saved and arguments.update:
             await graph.aupdate_state(config, {"messages": []})
+        if saved and arguments.drop_first_call:
+            messages = (await graph.aget_state(config)).values["messages"]
+            await graph.aupdate_state(config, without_first_call(messages))
         if saved and arguments.resume_by == "checkpoint-id":
             config = (await graph.aget_state(config)).config
         final = await graph.ainvoke(start_or_resume(saved), config)
@@ -213,6 +229,7 @@ def main() -> None:
     parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
     parser.add_argument("--freeze", action="store_true")
     parser.add_argument("--update", action="store_true")
+    parser.add_argument("--drop-first-call", action="store_true")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

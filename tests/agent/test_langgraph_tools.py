@@ -85,6 +85,40 @@ def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_k
     assert len(emails) == CALLS
 
 
+@pytest.mark.parametrize(
+    ("agent", "api"), [("react-v2", "sync"), ("react-v2", "async"), ("react-v1", "sync")]
+)
+def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    agent: str,
+    api: str,
+) -> None:
+    """Killed once both emails were answered; then an operator edits the model's message (the
+    same message id) to drop its first tool call, and resumes. v2 sends the second call to the
+    first `Send`'s place in the update's step: it is still the second call, with its key
+    (answered from the gateway's store), not new work performed again."""
+    thread = f"case-{uuid.uuid4()}"
+    options = ("--agent", agent, "--api", api)
+    module = "tests.agent.langgraph_tools"
+    first = GraphProcess(database_url, gateway, thread, *options, "--freeze", module=module)
+    processes.append(first)
+    before = sent(first.until("frozen"))
+    first.kill()
+    edit = "--drop-first-call"
+    second = GraphProcess(database_url, gateway, thread, *options, edit, module=module)
+    processes.append(second)
+    after = sent(second.finish())
+
+    assert sorted(before) == ["call_1", "call_2"]
+    assert sorted(after) == ["call_2"]
+    assert after["call_2"]["key"] == before["call_2"]["key"] and after["call_2"]["replayed"]
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread)]
+    assert len(emails) == CALLS
+
+
 @pytest.fixture
 def checkpointer(database_url: str) -> Iterator[PostgresSaver]:
     with psycopg.Connection.connect(database_url, autocommit=True, prepare_threshold=0) as db:

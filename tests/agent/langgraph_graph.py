@@ -3,7 +3,8 @@
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
         [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
         [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
-        [--subgraph] [--note TEXT [--note-as NODE]] [--loops N]
+        [--subgraph] [--note TEXT [--note-as NODE]] [--loops N] [--upstream-delay S]
+        [--wait-for PATH]
 
 The graph loops `LOOPS` times (`--loops N`: N) through `draft` then `send`; `send` POSTs an
 email through the gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by
@@ -29,6 +30,10 @@ LangGraph runs as a fork).
   and which, unlike `invoke(input)`, leaves `send` to run).
 - `--subgraph`: `send` is a subgraph whose one node, `email`, sends (the key then descends
   from the outer step's and the subgraph's checkpoints).
+- `--upstream-delay S`: the upstream answers each email S seconds after performing it (the
+  demo upstream's `X-Demo-Delay`, outside the request's fingerprint).
+- `--wait-for PATH`: once connected, with the config to run, print `{"event": "ready"}` and
+  wait until PATH exists before invoking the graph (processes started together run together).
 - A `send` whose client refuses to make a key prints `{"event": "refused", "error": ...}` and
   waits for the SIGKILL (`--save-wait S`: how long the key waits for its step's checkpoint).
 """
@@ -39,6 +44,7 @@ import argparse
 import asyncio
 import json
 import operator
+import os
 import sys
 import time
 from typing import Annotated, Any, NotRequired, TypedDict
@@ -115,7 +121,7 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
         assert isinstance(gateway, Gateway)
         before = READS[0]
         try:
-            response = gateway.post("/emails", body(state), action="email")
+            response = gateway.post("/emails", body(state), action="email", headers=delayed)
         except TaskKeyUnavailable as error:
             return refused(state, error)
         except ActionKeyReused as error:
@@ -127,10 +133,12 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
         assert isinstance(gateway, AsyncGateway)
         before = READS[0]
         try:
-            response = await gateway.post("/emails", body(state), action="email")
+            response = await gateway.post("/emails", body(state), action="email", headers=delayed)
         except TaskKeyUnavailable as error:
             return refused(state, error)
         return sent(state, response, READS[0] - before)
+
+    delayed = {"X-Demo-Delay": str(arguments.upstream_delay)} if arguments.upstream_delay else None
 
     def again(state: State) -> str:
         return "draft" if state["iteration"] < arguments.loops else END
@@ -207,6 +215,15 @@ class AsyncHeldSaver(AsyncCountingSaver):
         return await super().aput(config, checkpoint, metadata, new_versions)
 
 
+def ready(arguments: argparse.Namespace) -> None:
+    """With `--wait-for`, say so and wait for the file."""
+    if arguments.wait_for is None:
+        return
+    report(event="ready")
+    while not os.path.exists(arguments.wait_for):
+        time.sleep(0.01)
+
+
 def run_sync(arguments: argparse.Namespace) -> None:
     config: Any = {"configurable": {"thread_id": arguments.thread}}
     with (
@@ -238,6 +255,7 @@ def run_sync(arguments: argparse.Namespace) -> None:
             start = None
             if arguments.resume_by == "checkpoint-id":
                 config = graph.get_state(config).config
+        ready(arguments)
         final = graph.invoke(start, config, durability=arguments.durability)
     report(event="finished", receipts=len(final["receipts"]))
 
@@ -267,6 +285,7 @@ async def run_async(arguments: argparse.Namespace) -> None:
             start = None
             if arguments.resume_by == "checkpoint-id":
                 config = (await graph.aget_state(config)).config
+        ready(arguments)
         final = await graph.ainvoke(start, config, durability=arguments.durability)
     report(event="finished", receipts=len(final["receipts"]))
 
@@ -288,6 +307,8 @@ def main() -> None:
     parser.add_argument("--note-as")
     parser.add_argument("--subgraph", action="store_true")
     parser.add_argument("--loops", type=int, default=LOOPS)
+    parser.add_argument("--upstream-delay", type=float)
+    parser.add_argument("--wait-for")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

@@ -17,6 +17,7 @@ import json
 import operator
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any, NotRequired, TypedDict
 
 import httpx
@@ -101,6 +102,47 @@ def test_a_task_killed_after_its_action_resumes_with_the_same_key_and_is_perform
     assert len(set(all_keys)) == LOOPS
     for key in all_keys:
         assert len(upstream.actions(key)) == 1, key
+    assert len(thread_emails(upstream, thread)) == LOOPS
+
+
+@pytest.mark.parametrize(("api", "resume_by"), [("sync", "thread"), ("async", "checkpoint-id")])
+def test_two_processes_resuming_one_thread_at_once_perform_each_email_once(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    tmp_path: Path,
+    api: str,
+    resume_by: str,
+) -> None:
+    """Killed after the second email's answer; then two processes resume the thread at the same
+    time (two workers picking up one job), the upstream answering each email 0.5 s after
+    performing it. Both make the same keys; the gateway performs each once and has the other
+    wait for its answer (`Prefer: wait`) or replays it."""
+    thread = f"case-{uuid.uuid4()}"
+    options = ("--api", api, "--durability", "sync", "--upstream-delay", "0.5")
+    first = GraphProcess(database_url, gateway, thread, *options, "--freeze-at", "2")
+    processes.append(first)
+    before = sent(first.until("frozen"))
+    first.kill()
+    go = tmp_path / "go"
+    together = ("--resume-by", resume_by, "--wait-for", str(go))
+    resumers = [GraphProcess(database_url, gateway, thread, *options, *together) for _ in "ab"]
+    processes.extend(resumers)
+    for resumer in resumers:
+        resumer.until("ready")  # each has read the thread's latest checkpoint
+    go.touch()
+    afters = [sent(resumer.finish(LOOPS)) for resumer in resumers]
+
+    # By thread id, a process that reads the thread after the other saved the second email's
+    # step goes on from there; the third email is on its way for 0.5 s, and both send it.
+    for after in afters:
+        assert [item["iteration"] for item in after] in ([2, 3], [3])
+        if len(after) == 2:
+            assert after[0]["key"] == before[1]["key"] and after[0]["replayed"]
+    assert afters[0][-1]["key"] == afters[1][-1]["key"]
+    # The third email: one process performed it, the other was answered from the store.
+    assert sorted(after[-1]["replayed"] for after in afters) == [False, True]
     assert len(thread_emails(upstream, thread)) == LOOPS
 
 

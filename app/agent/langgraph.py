@@ -480,7 +480,9 @@ class Lineage:
                 # are the ones the parent's run went on to, with their keys.
                 parent = yield Read(namespace, found.parent_id, own=False)
                 if parent is not None and all(
-                    had_task(parent, node, path, triggers) for node, path, triggers in ran
+                    (moved := same_send(found, parent, node, path)) is not None
+                    and had_task(parent, node, moved, triggers)
+                    for node, path, triggers in ran
                 ):
                     chain.append((current, found))
                     current = found.parent_id
@@ -518,17 +520,19 @@ Ran = tuple[str, tuple[Any, ...], tuple[str, ...]]
 
 def tasks_ran(start: Record, made: Record) -> list[Ran]:
     """The tasks the step from checkpoint `start` ran, read from the checkpoint `made` that the
-    step saved: each node whose seen versions it moved (LangGraph's `apply_writes` marks the
-    triggers of every task it ran as seen), and each `Send` of `start`. `INTERRUPT`'s entry,
-    which every resumed run moves, is no task."""
-    pulled: list[Ran] = [
-        (node, (PULL, node), tuple(
-            channel for channel, version in seen.items()
-            if start.seen.get(node, {}).get(channel) != version
-        ))
-        for node, seen in made.seen.items()
-        if seen != start.seen.get(node) and node != INTERRUPT
-    ]  # fmt: skip
+    step saved: each node whose seen versions of its triggers it moved (LangGraph's
+    `apply_writes` marks the triggers of every task it ran as seen), and each `Send` of `start`.
+    `INTERRUPT`'s entry, which every resumed run moves, is no task; nor is the empty entry
+    `apply_writes` gives a node the first time it runs as a `Send` only (a `Send`'s trigger is
+    no channel), such as the tools node of the prebuilt agent's v2."""
+    pulled: list[Ran] = []
+    for node, seen in made.seen.items():
+        before = start.seen.get(node, {})
+        triggers = tuple(
+            channel for channel, version in seen.items() if before.get(channel) != version
+        )
+        if triggers and node != INTERRUPT:
+            pulled.append((node, (PULL, node), triggers))
     return pulled + [(node, (PUSH, index), ()) for index, node in enumerate(start.sends)]
 
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import psycopg
 import pytest
-from langchain_core.messages import AIMessage
-from langchain_core.tools import tool
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode
+from langgraph.prebuilt import ToolNode, create_react_agent
 
 from oncegate.agent.langgraph import ActionNameReused, Gateway
 from tests.agent.conftest import GraphProcess
+from tests.agent.langgraph_tools import ScriptedModel
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
 
 CALLS = 2  # tests/agent/langgraph_tools.py
@@ -162,3 +164,58 @@ def test_a_tool_that_does_not_pass_its_call_id_sends_its_second_call_not_at_all(
             )
     emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread_id)]
     assert len(emails) == 1
+
+
+class TwoRounds(ScriptedModel):
+    """Two rounds of tool calls: an email to each customer, then (once both answered) one to
+    the team; then the end."""
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **_: Any
+    ) -> ChatResult:
+        answered = sum(isinstance(message, ToolMessage) for message in messages)
+        rounds = {0: [("ana@example.com", "call_1"), ("bo@example.com", "call_2")],
+                  CALLS: [("team@example.com", "call_9")]}  # fmt: skip
+        calls = [
+            {"name": "send_email", "args": {"to": to}, "id": call, "type": "tool_call"}
+            for to, call in rounds.get(answered, [])
+        ]
+        return ChatResult(generations=[ChatGeneration(message=AIMessage("", tool_calls=calls))])
+
+
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_edit_of_an_earlier_model_message_that_changes_no_call_replays_the_later_rounds(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream, version: str
+) -> None:
+    """LangGraph's time travel on a tool agent: the model's first message is rewritten as it
+    was (the same id, the same calls) at its checkpoint, and the thread run from there. The
+    update's step runs only the tool calls that checkpoint still had to run, so the steps after
+    it keep their keys: every email, the second round's too, is answered from the gateway's
+    store, none performed again."""
+    thread_id = f"case-{uuid.uuid4()}"
+    config: Any = {"configurable": {"thread_id": thread_id}}
+    with Gateway(gateway.url) as client:
+
+        @tool
+        def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+            """Email someone."""
+            body = {"to": to, "subject": "Your refund"}
+            return str(client.post("/emails", body, action="email", tool_call_id=tool_call_id))
+
+        graph = create_react_agent(
+            TwoRounds(), [send_email], checkpointer=checkpointer, version=version
+        )
+        graph.invoke({"messages": [HumanMessage("Refund both and tell the team.")]}, config)
+        first_round = next(
+            state for state in graph.get_state_history(config)
+            if state.next and state.next[0] == "tools" and len(state.values["messages"]) == 2
+        )  # fmt: skip
+        message = first_round.values["messages"][-1]
+        same = AIMessage("", id=message.id, tool_calls=message.tool_calls)
+        edited = graph.update_state(first_round.config, {"messages": [same]})
+        graph.invoke(None, edited)
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread_id)]
+    assert sorted(email["request"]["to"] for email in emails) == [
+        "ana@example.com", "bo@example.com", "team@example.com"
+    ]  # fmt: skip

@@ -729,6 +729,44 @@ def test_the_steps_after_an_edit_of_an_earlier_checkpoint_keep_their_keys(
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_the_steps_after_an_edit_of_a_fan_outs_checkpoint_keep_their_keys(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """Time travel to the checkpoint whose step runs a fan-out's `Send`s (to a node only `Send`s
+    reach), then a report after them: a note there runs the `Send`s and the report again with
+    the first run's keys, each answered from the gateway's store."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+
+        def fan(state: Loop) -> list[Send]:
+            return [Send("send", {"iteration": n, "keys": []}) for n in range(2)]
+
+        def send(state: Loop) -> dict[str, Any]:
+            body = {"iteration": state["iteration"]}
+            response = client.post("/emails", body, action="email")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        def report(state: Loop) -> dict[str, Any]:
+            response = client.post("/emails", {"sent": len(state["keys"])}, action="report")
+            return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+        builder = StateGraph(Loop)
+        builder.add_node("draft", lambda state: {})
+        builder.add_node("send", send)
+        builder.add_node("report", report)
+        builder.add_edge(START, "draft")
+        builder.add_conditional_edges("draft", fan, ["send"])
+        builder.add_edge("send", "report")
+        builder.add_edge("report", END)
+        graph = builder.compile(checkpointer=checkpointer)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        [fanned] = [s for s in graph.get_state_history(config) if s.next == ("send", "send")]
+        noted = graph.update_state(fanned.config, {"iteration": 0}, as_node="draft")
+        again = graph.invoke(None, noted, durability="sync")
+    assert sorted(again["keys"]) == sorted(final["keys"])
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 3
+
+
 def test_a_note_on_the_fork_a_replay_by_checkpoint_id_was_killed_in_keeps_the_later_keys(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:

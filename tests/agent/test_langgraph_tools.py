@@ -6,6 +6,7 @@ once, replayed on resume. And what happens when a tool forgets its call's id."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -17,9 +18,10 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode, create_react_agent
+from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
 
-from oncegate.agent.langgraph import ActionNameReused, Gateway
+from oncegate.agent.client import ActionError, ActionOutcomeUnknown, GaveUp
+from oncegate.agent.langgraph import ActionNameReused, Gateway, TaskKeyUnavailable
 from tests.agent.conftest import GraphProcess
 from tests.agent.langgraph_tools import ScriptedModel
 from tests.e2e.conftest import DemoUpstream, GatewayProcess
@@ -219,3 +221,75 @@ def test_an_edit_of_an_earlier_model_message_that_changes_no_call_replays_the_la
     assert sorted(email["request"]["to"] for email in emails) == [
         "ana@example.com", "bo@example.com", "team@example.com"
     ]  # fmt: skip
+
+
+def tool_errors(error: Exception) -> str:
+    """docs/agents.md's `handle_tool_errors` for a `ToolNode`: oncegate's errors stop the run,
+    any other becomes a message to the model."""
+    if isinstance(error, ActionError | GaveUp | TaskKeyUnavailable):
+        raise error
+    return f"Error: {error!r}"
+
+
+class CallsAgainOnError(ScriptedModel):
+    """Calls the tool; when the tool's answer is an error, calls it again (a new call id)."""
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **_: Any
+    ) -> ChatResult:
+        answers = [message for message in messages if isinstance(message, ToolMessage)]
+        if len(answers) >= 2 or (answers and not str(answers[-1].content).startswith("Error")):
+            return ChatResult(generations=[ChatGeneration(message=AIMessage("Done."))])
+        call = {"name": "send_email", "args": {"to": "ana@example.com"},
+                "id": f"call_{len(answers) + 1}", "type": "tool_call"}  # fmt: skip
+        return ChatResult(generations=[ChatGeneration(message=AIMessage("", tool_calls=[call]))])
+
+
+@pytest.mark.parametrize("handle", ["oncegate", "all"])
+def test_a_tool_node_that_turns_an_unknown_outcome_into_a_message_lets_the_model_act_again(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream, handle: str
+) -> None:
+    """The upstream answers after the route's timeout: `ActionOutcomeUnknown`, the email may
+    have been sent (it was). `handle_tool_errors=True` hands that to the model as a message, and
+    a model that calls the tool again makes a new call, with a new key: performed twice. With
+    docs/agents.md's `tool_errors`, the run stops on it, the thread resumable, sent once."""
+    thread_id = f"case-{uuid.uuid4()}"
+    with Gateway(gateway.url) as client:
+
+        @tool
+        def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+            """Email a customer."""
+            late = {"X-Demo-Delay": "1.5"}  # the route's timeout is 1 s
+            response = client.post(
+                "/emails", {"to": to}, action="email", tool_call_id=tool_call_id, headers=late
+            )
+            return str(response.json()["id"])
+
+        model = CallsAgainOnError()
+
+        def call_model(state: MessagesState) -> dict[str, Any]:
+            return {"messages": [model.invoke(state["messages"])]}
+
+        builder = StateGraph(MessagesState)
+        builder.add_node("model", call_model)
+        handler = tool_errors if handle == "oncegate" else True
+        builder.add_node("tools", ToolNode([send_email], handle_tool_errors=handler))
+        builder.add_edge(START, "model")
+        builder.add_conditional_edges("model", tools_condition)
+        builder.add_edge("tools", "model")
+        graph = builder.compile(checkpointer=checkpointer)
+        config: Any = {"configurable": {"thread_id": thread_id}}
+        if handle == "oncegate":
+            with pytest.raises(ActionOutcomeUnknown):
+                graph.invoke({"messages": [HumanMessage("Email Ana.")]}, config)
+        else:
+            graph.invoke({"messages": [HumanMessage("Email Ana.")]}, config)
+
+    def performed() -> int:
+        actions = upstream.actions()
+        return len([a for a in actions if (a["idempotency_key"] or "").startswith(thread_id)])
+
+    deadline = time.monotonic() + 5  # the upstream performs each at once, answers 1.5 s later
+    while performed() < (1 if handle == "oncegate" else 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert performed() == (1 if handle == "oncegate" else 2)

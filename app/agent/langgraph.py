@@ -958,7 +958,7 @@ class Sent:
 SENT = Sent()
 
 
-def reused(error: ActionKeyReused) -> ActionKeyReused:
+def reused(error: ActionKeyReused, tool_call_id: str | None = None) -> ActionKeyReused:
     """The gateway's 422 for a task's key, with what to do about it on LangGraph."""
     node = get_config().get("metadata", {}).get("langgraph_node", "<node>")
     # `update_state` on the graph the caller invokes names a node of its top level: inside a
@@ -967,6 +967,16 @@ def reused(error: ActionKeyReused) -> ActionKeyReused:
     namespace = execution.checkpoint_ns if execution is not None else ""
     top = namespace.split("|")[0].split(":")[0] or node
     inside = f" (the node whose subgraph runs {node!r})" if top != node else ""
+    # A tool call's output is a ToolMessage; recorded alone, LangGraph drops the message's other
+    # calls still to run, and a prebuilt agent refuses a history with unanswered calls.
+    call = (
+        f". For tool call {tool_call_id!r} the output is its ToolMessage, in one update with a "
+        "ToolMessage for each other call of the model's message ({'messages': [ToolMessage(..., "
+        f"tool_call_id={tool_call_id!r}), ...]}}): a call left out is dropped, and a prebuilt "
+        "agent refuses the history."
+        if tool_call_id
+        else ""
+    )
     return ActionKeyReused(
         f"{error}. On LangGraph this key is the one the task this run continues sent (a "
         "resume, a replay, or an update_state that left the task to run), and this run's "
@@ -976,7 +986,7 @@ def reused(error: ActionKeyReused) -> ActionKeyReused:
         "record the first that way, then give the node its new input as the node before it "
         "(graph.update_state(config, values, as_node=...)): a task started by that update gets "
         "a key of its own. A request that changes on every run (a clock, a model's draft) is "
-        "drafted in an earlier node (docs/agents.md, 'Drafting in an earlier node')",
+        f"drafted in an earlier node (docs/agents.md, 'Drafting in an earlier node'){call}",
         key=error.key,
         response=error.response,
     )
@@ -1039,7 +1049,7 @@ class Gateway:
             return self._client.request(method, path, key, json=json, form=form, headers=headers)
         except ActionKeyReused as error:
             SENT.forget(key, attempt)
-            raise reused(error) from error
+            raise reused(error, tool_call_id) from error
         except BaseException:
             SENT.forget(key, attempt)
             raise
@@ -1114,7 +1124,7 @@ class AsyncGateway:
             )
         except ActionKeyReused as error:
             SENT.forget(key, attempt)
-            raise reused(error) from error
+            raise reused(error, tool_call_id) from error
         except BaseException:
             SENT.forget(key, attempt)
             raise

@@ -20,7 +20,7 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
 
-from oncegate.agent.client import ActionError, ActionOutcomeUnknown, GaveUp
+from oncegate.agent.client import ActionError, ActionKeyReused, ActionOutcomeUnknown, GaveUp
 from oncegate.agent.langgraph import ActionNameReused, Gateway, TaskKeyUnavailable
 from tests.agent.conftest import GraphProcess
 from tests.agent.langgraph_tools import ScriptedModel
@@ -293,3 +293,49 @@ def test_a_tool_node_that_turns_an_unknown_outcome_into_a_message_lets_the_model
     while performed() < (1 if handle == "oncegate" else 2) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert performed() == (1 if handle == "oncegate" else 2)
+
+
+class Killed(Exception):
+    """Stands for a kill after the email was answered, before LangGraph saved the step."""
+
+
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+def test_a_refused_tool_call_says_to_record_every_call_of_its_message(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A tool that drafts its email with a clock, in v2, "killed" after call_2's email: every
+    resume is refused (422). The advice recorded literally, call_2's ToolMessage alone as
+    `tools`, would drop call_1 (done, its answer not yet in the state) and the prebuilt agent
+    would refuse the history; the error says to record each call of the message, and that
+    resumes the thread: 2 emails."""
+    thread_id = f"case-{uuid.uuid4()}"
+    config: Any = {"configurable": {"thread_id": thread_id}}
+    clock = iter(range(1, 100))
+    kill = ["bo@example.com"]
+    with Gateway(gateway.url) as client:
+
+        @tool
+        def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+            """Email a customer."""
+            body = {"to": to, "drafted_at": next(clock)}
+            client.post("/emails", body, action="email", tool_call_id=tool_call_id)
+            if to in kill:
+                kill.remove(to)
+                raise Killed(to)
+            return "sent"
+
+        graph = create_react_agent(
+            ScriptedModel(), [send_email], checkpointer=checkpointer, version="v2"
+        )
+        with pytest.raises(Killed):
+            graph.invoke({"messages": [HumanMessage("Refund both.")]}, config)
+        with pytest.raises(ActionKeyReused) as refused:
+            graph.invoke(None, config)
+        assert "tool call 'call_2'" in str(refused.value)
+        assert "a ToolMessage for each other call of the model's message" in str(refused.value)
+        answers = [ToolMessage("sent", tool_call_id=call) for call in ("call_1", "call_2")]
+        graph.update_state(config, {"messages": answers}, as_node="tools")
+        final = graph.invoke(None, config)
+    assert isinstance(final["messages"][-1], AIMessage)
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread_id)]
+    assert len(emails) == CALLS

@@ -8,7 +8,9 @@ in `--shards` shards (a database per shard count). `POST /emails` with a new Ide
 request over `--connections` keep-alive connections (bench/quick.py's load generator) for
 `--duration` seconds after a warm-up, `--repeats` times, the targets in turn, once per count of
 connections: at 64 one gateway process sets the pace and a worker's statements carry half of
-what the one server's do; at 256 they fill, as where PostgreSQL is the limit. Before the
+what the one server's do; at 256 they fill, as where PostgreSQL is the limit. Each gateway,
+once listening, is left to finish its start-up work on the store (its key count, which grows
+with the key table) until it and every node are idle, then warmed up, then measured. Before the
 measured repeats, each target is driven once so, unmeasured, and `VACUUM (ANALYZE)` runs on every
 node of its database (as bench/citus_pairs.py and bench/citus_scale.py do): no repeat runs on a
 fresh key table planned without statistics. Autovacuum is off on every server and each run's
@@ -39,6 +41,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from itertools import product
@@ -59,6 +62,7 @@ from tests import citus  # noqa: E402
 
 STARTUP_TIMEOUT = 60.0
 WARMUP = 2.0
+IDLE, IDLE_WINDOW = 0.05, 0.5  # `settled`: under a twentieth of a core over half a second
 # The batched operations of a forward: the one server's claims and completes, a Citus worker's
 # both in one statement (store/postgres/workers.py).
 OPERATIONS = ("claim", "complete", "claim_complete")
@@ -135,10 +139,11 @@ def measure(
         )  # fmt: skip
         gateway = started[0]
         quick.wait_listening(gateway, port, log, STARTUP_TIMEOUT)
-        asyncio.run(capacity.drive(port, connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}"))
         groups = {"gateway": [gateway.pid]} | {
             f"node{index}": [pid] for index, pid in enumerate(postmasters)
         }
+        settled(groups)
+        asyncio.run(capacity.drive(port, connections, WARMUP, f"warm-{uuid.uuid4().hex[:8]}"))
         page_before = run.scrape(admin_port)
         spy, spied = None, None
         if arguments.profile is not None:
@@ -174,6 +179,24 @@ def measure(
         batches,
         profile,
     )
+
+
+def settled(groups: dict[str, list[int]]) -> None:
+    """Wait until the gateway and every PostgreSQL node are idle (under `IDLE` of a core over
+    `IDLE_WINDOW`): a gateway starts with work of its own on the store (the key count, through a
+    Citus coordinator to every shard), which grows with the key table; on the cluster's largest
+    table it ran on for about a second into the measured window (0.42 s of the coordinator's
+    CPU in the 2.8 s after the gateway started, a 2 s warm-up)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    before = run.cpu_seconds(groups)
+    while True:
+        time.sleep(IDLE_WINDOW)
+        now = run.cpu_seconds(groups)
+        if sum(now[name] - before[name] for name in groups) < IDLE * IDLE_WINDOW:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway and PostgreSQL still busy {STARTUP_TIMEOUT:g} s on")
+        before = now
 
 
 def sent(

@@ -816,13 +816,10 @@ Answer = Record | bool | str | tuple[Record, ...] | None
 def answer(task: Task, request: Request, save_wait: float) -> Answer:
     """A request of `derive`, answered with the saver's sync API."""
     if isinstance(request, Search):
+        if isinstance(request, Earlier) and not lists(task.checkpointer, sync=True):
+            return ()  # a saver that cannot list: the walk reads one checkpoint at a time
         config, options = request.search(task.thread_id)
-        try:
-            return request.decide(task.checkpointer.list(config, **options))
-        except NotImplementedError:
-            if isinstance(request, Earlier):  # a saver that cannot list: read one at a time
-                return ()
-            raise
+        return request.decide(task.checkpointer.list(config, **options))
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(task.checkpointer.get_tuple(config))
     if found is None and request.own and task.durability == "async":
@@ -861,6 +858,17 @@ def task_key(action: str, *, tool_call_id: str | None = None, save_wait: float =
         return compose(task, done.value, action, tool_call_id)
 
 
+def lists(checkpointer: BaseCheckpointSaver[Any], *, sync: bool) -> bool:
+    """Whether the saver can list its checkpoints (LangGraph's base saver's `list` and `alist`
+    raise NotImplementedError: a saver may keep only `get_tuple` and `put`), through the sync
+    API or, `sync` False, either. Asked of the saver's class, as `aread` asks, not by catching
+    what the base raises: a saver's own error reaches the caller as it is."""
+    saver = type(checkpointer)
+    if saver.list is not BaseCheckpointSaver.list:
+        return True
+    return not sync and saver.alist is not BaseCheckpointSaver.alist
+
+
 async def aread(
     checkpointer: BaseCheckpointSaver[Any], config: RunnableConfig
 ) -> CheckpointTuple | None:
@@ -876,17 +884,14 @@ async def aread(
 async def aanswer(task: Task, request: Request, save_wait: float) -> Answer:
     """`answer`, with the saver's async API (in a thread for a saver that has none)."""
     if isinstance(request, Search):
-        config, options = request.search(task.thread_id)
         checkpointer = task.checkpointer
-        try:
-            if type(checkpointer).alist is BaseCheckpointSaver.alist:
-                listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, **options)))
-            else:
-                listed = [saved async for saved in checkpointer.alist(config, **options)]
-        except NotImplementedError:
-            if isinstance(request, Earlier):  # a saver that cannot list: read one at a time
-                return ()
-            raise
+        if isinstance(request, Earlier) and not lists(checkpointer, sync=False):
+            return ()  # a saver that cannot list: the walk reads one checkpoint at a time
+        config, options = request.search(task.thread_id)
+        if type(checkpointer).alist is BaseCheckpointSaver.alist:
+            listed = await asyncio.to_thread(lambda: list(checkpointer.list(config, **options)))
+        else:
+            listed = [saved async for saved in checkpointer.alist(config, **options)]
         return request.decide(listed)
     config = reading(task.thread_id, request.namespace, request.checkpoint_id)
     found = record(await aread(task.checkpointer, config))

@@ -50,6 +50,7 @@ import time
 from typing import Annotated, Any, NotRequired, TypedDict
 
 import psycopg
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, StateGraph
@@ -180,6 +181,13 @@ class CountingSaver(PostgresSaver):
         return super().list(config, **kwargs)
 
 
+class UnlistedSaver(CountingSaver):
+    """A saver that cannot list its checkpoints (LangGraph's base `list`, which raises
+    NotImplementedError): the key's walk up a thread reads one checkpoint at a time."""
+
+    list = BaseCheckpointSaver.list  # type: ignore[assignment]
+
+
 class AsyncCountingSaver(AsyncPostgresSaver):
     """`CountingSaver` for the async API."""
 
@@ -237,6 +245,8 @@ def run_sync(arguments: argparse.Namespace) -> None:
             held = HeldSaver(connection)
             held.step = arguments.hold_checkpoint_of_step
             saver = held
+        elif arguments.unlisted:
+            saver = UnlistedSaver(connection)
         else:
             saver = CountingSaver(connection)
         saver.setup()
@@ -307,6 +317,7 @@ def main() -> None:
     parser.add_argument("--note-as")
     parser.add_argument("--subgraph", action="store_true")
     parser.add_argument("--loops", type=int, default=LOOPS)
+    parser.add_argument("--unlisted", action="store_true", help="a saver that cannot list (sync)")
     parser.add_argument("--upstream-delay", type=float)
     parser.add_argument("--wait-for")
     arguments = parser.parse_args()

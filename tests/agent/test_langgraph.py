@@ -296,6 +296,31 @@ def test_a_new_process_reads_a_long_threads_steps_in_batches(
     assert resumed["reads"] <= 2 + -(-steps // WALK_BATCH) + inner
 
 
+def test_a_saver_that_cannot_list_is_walked_one_checkpoint_at_a_time(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+) -> None:
+    """A saver with LangGraph's base `list` (it raises NotImplementedError: only `get_tuple`
+    and `put` kept): a new process resuming after a kill walks back one `get_tuple` a step
+    instead of in batches, and the email keeps its key, performed once."""
+    loops = 20
+    thread = f"case-{uuid.uuid4()}"
+    shape = ("--unlisted", "--loops", str(loops))
+    first = GraphProcess(database_url, gateway, thread, *shape, "--freeze-at", str(loops))
+    processes.append(first)
+    warm = sent(first.until("frozen"))
+    first.kill()
+    second = GraphProcess(database_url, gateway, thread, *shape)
+    processes.append(second)
+    [resumed] = sent(second.finish(loops))
+    assert resumed["key"] == warm[-1]["key"] and resumed["replayed"]
+    assert resumed["reads"] > 2 * loops  # each checkpoint back to the input, one at a time
+    emails = thread_emails(upstream, thread)
+    assert len(emails) == len({email["idempotency_key"] for email in emails}) == loops
+
+
 def test_a_subgraph_resumed_by_checkpoint_id_keeps_its_key_and_the_thread_goes_on(
     database_url: str,
     gateway: GatewayProcess,

@@ -1,7 +1,8 @@
 """The bare Python proxy of bench/run.py: the gateway's server stack with no idempotency.
 
-Same stack as `oncegate serve`: uvicorn (its default loop and HTTP parser, so uvloop and
-httptools when installed) with the same server options, and the gateway's own upstream client
+Same stack as `oncegate serve`: uvicorn (its default loop, so uvloop when installed) with the
+gateway's HTTP/1.1 protocol (`oncegate.http.protocol`, httptools underneath), the same server
+options, and the gateway's own upstream client
 (`oncegate.upstream.client.HttpUpstream`, imported, not copied), so the difference between this
 proxy and the gateway's forward path is the idempotency work and nothing else. The application
 is a plain ASGI callable like the gateway's proxy port (`oncegate.http.proxy.ProxyApp`), or with
@@ -32,6 +33,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from oncegate.http.protocol import HttpProtocol
 from oncegate.http.server import quiet_collector
 from oncegate.upstream import AnswerLost, NotSent
 from oncegate.upstream.client import HttpUpstream
@@ -169,6 +171,7 @@ def serve(factory: str, host: str, port: int, workers: int) -> None:
     options = {
         "host": host,
         "port": port,
+        "http": HttpProtocol,  # the gateway's HTTP/1.1 protocol (oncegate.http.protocol)
         "log_config": None,
         "access_log": False,
         "server_header": False,

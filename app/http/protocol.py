@@ -21,7 +21,8 @@ nothing at all, or its head a byte at a time, and each such connection is a sock
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import h11
 import httptools
@@ -34,6 +35,9 @@ from . import problems
 # Generous for any client that means to send a request (a head is a few hundred bytes), short
 # enough that holding sockets open costs an attacker a connection every ten seconds.
 HEAD_TIMEOUT = 10.0
+# A write this small is held for the next one (an answer's body after its head) or until the end
+# of the event loop's turn: bodies above it are sent as they come.
+HELD_WRITE = 16 * 1024
 # What a connection waiting for its hand-over may hold before reading stops: the request that
 # offered the upgrade (the one being handed over) can have a body up to the route's max_body,
 # read on by h11 once it takes over; only what arrives before then is held here.
@@ -49,6 +53,111 @@ def _request_timeout() -> bytes:
     )
     head = [b"HTTP/1.1 408 Request Timeout"] + [name + b": " + value for name, value in headers]
     return b"\r\n".join([*head, b"connection: close", b"", body])
+
+
+class _JoinedWrites(asyncio.Transport):
+    """A connection's transport that sends an answer's head and body in one write.
+
+    uvicorn writes an answer's head when the application starts the answer and its body when the
+    application sends it: two `send` system calls and two TCP segments for every answer. Here a
+    write of at most HELD_WRITE bytes is held until the next write, which sends both at once, or
+    until the end of the event loop's turn, so an answer streamed later still gets its head at
+    once and at most one small write is ever held: flow control sees every byte by the end of the
+    turn. Measured on a server that answers every request as the proxy port does (a head and a
+    63-byte body, wrk at 64 connections): 26 against 34 µs of the server's CPU a request."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return  # h11 ends a body with an empty write
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.writelines((held, data))
+        elif len(data) <= HELD_WRITE:
+            # A copy of anything but bytes: the caller may reuse its buffer once this returns.
+            self._held = data if type(data) is bytes else bytes(data)
+            self._loop.call_soon(self._release)
+        else:
+            self._transport.write(data)
+
+    def _release(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():  # a lost connection has nobody to send to
+                self._transport.write(held)
+
+    def unwrapped(self) -> asyncio.Transport:
+        """The transport under this one, once what this one holds is written to it."""
+        self._release()
+        return self._transport
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self._release()
+        self._transport.writelines(list_of_data)
+
+    def close(self) -> None:
+        self._release()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self._release()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        held = self._held
+        return self._transport.get_write_buffer_size() + (0 if held is None else len(held))
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+
+class _OneWriteAnswers:
+    """A protocol whose connection writes through `_JoinedWrites`."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self.transport = _JoinedWrites(cast(asyncio.Transport, transport), self.loop)
 
 
 class _HeadTimeout:
@@ -99,7 +208,7 @@ class _HeadTimeout:
             self.transport.close()
 
 
-class IgnoringUpgradesH11(_HeadTimeout, H11Protocol):
+class IgnoringUpgradesH11(_OneWriteAnswers, _HeadTimeout, H11Protocol):
     """h11 serves an upgrade offer as the plain request it also is, nothing to warn about; and
     holds a client that sends no head to the same timeout as the httptools protocol."""
 
@@ -118,7 +227,7 @@ class IgnoringUpgradesH11(_HeadTimeout, H11Protocol):
         super().connection_lost(exc)
 
 
-class HttpProtocol(_HeadTimeout, HttpToolsProtocol):
+class HttpProtocol(_OneWriteAnswers, _HeadTimeout, HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._arguments = (args, kwargs)
@@ -192,9 +301,13 @@ class HttpProtocol(_HeadTimeout, HttpToolsProtocol):
         self._unset_keepalive_if_required()
         self._cancel_head_timer()
         self.connections.discard(self)
-        successor.connection_made(self.transport)
-        self.transport.set_protocol(successor)
+        transport = self.transport
+        if isinstance(transport, _JoinedWrites):
+            # The successor writes through a transport of its own, after what this one holds.
+            transport = transport.unwrapped()
+        successor.connection_made(transport)
+        transport.set_protocol(successor)
         # Reading resumes before h11 sees the bytes, so that a pause it asks for (it holds what
         # follows an upgrade offer until it has answered) is the one that stays.
-        self.transport.resume_reading()
+        transport.resume_reading()
         successor.data_received(b"".join(head) + bytes(self._handed_over))

@@ -72,7 +72,8 @@ OLDEST := .venv-langgraph-oldest
 test-langgraph-oldest: $(STAMP)
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet -e '.[dev]' 'langgraph==$(LANGGRAPH_OLDEST)'
-	$(OLDEST)/bin/python -m pytest -q tests/agent/test_langgraph.py tests/agent/test_langgraph_tools.py
+	$(OLDEST)/bin/python -m pytest -q tests/agent/test_langgraph.py tests/agent/test_langgraph_tools.py \
+		tests/agent/test_langgraph_keys.py
 
 # The fault suite in full: real kills, outages under load, three gateways (docs/faults.md).
 faults: $(STAMP)

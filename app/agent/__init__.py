@@ -11,7 +11,8 @@ Recovery needs two parts (see the lab, `oncegate lab`):
 
 On LangGraph (the extra `oncegate[langgraph]`), LangGraph's own checkpointer does the first part
 and `langgraph.task_key` / `langgraph.Gateway` the second: the key comes from the task LangGraph
-runs, the same on every resume of it. Nothing else in oncegate imports LangGraph.
+runs, the same on every resume of it (derived in `langgraph_keys`, whose docstring states the
+rules). Nothing else in oncegate imports LangGraph.
 
 This package does no I/O of its own on PostgreSQL: it talks to it through the `CheckpointStore`
 Protocol, and only `oncegate.store` imports the driver.

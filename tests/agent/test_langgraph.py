@@ -2,7 +2,7 @@
 the real gateway in front of the demo upstream, and real SIGKILLs of the process running the
 graph (tests/agent/langgraph_graph.py).
 
-What LangGraph keeps stable across a resume of the same task (oncegate.agent.langgraph's
+What LangGraph keeps stable across a resume of the same task (oncegate.agent.langgraph_keys'
 docstring says why): the thread id and the task's namespace, whose task id is made from the
 checkpoint the step started from. These tests kill a graph between an action and LangGraph's
 write of its step and resume it in a new process: same task id, same key, performed once. They

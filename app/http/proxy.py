@@ -259,20 +259,11 @@ def _account(
         )  # fmt: skip
     if log.isEnabledFor(logging.INFO):
         upstream = said.upstream_seconds if isinstance(said, Answer) else None
-        logs.info_line(
-            log,
-            "%s %s %s -> %d %s",
-            (route_name, method, outcome, status, request_id),
-            {
-                "route": route_name,
-                "method": method,
-                "outcome": outcome,
-                "status": status,
-                "upstream_ms": None if upstream is None else round(upstream * 1000, 3),
-                "total_ms": round(elapsed * 1000, 3),
-                "request_id": request_id,
-            },
-        )
+        logs.request_line(
+            log, route_name, method, outcome, status,
+            None if upstream is None else round(upstream * 1000, 3),
+            round(elapsed * 1000, 3), request_id,
+        )  # fmt: skip
 
 
 async def _hung_up(receive: Receive) -> None:

@@ -1,8 +1,8 @@
 """What the request path writes on every request, written more cheaply and still the same bytes:
 JSON from encoders made once (`model.jsontext`), the request log line written straight to the
-JSON handler (`telemetry.logs.info_line`), request ids from batched randomness
-(`kernel.headers.new_request_id`); and what it reads on every replay, read more cheaply with
-the same outcome: the stored headers (`kernel.sealing.header_pairs`)."""
+JSON handler from its known shape (`telemetry.logs.request_line`), request ids from batched
+randomness (`kernel.headers.new_request_id`); and what it reads on every replay, read more
+cheaply with the same outcome: the stored headers (`kernel.sealing.header_pairs`)."""
 
 from __future__ import annotations
 
@@ -89,17 +89,30 @@ def lines_of(stream: io.StringIO) -> list[dict[str, object]]:
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
+LINES: list[dict[str, object]] = [
+    FIELDS,
+    # An error of the gateway's own (no upstream time), a route no route matched, a time that
+    # the encoder writes in exponent form, a non-ASCII and a control character.
+    {**FIELDS, "outcome": Outcome.UNKNOWN, "status": 503, "upstream_ms": None},
+    {**FIELDS, "route": "(unmatched)", "total_ms": 1e-05},
+    {**FIELDS, "route": "r\u00e9", "method": "PATCH", "request_id": "id\x01\u2603"},
+    {**FIELDS, "total_ms": 0.0, "upstream_ms": 123456.789},
+]
+
+
+@pytest.mark.parametrize("fields", LINES)
 def test_the_request_line_written_straight_is_the_line_logging_writes(
-    json_logs: io.StringIO, monkeypatch: pytest.MonkeyPatch
+    json_logs: io.StringIO, monkeypatch: pytest.MonkeyPatch, fields: dict[str, object]
 ) -> None:
     log = logging.getLogger("oncegate.request")
     monkeypatch.setattr(logs.time, "time", lambda: 1764892800.1234)
     monkeypatch.setattr(logging.time, "time", lambda: 1764892800.1234)  # the record's clock
-    logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
-    log.info("%s %s %s -> %d %s", *ARGUMENTS, extra={"fields": FIELDS})
+    logs.request_line(log, *fields.values())  # type: ignore[arg-type]
+    arguments = [fields[name] for name in ("route", "method", "outcome", "status", "request_id")]
+    log.info("%s %s %s -> %d %s", *arguments, extra={"fields": fields})
     straight, through_logging = json_logs.getvalue().splitlines()
     assert straight == through_logging
-    assert json.loads(straight)["message"] == f"default POST forwarded -> 201 {REQUEST_ID}"
+    assert json.loads(straight)["message"] == "{} {} {} -> {} {}".format(*arguments)
 
 
 def test_a_record_goes_through_logging_when_something_else_would_see_it(
@@ -120,20 +133,20 @@ def test_a_record_goes_through_logging_when_something_else_would_see_it(
 
     log.addFilter(mark)
     try:
-        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+        logs.request_line(log, *FIELDS.values())  # type: ignore[arg-type]
     finally:
         log.removeFilter(mark)
     capture = Capture()
     logging.getLogger().addHandler(capture)
     try:
-        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+        logs.request_line(log, *FIELDS.values())  # type: ignore[arg-type]
     finally:
         logging.getLogger().removeHandler(capture)
     assert [record.fields for record in seen] == [FIELDS, FIELDS]  # type: ignore[attr-defined]
     assert len(lines_of(json_logs)) == 2
     log.setLevel(logging.WARNING)
     try:
-        logs.info_line(log, "%s %s %s -> %d %s", ARGUMENTS, FIELDS)
+        logs.request_line(log, *FIELDS.values())  # type: ignore[arg-type]
     finally:
         log.setLevel(logging.NOTSET)
     assert len(lines_of(json_logs)) == 2  # below the level: not written
@@ -146,10 +159,12 @@ def test_a_text_log_gets_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
     stream = io.StringIO()
     root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
     try:
-        logs.info_line(logging.getLogger("oncegate.request"), "%s -> %d", ("x", 1), {"a": 1})
+        logs.request_line(logging.getLogger("oncegate.request"), *FIELDS.values())  # type: ignore[arg-type]
     finally:
         root.handlers[:], root.level = saved
-    assert stream.getvalue().endswith(" INFO oncegate.request: x -> 1\n")
+    assert stream.getvalue().endswith(
+        f" INFO oncegate.request: default POST forwarded -> 201 {REQUEST_ID}\n"
+    )
 
 
 def test_request_ids_are_version_4_uuids_none_twice() -> None:

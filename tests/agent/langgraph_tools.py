@@ -2,7 +2,8 @@
 
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
         [--agent toolnode|react-v1|react-v2] [--api sync|async] [--freeze]
-        [--resume-by thread|checkpoint-id] [--update] [--drop-first-call]
+        [--resume-by thread|checkpoint-id] [--update] [--drop-first-call | --add-call]
+        [--delegate]
 
 A scripted model (`ScriptedModel`) answers the thread's first message with one message holding
 `CALLS` tool calls (an email to each of two customers); once the tools answered, it ends the
@@ -22,7 +23,12 @@ With `--update`, the resume is preceded by an operator's `update_state` that add
 the tool calls are still to run after it. With `--drop-first-call`, the resume is preceded by
 an operator's edit of the model's message, as LangGraph's human-in-the-loop guides show: the
 same message (its id) without its first tool call, written as the model's node. v2 then sends
-the second call at the first `Send`'s place.
+the second call at the first `Send`'s place. With `--add-call`, the edit adds a call (`call_0`, an
+email to a third customer) before the others: v2 sends each of them one place further on.
+With `--delegate`, the tool does not send the email itself: it runs a subgraph (`mailer`,
+compiled without a checkpointer, whose one node `mail` sends it), as an agent that hands work to
+another agent does; the subgraph's node has no tool call id, its key descends from the tool's
+task.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import json
 import sys
 import threading
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, NotRequired, TypedDict
 
 import psycopg
 from langchain_core.language_models import BaseChatModel
@@ -42,13 +48,20 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import BaseTool, InjectedToolCallId, tool
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
 
 from oncegate.agent.langgraph import AsyncGateway, Gateway
 
 CUSTOMERS = ("ana@example.com", "bo@example.com")
 CALLS = len(CUSTOMERS)
+# What `--add-call` puts before the message's calls.
+ADDED = {
+    "name": "send_email",
+    "args": {"to": "cy@example.com"},
+    "id": "call_0",
+    "type": "tool_call",
+}
 
 
 REPORTING = threading.Lock()
@@ -109,33 +122,75 @@ def sent(response: Any, tool_call_id: str) -> None:
     )
 
 
-def sync_tools(gateway: Gateway, answered: Answered) -> list[BaseTool]:
+class Mail(TypedDict):
+    """`--delegate`'s subgraph: the customer, and the tool call (only to report it)."""
+
+    to: str
+    call: str
+    receipt: NotRequired[str]
+
+
+def sync_tools(gateway: Gateway, answered: Answered, delegate: bool) -> list[BaseTool]:
+    def mail(state: Mail) -> dict[str, Any]:
+        body = {"to": state["to"], "subject": "Your refund"}
+        response = gateway.post("/emails", body, action="email")
+        sent(response, state["call"])
+        return {"receipt": str(response.json()["id"])}
+
+    mailer = StateGraph(Mail)
+    mailer.add_node("mail", mail)
+    mailer.add_edge(START, "mail")
+    mailer.add_edge("mail", END)
+    delegated = mailer.compile()
+
     @tool
     def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
         """Email a customer that the refund is on its way."""
-        body = {"to": to, "subject": "Your refund"}
-        response = gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
-        sent(response, tool_call_id)
+        if delegate:
+            receipt = delegated.invoke({"to": to, "call": tool_call_id})["receipt"]
+        else:
+            body = {"to": to, "subject": "Your refund"}
+            response = gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
+            sent(response, tool_call_id)
+            receipt = str(response.json()["id"])
         if answered.last():
             report(event="frozen")
             while True:  # until the SIGKILL
                 time.sleep(60)
-        return str(response.json()["id"])
+        return receipt
 
     return [send_email]
 
 
-def async_tools(gateway: AsyncGateway, answered: Answered) -> list[BaseTool]:
+def async_tools(gateway: AsyncGateway, answered: Answered, delegate: bool) -> list[BaseTool]:
+    async def mail(state: Mail) -> dict[str, Any]:
+        body = {"to": state["to"], "subject": "Your refund"}
+        response = await gateway.post("/emails", body, action="email")
+        sent(response, state["call"])
+        return {"receipt": str(response.json()["id"])}
+
+    mailer = StateGraph(Mail)
+    mailer.add_node("mail", mail)
+    mailer.add_edge(START, "mail")
+    mailer.add_edge("mail", END)
+    delegated = mailer.compile()
+
     @tool
     async def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
         """Email a customer that the refund is on its way."""
-        body = {"to": to, "subject": "Your refund"}
-        response = await gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
-        sent(response, tool_call_id)
+        if delegate:
+            receipt = (await delegated.ainvoke({"to": to, "call": tool_call_id}))["receipt"]
+        else:
+            body = {"to": to, "subject": "Your refund"}
+            response = await gateway.post(
+                "/emails", body, action="email", tool_call_id=tool_call_id
+            )
+            sent(response, tool_call_id)
+            receipt = str(response.json()["id"])
         if answered.last():
             report(event="frozen")
             await asyncio.Event().wait()  # never set: until the SIGKILL
-        return str(response.json()["id"])
+        return receipt
 
     return [send_email]
 
@@ -166,11 +221,12 @@ def start_or_resume(saved: bool) -> Any:
     return {"messages": [HumanMessage("Tell both customers their refund is on its way.")]}
 
 
-def without_first_call(messages: list[AnyMessage]) -> dict[str, Any]:
-    """The update that drops the first tool call of the model's last message (the same id)."""
+def edited(messages: list[AnyMessage], add: bool) -> dict[str, Any]:
+    """The update that drops the first tool call of the model's last message (the same id), or,
+    `add`, adds one before its calls."""
     last = [message for message in messages if isinstance(message, AIMessage)][-1]
-    edited = AIMessage(content=last.content, id=last.id, tool_calls=last.tool_calls[1:])
-    return {"messages": [edited]}
+    calls = [ADDED, *last.tool_calls] if add else last.tool_calls[1:]
+    return {"messages": [AIMessage(content=last.content, id=last.id, tool_calls=calls)]}
 
 
 def run_sync(arguments: argparse.Namespace) -> None:
@@ -183,13 +239,14 @@ def run_sync(arguments: argparse.Namespace) -> None:
     ):
         saver = PostgresSaver(connection)
         saver.setup()
-        graph = build(arguments.agent, sync_tools(gateway, Answered(arguments.freeze)), saver)
+        tools = sync_tools(gateway, Answered(arguments.freeze), arguments.delegate)
+        graph = build(arguments.agent, tools, saver)
         saved = saver.get_tuple(config) is not None
         if saved and arguments.update:
             graph.update_state(config, {"messages": []})
-        if saved and arguments.drop_first_call:
+        if saved and (arguments.drop_first_call or arguments.add_call):
             messages = graph.get_state(config).values["messages"]
-            graph.update_state(config, without_first_call(messages))
+            graph.update_state(config, edited(messages, arguments.add_call))
         if saved and arguments.resume_by == "checkpoint-id":
             config = graph.get_state(config).config
         final = graph.invoke(start_or_resume(saved), config)
@@ -206,13 +263,14 @@ async def run_async(arguments: argparse.Namespace) -> None:
     ):
         saver = AsyncPostgresSaver(connection)
         await saver.setup()
-        graph = build(arguments.agent, async_tools(gateway, Answered(arguments.freeze)), saver)
+        tools = async_tools(gateway, Answered(arguments.freeze), arguments.delegate)
+        graph = build(arguments.agent, tools, saver)
         saved = await saver.aget_tuple(config) is not None
         if saved and arguments.update:
             await graph.aupdate_state(config, {"messages": []})
-        if saved and arguments.drop_first_call:
+        if saved and (arguments.drop_first_call or arguments.add_call):
             messages = (await graph.aget_state(config)).values["messages"]
-            await graph.aupdate_state(config, without_first_call(messages))
+            await graph.aupdate_state(config, edited(messages, arguments.add_call))
         if saved and arguments.resume_by == "checkpoint-id":
             config = (await graph.aget_state(config)).config
         final = await graph.ainvoke(start_or_resume(saved), config)
@@ -229,7 +287,10 @@ def main() -> None:
     parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
     parser.add_argument("--freeze", action="store_true")
     parser.add_argument("--update", action="store_true")
-    parser.add_argument("--drop-first-call", action="store_true")
+    edit = parser.add_mutually_exclusive_group()
+    edit.add_argument("--drop-first-call", action="store_true")
+    edit.add_argument("--add-call", action="store_true")
+    parser.add_argument("--delegate", action="store_true")
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

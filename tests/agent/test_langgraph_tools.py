@@ -123,6 +123,50 @@ def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
     assert len(emails) == CALLS
 
 
+@pytest.mark.parametrize(
+    ("edit", "api"),
+    [("--drop-first-call", "sync"), ("--add-call", "sync"), ("--add-call", "async")],
+)
+def test_a_subgraph_a_v2_tool_call_runs_keeps_its_key_when_an_edit_moves_the_call(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    edit: str,
+    api: str,
+) -> None:
+    """An agent that hands each call to another agent: the v2 agent's tool runs a subgraph
+    whose node sends the email (`--delegate`), keyed from the tool's task (the `Send` of the
+    call), as it has no call id of its own. Killed once both emails were answered; then the
+    operator edits the model's message (dropping its first call, or adding one before its
+    calls) and resumes. The edit moves the calls to other places in the step: each is still its
+    call, with its key (answered from the gateway's store), whatever place it moved to, and a
+    call the edit adds is new work, performed once."""
+    thread = f"case-{uuid.uuid4()}"
+    options = ("--agent", "react-v2", "--api", api, "--delegate")
+    module = "tests.agent.langgraph_tools"
+    first = GraphProcess(database_url, gateway, thread, *options, "--freeze", module=module)
+    processes.append(first)
+    before = sent(first.until("frozen"))
+    first.kill()
+    second = GraphProcess(database_url, gateway, thread, *options, edit, module=module)
+    processes.append(second)
+    after = sent(second.finish())
+
+    assert sorted(before) == ["call_1", "call_2"]
+    kept = ["call_2"] if edit == "--drop-first-call" else ["call_1", "call_2"]
+    assert sorted(after) == sorted([*kept, *(["call_0"] if edit == "--add-call" else [])])
+    for call in kept:
+        assert after[call]["key"] == before[call]["key"] and after[call]["replayed"], call
+    if edit == "--add-call":
+        assert not after["call_0"]["replayed"]
+        assert after["call_0"]["key"] not in [item["key"] for item in before.values()]
+    emails = [a for a in upstream.actions() if (a["idempotency_key"] or "").startswith(thread)]
+    assert sorted(email["request"]["to"] for email in emails) == sorted(
+        ["ana@example.com", "bo@example.com"] + (["cy@example.com"] if edit == "--add-call" else [])
+    )
+
+
 @pytest.fixture
 def checkpointer(database_url: str) -> Iterator[PostgresSaver]:
     with psycopg.Connection.connect(database_url, autocommit=True, prepare_threshold=0) as db:

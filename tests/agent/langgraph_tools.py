@@ -1,7 +1,7 @@
 """A tool-calling agent that tests run in a process of their own, kill with SIGKILL and resume.
 
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
-        [--agent toolnode|react-v1|react-v2] [--api sync|async] [--freeze]
+        [--agent toolnode|react-v1|react-v2|sends] [--api sync|async] [--freeze]
         [--resume-by thread|checkpoint-id] [--update] [--drop-first-call | --add-call]
         [--delegate]
 
@@ -14,6 +14,9 @@ turn. The tools send their email through the gateway with the tool call's id
   run in one task (in two threads, or gathered under `ainvoke`).
 - `react-v1`, `react-v2`: LangGraph's prebuilt `create_react_agent`; v1 runs the tool calls in
   one task, v2 sends each to a task of its own.
+- `sends`: a model node whose edge sends each pending tool call to a `ToolNode` as
+  `Send("tools", [call])`, a task a call: how `create_agent` (langchain 1.5, which LangGraph's
+  deprecation of `create_react_agent` points to) runs its tools.
 
 Each tool prints one JSON line when its email is answered (`sent`: the tool call's id, the key,
 whether the gateway replayed it). With `--freeze`, the tool answered last prints
@@ -50,6 +53,7 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
+from langgraph.types import Send
 
 from oncegate.agent.langgraph import AsyncGateway, Gateway
 
@@ -205,11 +209,22 @@ def build(agent: str, tools: list[BaseTool], checkpointer: Any) -> Any:
     def call_model(state: MessagesState) -> dict[str, Any]:
         return {"messages": [model.invoke(state["messages"])]}
 
+    def send_calls(state: MessagesState) -> list[Send] | str:
+        """Each call of the model's message still to answer, to the tools node on its own."""
+        answered = {m.tool_call_id for m in state["messages"] if isinstance(m, ToolMessage)}
+        last = state["messages"][-1]
+        calls = last.tool_calls if isinstance(last, AIMessage) else []
+        pending = [call for call in calls if call["id"] not in answered]
+        return [Send("tools", [call]) for call in pending] or END
+
     builder = StateGraph(MessagesState)
     builder.add_node("model", call_model)
     builder.add_node("tools", ToolNode(tools))
     builder.add_edge(START, "model")
-    builder.add_conditional_edges("model", tools_condition)
+    if agent == "sends":
+        builder.add_conditional_edges("model", send_calls, ["tools", END])
+    else:
+        builder.add_conditional_edges("model", tools_condition)
     builder.add_edge("tools", "model")
     return builder.compile(checkpointer=checkpointer)
 
@@ -282,7 +297,8 @@ def main() -> None:
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--gateway", required=True)
     parser.add_argument("--thread", required=True)
-    parser.add_argument("--agent", choices=["toolnode", "react-v1", "react-v2"], default="toolnode")
+    agents = ["toolnode", "react-v1", "react-v2", "sends"]
+    parser.add_argument("--agent", choices=agents, default="toolnode")
     parser.add_argument("--api", choices=["sync", "async"], default="sync")
     parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")
     parser.add_argument("--freeze", action="store_true")

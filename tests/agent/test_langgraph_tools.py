@@ -90,7 +90,8 @@ def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_k
 
 
 @pytest.mark.parametrize(
-    ("agent", "api"), [("react-v2", "sync"), ("react-v2", "async"), ("react-v1", "sync")]
+    ("agent", "api"),
+    [("react-v2", "sync"), ("react-v2", "async"), ("react-v1", "sync"), ("sends", "sync")],
 )
 def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
     database_url: str,
@@ -103,7 +104,8 @@ def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
     """Killed once both emails were answered; then an operator edits the model's message (the
     same message id) to drop its first tool call, and resumes. v2 sends the second call to the
     first `Send`'s place in the update's step: it is still the second call, with its key
-    (answered from the gateway's store), not new work performed again."""
+    (answered from the gateway's store), not new work performed again. The same where each
+    call is sent as `Send("tools", [call])` (`sends`: langchain's `create_agent`)."""
     thread = f"case-{uuid.uuid4()}"
     options = ("--agent", agent, "--api", api)
     module = "tests.agent.langgraph_tools"

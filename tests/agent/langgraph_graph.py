@@ -3,8 +3,8 @@
     python -m tests.agent.langgraph_graph --database-url URL --gateway URL --thread T
         [--api sync|async] [--freeze-at N] [--durability sync|async|exit]
         [--resume-by thread|checkpoint-id] [--hold-checkpoint-of-step N] [--save-wait S]
-        [--subgraph] [--note TEXT [--note-as NODE]] [--loops N] [--upstream-delay S]
-        [--wait-for PATH]
+        [--subgraph] [--join] [--note TEXT [--note TEXT] [--note-as NODE]] [--loops N]
+        [--upstream-delay S] [--wait-for PATH]
 
 The graph loops `LOOPS` times (`--loops N`: N) through `draft` then `send`; `send` POSTs an
 email through the gateway with its task's key (`oncegate.agent.langgraph`), checkpointed by
@@ -27,9 +27,13 @@ LangGraph runs as a fork).
 - `--note TEXT`: before resuming, an operator's `update_state(config, {"note": TEXT})`, which
   the email does not read: the interrupted `send` is still to run after it. `--note-as NODE`:
   written as that node (`__input__`: as new input, which LangGraph saves as an input checkpoint
-  and which, unlike `invoke(input)`, leaves `send` to run).
+  and which, unlike `invoke(input)`, leaves `send` to run). Given twice, two updates, the second
+  on the first.
 - `--subgraph`: `send` is a subgraph whose one node, `email`, sends (the key then descends
   from the outer step's and the subgraph's checkpoints).
+- `--join`: only the first iteration goes `draft -> send`; after each `send`, `x` (which counts
+  the iteration) and `y` run side by side and their join starts `send` again: a node with two
+  kinds of trigger (an edge, then a join it had never seen).
 - `--upstream-delay S`: the upstream answers each email S seconds after performing it (the
   demo upstream's `X-Demo-Delay`, outside the request's fingerprint).
 - `--wait-for PATH`: once connected, with the config to run, print `{"event": "ready"}` and
@@ -141,8 +145,10 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
 
     delayed = {"X-Demo-Delay": str(arguments.upstream_delay)} if arguments.upstream_delay else None
 
-    def again(state: State) -> str:
-        return "draft" if state["iteration"] < arguments.loops else END
+    def again(state: State) -> str | list[str]:
+        if state["iteration"] >= arguments.loops:
+            return END
+        return ["x", "y"] if arguments.join else "draft"
 
     builder = StateGraph(State)
     builder.add_node("draft", draft)
@@ -165,7 +171,13 @@ def build(arguments: argparse.Namespace, gateway: Gateway | AsyncGateway) -> Sta
         builder.add_node("send", node)
     builder.add_edge(START, "draft")
     builder.add_edge("draft", "send")
-    builder.add_conditional_edges("send", again)
+    if arguments.join:
+        builder.add_node("x", draft)
+        builder.add_node("y", lambda state: {})
+        builder.add_conditional_edges("send", again, ["x", "y", END])
+        builder.add_edge(["x", "y"], "send")
+    else:
+        builder.add_conditional_edges("send", again)
     return builder
 
 
@@ -257,8 +269,8 @@ def run_sync(arguments: argparse.Namespace) -> None:
             graph.update_state(
                 config, {"receipts": [json.loads(arguments.mark_sent)]}, as_node="send"
             )
-        if arguments.note is not None:
-            graph.update_state(config, {"note": arguments.note}, as_node=arguments.note_as)
+        for note in arguments.note:
+            graph.update_state(config, {"note": note}, as_node=arguments.note_as)
         if saver.get_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -287,8 +299,8 @@ async def run_async(arguments: argparse.Namespace) -> None:
             saver = AsyncCountingSaver(connection)
         await saver.setup()
         graph = build(arguments, gateway).compile(checkpointer=saver)
-        if arguments.note is not None:
-            await graph.aupdate_state(config, {"note": arguments.note}, as_node=arguments.note_as)
+        for note in arguments.note:
+            await graph.aupdate_state(config, {"note": note}, as_node=arguments.note_as)
         if await saver.aget_tuple(config) is None:
             start: Any = {"iteration": 0, "receipts": []}
         else:
@@ -313,9 +325,10 @@ def main() -> None:
     parser.add_argument("--save-wait", type=float, default=30.0)
     parser.add_argument("--clock", action="store_true")
     parser.add_argument("--mark-sent", metavar="RECEIPT_JSON")
-    parser.add_argument("--note")
+    parser.add_argument("--note", action="append", default=[])
     parser.add_argument("--note-as")
     parser.add_argument("--subgraph", action="store_true")
+    parser.add_argument("--join", action="store_true")
     parser.add_argument("--loops", type=int, default=LOOPS)
     parser.add_argument("--unlisted", action="store_true", help="a saver that cannot list (sync)")
     parser.add_argument("--upstream-delay", type=float)

@@ -264,6 +264,37 @@ def test_an_update_between_the_kill_and_the_resume_keeps_the_interrupted_tasks_k
     assert len(emails) == len({email["idempotency_key"] for email in emails}) == LOOPS
 
 
+@pytest.mark.parametrize(("api", "resume_by"), [("sync", "thread"), ("async", "checkpoint-id")])
+def test_two_updates_after_a_kill_in_a_subgraph_a_join_started_keep_its_key(
+    database_url: str,
+    gateway: GatewayProcess,
+    upstream: DemoUpstream,
+    processes: list[GraphProcess],
+    api: str,
+    resume_by: str,
+) -> None:
+    """`send`, a subgraph, ran first after `draft` (an edge), then after the join of `x` and `y`
+    (a trigger it had never seen), and was killed there after its email. Two operator's notes
+    (the second on the first, written as `x`) leave it to run: the email keeps its key, answered
+    from the gateway's store, whether the node's seen channels say it was still to run or not."""
+    thread = f"case-{uuid.uuid4()}"
+    shape = ("--api", api, "--subgraph", "--join")
+    first = GraphProcess(database_url, gateway, thread, *shape, "--freeze-at", "2")
+    processes.append(first)
+    before = sent(first.until("frozen"))
+    first.kill()
+    notes = ("--note", "called the customer", "--note", "and again", "--note-as", "x")
+    second = GraphProcess(database_url, gateway, thread, *shape, *notes, "--resume-by", resume_by)
+    processes.append(second)
+    after = sent(second.finish(LOOPS))
+
+    assert [item["iteration"] for item in before] == [1, 2]
+    assert [item["iteration"] for item in after] == [2, 3]
+    assert after[0]["key"] == before[1]["key"] and after[0]["replayed"]
+    emails = thread_emails(upstream, thread)
+    assert sorted(email["request"]["n"] for email in emails) == [1, 2, 3]
+
+
 @pytest.mark.parametrize(("api", "subgraph"), [("sync", False), ("async", False), ("sync", True)])
 def test_a_new_process_reads_a_long_threads_steps_in_batches(
     database_url: str,

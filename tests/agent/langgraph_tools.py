@@ -3,7 +3,7 @@
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
         [--agent toolnode|react-v1|react-v2|sends] [--api sync|async] [--freeze]
         [--resume-by thread|checkpoint-id] [--update] [--drop-first-call | --add-call]
-        [--delegate]
+        [--delegate subgraph|task]
 
 A scripted model (`ScriptedModel`) answers the thread's first message with one message holding
 `CALLS` tool calls (an email to each of two customers); once the tools answered, it ends the
@@ -28,10 +28,11 @@ an operator's edit of the model's message, as LangGraph's human-in-the-loop guid
 same message (its id) without its first tool call, written as the model's node. v2 then sends
 the second call at the first `Send`'s place. With `--add-call`, the edit adds a call (`call_0`, an
 email to a third customer) before the others: v2 sends each of them one place further on.
-With `--delegate`, the tool does not send the email itself: it runs a subgraph (`mailer`,
-compiled without a checkpointer, whose one node `mail` sends it), as an agent that hands work to
-another agent does; the subgraph's node has no tool call id, its key descends from the tool's
-task.
+With `--delegate subgraph`, the tool does not send the email itself: it runs a subgraph
+(`mailer`, compiled without a checkpointer, whose one node `mail` sends it), as an agent that
+hands work to another agent does; the subgraph's node has no tool call id, its key descends from
+the tool's task. With `--delegate task`, it calls a functional API task (`mail_task`) that sends
+it, with the tool call's id it is given.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import BaseTool, InjectedToolCallId, tool
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.func import task
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
 from langgraph.types import Send
@@ -127,19 +129,26 @@ def sent(response: Any, tool_call_id: str) -> None:
 
 
 class Mail(TypedDict):
-    """`--delegate`'s subgraph: the customer, and the tool call (only to report it)."""
+    """`--delegate subgraph`'s state: the customer, and the tool call (only to report it)."""
 
     to: str
     call: str
     receipt: NotRequired[str]
 
 
-def sync_tools(gateway: Gateway, answered: Answered, delegate: bool) -> list[BaseTool]:
+def sync_tools(gateway: Gateway, answered: Answered, delegate: str | None) -> list[BaseTool]:
     def mail(state: Mail) -> dict[str, Any]:
         body = {"to": state["to"], "subject": "Your refund"}
         response = gateway.post("/emails", body, action="email")
         sent(response, state["call"])
         return {"receipt": str(response.json()["id"])}
+
+    @task
+    def mail_task(to: str, call: str) -> str:
+        body = {"to": to, "subject": "Your refund"}
+        response = gateway.post("/emails", body, action="email", tool_call_id=call)
+        sent(response, call)
+        return str(response.json()["id"])
 
     mailer = StateGraph(Mail)
     mailer.add_node("mail", mail)
@@ -150,8 +159,10 @@ def sync_tools(gateway: Gateway, answered: Answered, delegate: bool) -> list[Bas
     @tool
     def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
         """Email a customer that the refund is on its way."""
-        if delegate:
+        if delegate == "subgraph":
             receipt = delegated.invoke({"to": to, "call": tool_call_id})["receipt"]
+        elif delegate == "task":
+            receipt = mail_task(to, tool_call_id).result()
         else:
             body = {"to": to, "subject": "Your refund"}
             response = gateway.post("/emails", body, action="email", tool_call_id=tool_call_id)
@@ -166,12 +177,19 @@ def sync_tools(gateway: Gateway, answered: Answered, delegate: bool) -> list[Bas
     return [send_email]
 
 
-def async_tools(gateway: AsyncGateway, answered: Answered, delegate: bool) -> list[BaseTool]:
+def async_tools(gateway: AsyncGateway, answered: Answered, delegate: str | None) -> list[BaseTool]:
     async def mail(state: Mail) -> dict[str, Any]:
         body = {"to": state["to"], "subject": "Your refund"}
         response = await gateway.post("/emails", body, action="email")
         sent(response, state["call"])
         return {"receipt": str(response.json()["id"])}
+
+    @task
+    async def mail_task(to: str, call: str) -> str:
+        body = {"to": to, "subject": "Your refund"}
+        response = await gateway.post("/emails", body, action="email", tool_call_id=call)
+        sent(response, call)
+        return str(response.json()["id"])
 
     mailer = StateGraph(Mail)
     mailer.add_node("mail", mail)
@@ -182,8 +200,10 @@ def async_tools(gateway: AsyncGateway, answered: Answered, delegate: bool) -> li
     @tool
     async def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
         """Email a customer that the refund is on its way."""
-        if delegate:
+        if delegate == "subgraph":
             receipt = (await delegated.ainvoke({"to": to, "call": tool_call_id}))["receipt"]
+        elif delegate == "task":
+            receipt = await mail_task(to, tool_call_id)
         else:
             body = {"to": to, "subject": "Your refund"}
             response = await gateway.post(
@@ -306,7 +326,7 @@ def main() -> None:
     edit = parser.add_mutually_exclusive_group()
     edit.add_argument("--drop-first-call", action="store_true")
     edit.add_argument("--add-call", action="store_true")
-    parser.add_argument("--delegate", action="store_true")
+    parser.add_argument("--delegate", choices=["subgraph", "task"])
     arguments = parser.parse_args()
     if arguments.api == "sync":
         run_sync(arguments)

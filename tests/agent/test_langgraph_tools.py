@@ -126,26 +126,34 @@ def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
 
 
 @pytest.mark.parametrize(
-    ("edit", "api"),
-    [("--drop-first-call", "sync"), ("--add-call", "sync"), ("--add-call", "async")],
+    ("delegate", "edit", "api"),
+    [
+        ("subgraph", "--drop-first-call", "sync"),
+        ("subgraph", "--add-call", "sync"),
+        ("subgraph", "--add-call", "async"),
+        ("task", "--drop-first-call", "sync"),
+        ("task", "--add-call", "async"),
+    ],
 )
-def test_a_subgraph_a_v2_tool_call_runs_keeps_its_key_when_an_edit_moves_the_call(
+def test_what_a_v2_tool_call_runs_keeps_its_key_when_an_edit_moves_the_call(
     database_url: str,
     gateway: GatewayProcess,
     upstream: DemoUpstream,
     processes: list[GraphProcess],
+    delegate: str,
     edit: str,
     api: str,
 ) -> None:
-    """An agent that hands each call to another agent: the v2 agent's tool runs a subgraph
-    whose node sends the email (`--delegate`), keyed from the tool's task (the `Send` of the
-    call), as it has no call id of its own. Killed once both emails were answered; then the
-    operator edits the model's message (dropping its first call, or adding one before its
-    calls) and resumes. The edit moves the calls to other places in the step: each is still its
-    call, with its key (answered from the gateway's store), whatever place it moved to, and a
-    call the edit adds is new work, performed once."""
+    """The v2 agent's tool hands the email to a subgraph whose node sends it (an agent that
+    hands each call to another agent), keyed from the tool's task (the `Send` of the call), as
+    it has no call id of its own; or to a functional API task, given the call's id, whose path
+    holds the tool's. Killed once both emails were answered; then the operator edits the
+    model's message (dropping its first call, or adding one before its calls) and resumes. The
+    edit moves the calls to other places in the step: each is still its call, with its key
+    (answered from the gateway's store), whatever place it moved to, and a call the edit adds
+    is new work, performed once."""
     thread = f"case-{uuid.uuid4()}"
-    options = ("--agent", "react-v2", "--api", api, "--delegate")
+    options = ("--agent", "react-v2", "--api", api, "--delegate", delegate)
     module = "tests.agent.langgraph_tools"
     first = GraphProcess(database_url, gateway, thread, *options, "--freeze", module=module)
     processes.append(first)

@@ -51,9 +51,10 @@ Rules:
   the node before it.
 - A functional API task (a call of its entrypoint) is taken as its parent's, never as new
   work, after an update; after an input, which starts its entrypoint again, it is new work.
-- A `Send` that carries a tool call (the prebuilt agent's v2 sends one a call) continues the
-  parent's `Send` with the same call, wherever an update (an edit of the model's message) moved
-  it in the step (`same_send`); one with a call its parent did not have is new work.
+- A `Send` that carries a tool call (the prebuilt agent's v2 sends one a call, langchain's
+  `create_agent` a list of one call) continues the parent's `Send` with the same call, wherever
+  an update (an edit of the model's message) moved it in the step (`same_send`); one with a
+  call its parent did not have is new work.
 - A node's error handler (LangGraph 1.2's `add_node(..., error_handler=...)`) runs in the step
   and namespace of the task that failed, for it (`handled`): whether an update continues it is
   asked of the failed task, still to run by the channels its node has seen.
@@ -650,8 +651,11 @@ def record(saved: CheckpointTuple | None) -> Record | None:
 def tool_call_of(packet: Any) -> str | None:
     """The id of the tool call a `Send` carries: the prebuilt agent's v2 sends each call of the
     model's message to its tools node as a `ToolCallWithContext` (`{"tool_call": {...}, ...}`),
-    or as the tool call itself. None for any other `Send`."""
+    or as the tool call itself; langchain's `create_agent` (1.5) as a list of that one call
+    (`Send("tools", [call])`). None for any other `Send`."""
     arg = getattr(packet, "arg", None)
+    if isinstance(arg, list | tuple) and len(arg) == 1:
+        arg = arg[0]
     call = arg.get("tool_call", arg) if isinstance(arg, Mapping) else None
     if isinstance(call, Mapping) and "name" in call and "args" in call:
         identity = call.get("id")

@@ -54,7 +54,8 @@ Rules:
 - A `Send` that carries a tool call (the prebuilt agent's v2 sends one a call, langchain's
   `create_agent` a list of one call) continues the parent's `Send` with the same call, wherever
   an update (an edit of the model's message) moved it in the step (`same_send`); one with a
-  call its parent did not have is new work.
+  call its parent did not have is new work. So does what the tool runs: a subgraph (the level
+  above it is that `Send`), a functional API task (its path holds the `Send`'s).
 - A node's error handler (LangGraph 1.2's `add_node(..., error_handler=...)`) runs in the step
   and namespace of the task that failed, for it (`handled`): whether an update continues it is
   asked of the failed task, still to run by the channels its node has seen.
@@ -339,12 +340,17 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 continues = moved is not None and had_task(parent, node, moved, task.triggers)
                 path = moved if moved is not None and continues else path
             else:
-                # A subgraph's task above the running one: its triggers are not in the
-                # config, and it may not have started from `parent` (an update of an update).
+                # A subgraph's task above the running one: a tool call's `Send` continues the
+                # parent's with that call (an agent's tool that runs a subgraph); its triggers
+                # are not in the config, and it may not have started from `parent` (an update
+                # of an update).
+                moved = same_send(current, parent, node, path)
                 parents = {**parent.parents, level.namespace: parent.checkpoint_id}
-                continues = still_to_run(parent, node, path) or (
-                    yield Started(level.namespace, parent.checkpoint_id, parents, node)
+                continues = moved is not None and (
+                    still_to_run(parent, node, moved)
+                    or (yield Started(level.namespace, parent.checkpoint_id, parents, node))
                 )
+                path = moved if moved is not None and continues else path
             if not continues:
                 break
             start, current = parent.checkpoint_id, parent
@@ -423,15 +429,19 @@ def same_send(
     made: Record, parent: Record, node: str, path: tuple[Any, ...]
 ) -> tuple[Any, ...] | None:
     """The path, in `parent`'s step, of the `Send` at `path` in the step of `made` (an update
-    saved on `parent`). A `Send` carrying a tool call is the parent's `Send` to `node` with the
-    same call, wherever an edit of the model's message moved it (dropped or reordered the calls
-    before it), and None (new work) when the parent had no such call; any other path is
-    returned as it is (a `Send` is its parent's at the same index)."""
+    saved on `parent`). A `Send` carrying a tool call is the parent's `Send` to the same node
+    with the same call, wherever an edit of the model's message moved it (dropped or reordered
+    the calls before it), and None (new work) when the parent had no such call; a functional API
+    call's path holds its caller's, which may be such a `Send` (a task called from a tool); any
+    other path is returned as it is (a `Send` is its parent's at the same index)."""
+    if path[:1] == (PUSH,) and len(path) > 2 and isinstance(path[1], tuple):
+        caller = same_send(made, parent, node, path[1])
+        return None if caller is None else (path[0], caller, *path[2:])
     index = send_index(path)
     if index is None or index >= len(made.calls) or made.calls[index] is None:
         return path
     for other, (name, call) in enumerate(zip(parent.sends, parent.calls, strict=False)):
-        if name == node and call == made.calls[index]:
+        if name == made.sends[index] and call == made.calls[index]:
             return (path[0], other, *path[2:])
     return None
 

@@ -37,8 +37,10 @@ Rules:
   checkpoint still had them to run (one killed after it acted, then an update, then a resume;
   LangGraph's time travel, an update of an earlier checkpoint): such a task's key comes from
   the parent (`had_task`, LangGraph's own rule read from the parent: a trigger newer than what
-  the node saw, or the same `Send`; for the task above a subgraph's, its node still to run by
-  the channels it has seen, `still_to_run`, or the subgraph started from the parent). A task
+  the node saw, or the same `Send`; for the task above a subgraph's, whose triggers are not in
+  the config, its node still to run by the channels it has seen, `still_to_run`, or the
+  subgraph started from the parent, or, the parent an update that ran no task of that node,
+  either of these of the parent's parent: `still_to_run_above`). A task
   the update itself starts (a node it triggers anew) is new work, with a key of its own. The
   same holds for an input that `update_state(config, values, as_node="__input__")` saves:
   unlike `invoke(input)`, which discards its parent's tasks, it leaves them to run
@@ -297,6 +299,30 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
         except StopIteration as done:
             return str(done.value)
 
+    def still_to_run_above(
+        namespace: str, parent: Record, node: str, path: tuple[Any, ...]
+    ) -> Generator[Request, Any, bool]:
+        """Whether `parent` still had to run the task at `path` (of `node`), for a level above
+        the running task: by the channels its node has seen (`still_to_run`), or a subgraph of
+        it started from `parent`; or, `parent` an update or an input that left the node as its
+        own parent had it (the same seen versions: it ran no task), whether that one did. The
+        node's seen channels are not all its triggers: a node an edge started before may now
+        be started by a join whose channel it has never seen."""
+        while True:
+            if still_to_run(parent, node, path):
+                return True
+            parents = {**parent.parents, namespace: parent.checkpoint_id}
+            if (yield Started(namespace, parent.checkpoint_id, parents, node)):
+                return True
+            if path[:1] != (PULL,) or parent.source not in ("update", "input"):
+                return False
+            if parent.parent_id is None:
+                return False
+            before = yield from read(namespace, parent.parent_id, False)
+            if parent.seen.get(node) != before.seen.get(node):
+                return False
+            parent = before
+
     segments = task.checkpoint_ns.split("|")
     handling = handled(task)
     parts: list[Part] = []
@@ -345,10 +371,8 @@ def derive(task: Task) -> Generator[Request, Any, list[Part]]:
                 # are not in the config, and it may not have started from `parent` (an update
                 # of an update).
                 moved = same_send(current, parent, node, path)
-                parents = {**parent.parents, level.namespace: parent.checkpoint_id}
                 continues = moved is not None and (
-                    still_to_run(parent, node, moved)
-                    or (yield Started(level.namespace, parent.checkpoint_id, parents, node))
+                    yield from still_to_run_above(level.namespace, parent, node, moved)
                 )
                 path = moved if moved is not None and continues else path
             if not continues:

@@ -485,6 +485,57 @@ def test_tasks_sent_to_one_node_in_one_step_each_get_their_own_key(
         assert key.startswith(config["configurable"]["thread_id"] + ":act:")
 
 
+def test_an_answered_action_resent_by_a_retry_inside_the_task_is_refused_saying_what_to_do(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A node that emails, then calls a CRM that fails once after the email was answered, and
+    retries both itself (a loop in the node, or langchain's `ToolRetryMiddleware` around a
+    tool): the resend is in the same attempt of the task, which `ActionNameReused` refuses, as
+    it would a second action under the email's name. Its sentence says so and what to do:
+    leave the retry to LangGraph's `RetryPolicy`, whose next attempt resends the email with
+    its key, answered from the gateway's store; one email either way."""
+    crm_down = [True]
+
+    def crm() -> None:
+        if crm_down and crm_down.pop():
+            raise ConnectionError("the CRM did not answer")
+
+    def retrying(state: Loop) -> dict[str, Any]:
+        with Gateway(gateway.url) as client:
+            for attempt in range(2):
+                try:
+                    response = client.post("/emails", {"n": 1}, action="email")
+                    crm()
+                    return {"keys": [response.request.headers["Idempotency-Key"]]}
+                except ConnectionError:
+                    if attempt:
+                        raise
+        return {}
+
+    with pytest.raises(ActionNameReused, match="a retry inside the task") as reuse:
+        one_node(retrying, checkpointer).invoke({"iteration": 0, "keys": []}, thread(),
+                                                durability="sync")  # fmt: skip
+    assert "RetryPolicy" in str(reuse.value)
+    assert len(upstream.actions(reuse.value.key)) == 1
+
+    crm_down.append(True)
+
+    def once(state: Loop) -> dict[str, Any]:
+        with Gateway(gateway.url) as client:
+            response = client.post("/emails", {"n": 2}, action="email")
+        crm()
+        return {"keys": [response.request.headers["Idempotency-Key"]]}
+
+    builder = StateGraph(Loop)
+    builder.add_node("act", once, retry_policy=NodeRetryPolicy(retry_on=retry_on))
+    builder.add_edge(START, "act")
+    builder.add_edge("act", END)
+    graph = builder.compile(checkpointer=checkpointer)
+    final = graph.invoke({"iteration": 0, "keys": []}, thread(), durability="sync")
+    [key] = final["keys"]
+    assert [action["request"] for action in upstream.actions(key)] == [{"n": 2}]
+
+
 def test_the_sync_client_raises_the_agent_librarys_errors(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:

@@ -229,7 +229,12 @@ class Sent:
             f"this task already sent {what} (key {key}): a second action under the same name "
             "would be answered with the first one's stored answer, never performed. Give each "
             "action of a task its own name (action='email-customer', action='email-team'), and "
-            "pass each tool call's id (tool_call_id=...)",
+            "pass each tool call's id (tool_call_id=...). If this is the same action again, "
+            "resent by a retry inside the task (a loop in the node or the tool, langchain's "
+            "ToolRetryMiddleware) after something that followed it failed: nothing was sent "
+            "for it; leave that retry to LangGraph's RetryPolicy on the node, whose next "
+            "attempt resends the action with the same key, answered from the gateway's store, "
+            "or retry only what comes before the action",
             key=key,
         )
 

@@ -6,7 +6,8 @@ resumed tasks getting the keys the killed ones sent, so that the gateway answers
 store instead of performing them again. So the keys of ordinary runs (killed after an action and
 resumed by thread id or by checkpoint id, an operator's note or `__copy__` before the resume,
 interrupts, `Send`s, a subgraph, the functional API, a node's error handler, the prebuilt
-agent's tool calls, a replay from an earlier checkpoint, new input) must not change from one
+agent's tool calls, langchain's `create_agent`'s, a subgraph or functional API task a tool call
+runs, a replay from an earlier checkpoint, new input) must not change from one
 version to the next. A change that has to change them is a breaking change for threads in
 flight: say so in docs/agents.md ("Keys of threads in flight across an upgrade"), and only then
 write the new literals here.
@@ -41,7 +42,7 @@ from langgraph.types import Command, Send, interrupt
 
 from oncegate.agent import langgraph_keys
 from oncegate.agent.langgraph import atask_key, task_key
-from tests.agent.langgraph_tools import ScriptedModel
+from tests.agent.langgraph_tools import ScriptedModel, build
 
 DURABILITIES = ("sync", "async")
 # LangGraph 1.2 runs a node's error handler (`add_node(..., error_handler=...)`); 1.1 has none.
@@ -245,23 +246,55 @@ def error_handler(resume: str, durability: str, made: list[str]) -> list[str]:
     return run.made
 
 
-def tool_calls(resume: str, durability: str, made: list[str]) -> list[str]:
+class Mail(TypedDict):
+    to: str
+    call: str
+
+
+def tool_calls(resume: str, durability: str, made: list[str], shape: str = "v2") -> list[str]:
     """The prebuilt agent (v2: a `Send` a tool call) emails two customers, a tool call each;
     killed after the second email, resumed as `resume` says, then replayed from the first
-    checkpoint by id."""
+    checkpoint by id. `shape`: `sends`, a graph that sends each call as `Send("tools", [call])`
+    (langchain's `create_agent`); `subgraph`, v2 whose tool runs a subgraph that emails (no call
+    id); `task`, v2 whose tool calls a functional API task that emails with the call's id."""
     run = Run("bo@example.com")
+
+    def mail(state: Mail) -> dict[str, Any]:
+        run.key(state["to"], "email")
+        return {}
+
+    mailer = StateGraph(Mail)
+    mailer.add_node("mail", mail)
+    mailer.add_edge(START, "mail")
+    mailer.add_edge("mail", END)
+    delegated = mailer.compile()
+
+    @functional_task
+    def mail_task(to: str, call: str) -> str:
+        return run.key(to, "email", call)
 
     @tool
     def send_email(to: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
         """Email a customer."""
-        run.key(to, "email", tool_call_id)
+        if shape == "subgraph":
+            delegated.invoke({"to": to, "call": tool_call_id})
+        elif shape == "task":
+            mail_task(to, tool_call_id).result()
+        else:
+            run.key(to, "email", tool_call_id)
         return "sent"
 
     saver = InMemorySaver()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "create_react_agent has been moved")
-        graph = create_react_agent(ScriptedModel(), [send_email], checkpointer=saver, version="v2")
-    config: Any = {"configurable": {"thread_id": f"tools-{resume}"}}
+        if shape == "sends":
+            graph = build("sends", [send_email], saver)
+        else:
+            graph = create_react_agent(
+                ScriptedModel(), [send_email], checkpointer=saver, version="v2"
+            )
+    suffix = "" if shape == "v2" else f"-{shape}"
+    config: Any = {"configurable": {"thread_id": f"tools{suffix}-{resume}"}}
     with pytest.raises(Killed):
         graph.invoke({"messages": [HumanMessage("refund both")]}, config, durability=durability)
     if resume == "checkpoint-id":
@@ -322,6 +355,15 @@ SCENARIOS: dict[str, Callable[[str, list[str]], list[str]]] = {
         for resume in ("thread", "checkpoint-id", "note", "same-message", "input-note")
     },
     **{
+        f"tool calls ({shape}), resumed by {resume}": (
+            lambda durability, made, resume=resume, shape=shape: tool_calls(
+                resume, durability, made, shape
+            )
+        )
+        for shape in ("sends", "subgraph", "task")
+        for resume in ("thread", "checkpoint-id", "note", "same-message")
+    },
+    **{
         f"error handler, resumed by {resume}": (
             lambda durability, made, resume=resume: error_handler(resume, durability, made)
         )
@@ -377,6 +419,16 @@ TOOL_CALLS = [
     "tools:11e47061eb70d49e714a4302308a7083:call_1:email",
     "tools:65e1a933c1dcca86a30166ad356c2d98:call_2:email",
 ]
+# A subgraph a v2 tool call runs: the tool's part, then the subgraph's node's (no call id).
+TOOL_CALLS_SUBGRAPH = [
+    "tools:2d48c506b69a94aadd30c023c051380e|mail:52b456608e8b7c9ac271da535c389eb2:email",
+    "tools:bf25335c15c33dcbd183cdce0d0d3fe3|mail:7e078968a25ef2d0cd0e637c1d972a7b:email",
+]
+# A functional API task a v2 tool call calls, with the call's id.
+TOOL_CALLS_TASK = [
+    "mail_task:0a887192060ae08c0d672df8c04f9363:call_2:email",
+    "mail_task:b6a23c659d56f05d52aa158c3b5cb7d0:call_1:email",
+]
 EXPECTED: dict[str, tuple[str, list[str]]] = {
     "steps, resumed by thread": (
         "steps-thread",
@@ -419,6 +471,15 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
     "tool calls, resumed by note": ("tools-note", TOOL_CALLS),
     "tool calls, resumed by same-message": ("tools-same-message", TOOL_CALLS),
     "tool calls, resumed by input-note": ("tools-input-note", TOOL_CALLS),
+    **{
+        f"tool calls ({shape}), resumed by {resume}": (f"tools-{shape}-{resume}", keys)
+        for shape, keys in (
+            ("sends", TOOL_CALLS),
+            ("subgraph", TOOL_CALLS_SUBGRAPH),
+            ("task", TOOL_CALLS_TASK),
+        )
+        for resume in ("thread", "checkpoint-id", "note", "same-message")
+    },
     "error handler, resumed by thread": (
         "handler-thread",
         ["send:021729b16de8c1a63eafa8bc31deb0bc:alert"],

@@ -464,9 +464,14 @@ def same_send(
     index = send_index(path)
     if index is None or index >= len(made.calls) or made.calls[index] is None:
         return path
+    sender = made.sends[index]
     for other, (name, call) in enumerate(zip(parent.sends, parent.calls, strict=False)):
-        if name == made.sends[index] and call == made.calls[index]:
+        if name == sender and call == made.calls[index]:
             return (path[0], other, *path[2:])
+    if index < len(parent.sends) and parent.sends[index] == sender and parent.calls[index] is None:
+        # There the parent sent no one call oncegate reads (several calls in one `Send`, which
+        # the edit left with one): by its place, as any other `Send`.
+        return path
     return None
 
 

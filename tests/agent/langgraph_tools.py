@@ -1,7 +1,7 @@
 """A tool-calling agent that tests run in a process of their own, kill with SIGKILL and resume.
 
     python -m tests.agent.langgraph_tools --database-url URL --gateway URL --thread T
-        [--agent toolnode|react-v1|react-v2|sends] [--api sync|async] [--freeze]
+        [--agent toolnode|react-v1|react-v2|sends|batch] [--api sync|async] [--freeze]
         [--resume-by thread|checkpoint-id] [--update] [--drop-first-call | --add-call]
         [--delegate subgraph|task]
 
@@ -16,7 +16,8 @@ turn. The tools send their email through the gateway with the tool call's id
   one task, v2 sends each to a task of its own.
 - `sends`: a model node whose edge sends each pending tool call to a `ToolNode` as
   `Send("tools", [call])`, a task a call: how `create_agent` (langchain 1.5, which LangGraph's
-  deprecation of `create_react_agent` points to) runs its tools.
+  deprecation of `create_react_agent` points to) runs its tools. `batch`: the same, all the
+  pending calls in one `Send("tools", calls)`.
 
 Each tool prints one JSON line when its email is answered (`sent`: the tool call's id, the key,
 whether the gateway replayed it). With `--freeze`, the tool answered last prints
@@ -235,13 +236,15 @@ def build(agent: str, tools: list[BaseTool], checkpointer: Any) -> Any:
         last = state["messages"][-1]
         calls = last.tool_calls if isinstance(last, AIMessage) else []
         pending = [call for call in calls if call["id"] not in answered]
+        if agent == "batch":
+            return [Send("tools", pending)] if pending else END
         return [Send("tools", [call]) for call in pending] or END
 
     builder = StateGraph(MessagesState)
     builder.add_node("model", call_model)
     builder.add_node("tools", ToolNode(tools))
     builder.add_edge(START, "model")
-    if agent == "sends":
+    if agent in ("sends", "batch"):
         builder.add_conditional_edges("model", send_calls, ["tools", END])
     else:
         builder.add_conditional_edges("model", tools_condition)
@@ -317,7 +320,7 @@ def main() -> None:
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--gateway", required=True)
     parser.add_argument("--thread", required=True)
-    agents = ["toolnode", "react-v1", "react-v2", "sends"]
+    agents = ["toolnode", "react-v1", "react-v2", "sends", "batch"]
     parser.add_argument("--agent", choices=agents, default="toolnode")
     parser.add_argument("--api", choices=["sync", "async"], default="sync")
     parser.add_argument("--resume-by", choices=["thread", "checkpoint-id"], default="thread")

@@ -91,7 +91,13 @@ def test_each_tool_call_of_a_message_is_its_own_action_performed_once_across_a_k
 
 @pytest.mark.parametrize(
     ("agent", "api"),
-    [("react-v2", "sync"), ("react-v2", "async"), ("react-v1", "sync"), ("sends", "sync")],
+    [
+        ("react-v2", "sync"),
+        ("react-v2", "async"),
+        ("react-v1", "sync"),
+        ("sends", "sync"),
+        ("batch", "sync"),
+    ],
 )
 def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
     database_url: str,
@@ -105,7 +111,9 @@ def test_an_edit_that_drops_a_performed_tool_call_keeps_the_other_calls_keys(
     same message id) to drop its first tool call, and resumes. v2 sends the second call to the
     first `Send`'s place in the update's step: it is still the second call, with its key
     (answered from the gateway's store), not new work performed again. The same where each
-    call is sent as `Send("tools", [call])` (`sends`: langchain's `create_agent`)."""
+    call is sent as `Send("tools", [call])` (`sends`: langchain's `create_agent`), and where
+    all are sent in one `Send` (`batch`), which the edit leaves with one call: still by its
+    place."""
     thread = f"case-{uuid.uuid4()}"
     options = ("--agent", agent, "--api", api)
     module = "tests.agent.langgraph_tools"

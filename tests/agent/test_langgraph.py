@@ -719,6 +719,37 @@ def test_a_replay_from_an_earlier_checkpoint_id_sends_the_same_keys_and_performs
         assert len(upstream.actions(key)) == 1, key
 
 
+def test_the_checkpoint_a_run_under_exit_durability_saved_gives_no_key_that_could_be_another(
+    checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
+) -> None:
+    """A run under `durability="exit"` saves only its last checkpoint, whose parent is the last
+    one saved before it: the steps between are in no checkpoint. Here the thread ran its three
+    emails (sync), then a replay from its first checkpoint under "exit" stopped at the first
+    email (refused: "exit"), saving a checkpoint three steps after that first one. A resume
+    under "sync" from there must not take it for the next step (its emails would get the keys
+    of other steps: all three performed again): refused, saying how to go on, which is a
+    replay from the checkpoint before it: the emails answered from the gateway's store."""
+    config = thread()
+    with Gateway(gateway.url) as client:
+        graph = emails_graph(checkpointer, client)
+        final = graph.invoke({"iteration": 0, "keys": []}, config, durability="sync")
+        first = list(graph.get_state_history(config))[-1].config
+        with pytest.raises(TaskKeyUnavailable, match="durability is 'exit'"):
+            graph.invoke(None, first, durability="exit")
+        saved = graph.get_state(config)
+        first_id = first["configurable"]["checkpoint_id"]
+        assert saved.next == ("send",) and saved.parent_config is not None
+        assert saved.parent_config["configurable"]["checkpoint_id"] == first_id
+        with pytest.raises(TaskKeyUnavailable, match="durability='exit'") as refused:
+            graph.invoke(None, config, durability="sync")
+        assert first_id in str(refused.value)
+        replayed = graph.invoke(None, first, durability="sync")
+    assert replayed["keys"] == final["keys"]
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
+    for key in final["keys"]:
+        assert len(upstream.actions(key)) == 1, key
+
+
 def test_an_edit_of_an_earlier_checkpoint_keeps_the_key_of_the_task_it_had_to_run(
     checkpointer: PostgresSaver, gateway: GatewayProcess, upstream: DemoUpstream
 ) -> None:

@@ -74,7 +74,10 @@ One condition: the checkpoint a task's step started from must be saved before th
 or a kill could lose it and the resumed run make another. With `durability="sync"` LangGraph
 saves it before the step starts; with `"async"` (LangGraph's default) it saves it while the
 step runs, and the key waits for that save (reading it back: a `Read` that is `own`) before
-anything is sent. With `"exit"` nothing is saved before the run ends: refused.
+anything is sent. With `"exit"` nothing is saved before the run ends: refused; and the one
+checkpoint such a run saves when it ends, parented to the last one saved before it, the steps
+between in none, is refused to the runs after it (`consecutive`): one generation for it would
+give the tasks after it other steps' keys.
 
 What a saved checkpoint says never changes: a process remembers the records it read
 (`RECORDS`) and the lineages it derived (`LINEAGE`), and reads a walk up a run's steps
@@ -543,6 +546,8 @@ class Lineage:
         while True:
             known = self._known.get((thread_id, namespace, current))
             if known is not None:
+                if child is not None:  # read as the walk's previous step (or its batch) read it
+                    consecutive(child, (yield Read(namespace, current, own=False)))
                 lineage = known
                 break
             # A process that has run the steps before knows the lineage of the one before the
@@ -550,6 +555,7 @@ class Lineage:
             below = None if child is None or climbed < 2 else child.checkpoint_id
             found = yield Read(namespace, current, own=current == checkpoint_id, below=below)
             if child is not None:
+                consecutive(child, found)
                 ran = tasks_ran(found, child)
             child = found if found.source == "loop" else None
             if found.parent_id is None and anchor is not None:
@@ -585,7 +591,13 @@ class Lineage:
             if found.source == "fork":
                 current = yield from copy_of(namespace, found)
             elif found.parent_id is None:
-                raise TaskKeyUnavailable(f"checkpoint {current} ({found.source}) has no parent")
+                raise TaskKeyUnavailable(
+                    f"checkpoint {current} ({found.source}, step {found.step}) has no parent: "
+                    "the steps before it were not saved (a first run under durability='exit', "
+                    "or a saver that keeps only the latest checkpoint), so oncegate cannot tell "
+                    "which keys they sent, and sends nothing. Give the thread new input, under "
+                    "durability='sync' or 'async'"
+                )
             else:
                 current = found.parent_id
                 climbed += 1
@@ -596,6 +608,25 @@ class Lineage:
                 lineage = hashlib.sha256(f"{lineage}\0next".encode()).hexdigest()[:32]
             self._known.put((thread_id, namespace, checkpoint), lineage)
         return lineage
+
+
+def consecutive(made: Record, parent: Record) -> None:
+    """Refuses a loop checkpoint `made` saved more than one step after its parent: the steps
+    between were never saved (a run under durability "exit" saves only its last checkpoint, on
+    the last one saved before it), so the lineage cannot count them: one generation for it would
+    give the tasks after it the keys of other steps. A fork LangGraph did not save counts a step
+    and no generation, so the number of steps does not say how many generations either."""
+    if made.step == parent.step + 1:
+        return
+    raise TaskKeyUnavailable(
+        f"checkpoint {made.checkpoint_id} (step {made.step}) was saved {made.step - parent.step} "
+        f"steps after its parent {parent.checkpoint_id} (step {parent.step}), the steps between "
+        "in no checkpoint, as a run under durability='exit' saves them: oncegate cannot tell "
+        "which keys they sent, so it sends nothing. Run again from that parent, by its "
+        "checkpoint_id, under durability='sync' or 'async' (graph.invoke(None, {'configurable': "
+        f"{{'thread_id': ..., 'checkpoint_id': {parent.checkpoint_id!r}}}}})): its steps get the "
+        "keys they had, answered from the gateway's store; or give the thread new input"
+    )
 
 
 # A task a step ran: its node, its path in the step, the channels that started it.

@@ -76,8 +76,9 @@ saves it before the step starts; with `"async"` (LangGraph's default) it saves i
 step runs, and the key waits for that save (reading it back: a `Read` that is `own`) before
 anything is sent. With `"exit"` nothing is saved before the run ends: refused; and the one
 checkpoint such a run saves when it ends, parented to the last one saved before it, the steps
-between in none, is refused to the runs after it (`consecutive`): one generation for it would
-give the tasks after it other steps' keys.
+between in none, starts new work for the runs after it when that run began with new input,
+and is refused to them otherwise (`consecutive`): one generation for it would give the tasks
+after it other steps' keys.
 
 What a saved checkpoint says never changes: a process remembers the records it read
 (`RECORDS`) and the lineages it derived (`LINEAGE`), and reads a walk up a run's steps
@@ -103,6 +104,7 @@ from typing import Any, Generic, TypeVar
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 from langgraph.config import get_config
+from langgraph.constants import START
 from langgraph.pregel import _algo
 from langgraph.runtime import get_runtime
 
@@ -546,8 +548,14 @@ class Lineage:
         while True:
             known = self._known.get((thread_id, namespace, current))
             if known is not None:
-                if child is not None:  # read as the walk's previous step (or its batch) read it
-                    consecutive(child, (yield Read(namespace, current, own=False)))
+                # The parent of the loop checkpoint `child`, read as the walk read it before.
+                if child is not None and not consecutive(
+                    child, (yield Read(namespace, current, own=False))
+                ):
+                    chain.pop()  # `child`, which starts new work: its lineage is its own
+                    lineage = child.checkpoint_id
+                    self._known.put((thread_id, namespace, lineage), lineage)
+                    break
                 lineage = known
                 break
             # A process that has run the steps before knows the lineage of the one before the
@@ -555,7 +563,11 @@ class Lineage:
             below = None if child is None or climbed < 2 else child.checkpoint_id
             found = yield Read(namespace, current, own=current == checkpoint_id, below=below)
             if child is not None:
-                consecutive(child, found)
+                if not consecutive(child, found):
+                    chain.pop()  # `child`, which starts new work: its lineage is its own
+                    lineage = child.checkpoint_id
+                    self._known.put((thread_id, namespace, lineage), lineage)
+                    break
                 ran = tasks_ran(found, child)
             child = found if found.source == "loop" else None
             if found.parent_id is None and anchor is not None:
@@ -610,14 +622,19 @@ class Lineage:
         return lineage
 
 
-def consecutive(made: Record, parent: Record) -> None:
-    """Refuses a loop checkpoint `made` saved more than one step after its parent: the steps
-    between were never saved (a run under durability "exit" saves only its last checkpoint, on
-    the last one saved before it), so the lineage cannot count them: one generation for it would
-    give the tasks after it the keys of other steps. A fork LangGraph did not save counts a step
-    and no generation, so the number of steps does not say how many generations either."""
+def consecutive(made: Record, parent: Record) -> bool:
+    """Whether the loop checkpoint `made` was saved one step after its parent (LangGraph saves
+    each step's under durability "sync" and "async"); False when the steps between, never saved
+    (a run under "exit" saves only its last checkpoint, on the last one saved before it), began
+    with new input (the input channel moved, the parent holding no input still to read:
+    `invoke(input)` discards every task its parent still had to run), so that `made` starts new
+    work; refused otherwise: the lineage cannot count steps it never saw (one generation would
+    give the tasks after it other steps' keys, and a fork LangGraph did not save counts a step
+    and no generation)."""
     if made.step == parent.step + 1:
-        return
+        return True
+    if START not in parent.available and made.versions.get(START) != parent.versions.get(START):
+        return False
     raise TaskKeyUnavailable(
         f"checkpoint {made.checkpoint_id} (step {made.step}) was saved {made.step - parent.step} "
         f"steps after its parent {parent.checkpoint_id} (step {parent.step}), the steps between "

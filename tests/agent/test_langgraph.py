@@ -728,7 +728,8 @@ def test_the_checkpoint_a_run_under_exit_durability_saved_gives_no_key_that_coul
     email (refused: "exit"), saving a checkpoint three steps after that first one. A resume
     under "sync" from there must not take it for the next step (its emails would get the keys
     of other steps: all three performed again): refused, saying how to go on, which is a
-    replay from the checkpoint before it: the emails answered from the gateway's store."""
+    replay from the checkpoint before it: the emails answered from the gateway's store. A run
+    under "exit" that began with new input is new work, whatever it saved."""
     config = thread()
     with Gateway(gateway.url) as client:
         graph = emails_graph(checkpointer, client)
@@ -744,9 +745,17 @@ def test_the_checkpoint_a_run_under_exit_durability_saved_gives_no_key_that_coul
             graph.invoke(None, config, durability="sync")
         assert first_id in str(refused.value)
         replayed = graph.invoke(None, first, durability="sync")
+        # New input under "exit", stopped before its first email (nothing sent) and resumed
+        # under "sync": the checkpoint it saved starts new work, each new email performed once.
+        start = {"iteration": 0, "keys": []}
+        graph.invoke(start, config, durability="exit", interrupt_before=["send"])
+        assert graph.get_state(config).next == ("send",)
+        again = graph.invoke(None, config, durability="sync")
     assert replayed["keys"] == final["keys"]
-    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == LOOPS
-    for key in final["keys"]:
+    new_keys = again["keys"][len(final["keys"]) :]
+    assert len(set(new_keys)) == LOOPS and not set(new_keys) & set(final["keys"])
+    assert len(thread_emails(upstream, config["configurable"]["thread_id"])) == 2 * LOOPS
+    for key in final["keys"] + new_keys:
         assert len(upstream.actions(key)) == 1, key
 
 

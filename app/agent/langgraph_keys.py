@@ -631,7 +631,7 @@ def consecutive(made: Record, parent: Record) -> bool:
     work; refused otherwise: the lineage cannot count steps it never saw (one generation would
     give the tasks after it other steps' keys, and a fork LangGraph did not save counts a step
     and no generation)."""
-    if made.step == parent.step + 1:
+    if made.step == parent.step + 1 or made.step < 0:  # < 0: a saver that keeps no step
         return True
     if START not in parent.available and made.versions.get(START) != parent.versions.get(START):
         return False

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .. import settings
 from ..model import errors
+from ..model.records import HeldKeys
 from ..settings import database_url
 from ..telemetry import logs, metrics
 from . import argument_types
@@ -364,11 +365,12 @@ def _database(where: settings.DatabaseSettings, *, supervise: bool = False) -> I
         server.stop()
 
 
-async def _check_schema(url: str, options: settings.StoreOptions) -> tuple[int, str | None]:
+async def _check_schema(url: str, options: settings.StoreOptions) -> tuple[HeldKeys, str | None]:
     """Refuse to serve a database that was never migrated: every request would fail. Warn, once,
     when a failover of this PostgreSQL could lose claims (contract section 10, "failover").
-    Returns how many keys it holds and, when the URL lists several hosts, which one is the
-    primary, for the start-up summary."""
+    Returns how many keys it holds (exact up to a thousand, reading no more rows than that; an
+    estimate above) and, when the URL lists several hosts, which one is the primary, for the
+    start-up summary."""
     from ..store import migrate
     from ..store.postgres import PostgresStore
 
@@ -384,7 +386,7 @@ async def _check_schema(url: str, options: settings.StoreOptions) -> tuple[int, 
         if risk is not None:
             log.warning("%s; the primary is %s", risk, store.primary)
         several = len(database_url.parse(url).hosts) > 1
-        return await store.upkeep.total_keys(), store.primary if several else None
+        return await store.upkeep.held_keys(), store.primary if several else None
     finally:
         await store.close()
 

@@ -31,6 +31,7 @@ from typing import Any
 import uvicorn
 
 from ..model import errors
+from ..model.records import HeldKeys
 from ..settings import Settings
 from ..telemetry import metrics, tracing
 from . import protocol
@@ -56,7 +57,7 @@ class Summary:
     """What the start-up line says about the store."""
 
     database: str  # the embedded data directory, or the URL without its password
-    keys: int
+    keys: HeldKeys  # exact up to a thousand, estimated above (store.postgres.upkeep)
 
 
 def run(
@@ -85,7 +86,7 @@ def _announce(settings: Settings, sockets: list[socket.socket], summary: Summary
     )
     log.info(
         "oncegate serving: proxy on %s, admin on %s (/metrics, /healthz, /readyz); database: "
-        "%s, keys held: %d; admin API %s",
+        "%s, keys held: %s; admin API %s",
         proxy,
         admin,
         summary.database,
@@ -96,7 +97,8 @@ def _announce(settings: Settings, sockets: list[socket.socket], summary: Summary
                 "proxy": proxy,
                 "admin": admin,
                 "database": summary.database,
-                "keys": summary.keys,
+                "keys": summary.keys.keys,
+                "keys_exact": summary.keys.exact,
                 "admin_api": bool(settings.admin_token),
                 "workers": settings.workers,
             }

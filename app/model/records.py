@@ -112,6 +112,36 @@ class KeyCount:
     last_id: int | None  # None: no rows past `after`
     rows: int
     counts: dict[Listed, int]
+    last: bool = False  # no rows past `last_id`: the sweep ends here
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKeys:
+    """How many keys a store holds, as the start-up line says it: exact up to the number the
+    store counts (`counted` < `cap`), beyond it PostgreSQL's estimate from the table's
+    statistics (`estimated`, None where it has none yet)."""
+
+    counted: int
+    cap: int
+    estimated: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.counted < self.cap
+
+    @property
+    def keys(self) -> int:
+        """The figure: the count, or the estimate (never below what was counted)."""
+        if self.exact or self.estimated is None:
+            return self.counted
+        return max(self.counted, self.estimated)
+
+    def __str__(self) -> str:
+        if self.exact:
+            return str(self.counted)
+        if self.estimated is None or self.estimated <= self.counted:
+            return f"{self.counted} or more"
+        return f"about {self.estimated} (PostgreSQL's estimate; {self.counted} or more counted)"
 
 
 # synchronous_commit values under which a commit waits for a synchronous standby to flush it.

@@ -49,7 +49,7 @@ async def count_keys(
         page = await store.count_keys(after, page_size)
         for state, count in page.counts.items():
             totals[state] += count
-        if page.last_id is None or page.rows < page_size:
+        if page.last or page.last_id is None:
             break
         after = page.last_id
         await asyncio.sleep(pause)

@@ -388,7 +388,12 @@ class MemoryStore:
             state = state_of(row, now)
             if state != "expired":
                 counts[state] += 1
-        return KeyCount(last_id=page[-1].id if page else None, rows=len(page), counts=counts)
+        return KeyCount(
+            last_id=page[-1].id if page else None,
+            rows=len(page),
+            counts=counts,
+            last=len(page) < limit,
+        )
 
     def _queued(self, row: _Row, now: float) -> QueuedKey:
         state = state_of(row, now)

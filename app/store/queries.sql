@@ -7,9 +7,10 @@
 -- the upstream call. Times come from PostgreSQL's clock, so gateways on several machines agree.
 --
 -- One dialect: each statement is written once, in a form both plain PostgreSQL and a Citus
--- coordinator run (the key table distributed by `key`, migration 0008). Four operations must
+-- coordinator run (the key table distributed by `key`, migration 0008). Six operations must
 -- differ, and have one shape per server, named `-- name: NAME [postgres]` and
--- `-- name: NAME [citus]`: the claim, the purge, the operator's delete and rekey.
+-- `-- name: NAME [citus]`: the claim, the purge, the operator's delete and rekey, a page of the
+-- key count and the estimate of the table's rows.
 -- store/postgres/dialect.py chooses the server's shapes once; a statement the server has no
 -- shape of is an error there, never another server's statement. What the shared form asks:
 -- - a batched write by row finds its rows through `{rows_of_batch}`, shaped per server: on
@@ -440,21 +441,46 @@ WHERE (:state::text IS NULL OR state_now = :state)
 ORDER BY created_at, id
 LIMIT :limit;
 
--- name: count_keys
--- One page of the sweep behind the gauge `oncegate_keys{state}`: at most :page_size rows, found
--- through the primary key, so each statement reads a bounded number of rows however large the
--- table is (service.count_keys pauses between pages).
-SELECT max(id) AS last_id,
-       count(*) AS counted,
-       count(*) FILTER (WHERE state_now = 'in_progress') AS in_progress,
-       count(*) FILTER (WHERE state_now = 'completed') AS completed,
-       count(*) FILTER (WHERE state_now = 'unknown') AS unknown
+-- fragment: counted_by_state
+-- What one page of the sweep behind the gauge `oncegate_keys{state}` returns, from the page's
+-- rows (`id`, `state_now`): written once for both shapes of `count_keys`.
+max(id) AS last_id,
+count(*) AS counted,
+count(*) FILTER (WHERE state_now = 'in_progress') AS in_progress,
+count(*) FILTER (WHERE state_now = 'completed') AS completed,
+count(*) FILTER (WHERE state_now = 'unknown') AS unknown
+
+-- name: count_keys [postgres]
+-- One page of the sweep behind the gauge `oncegate_keys{state}`: the next :page_size rows by id,
+-- found through the primary key, so each statement reads a bounded number of rows however large
+-- the table is (service.count_keys pauses between pages); a page that did not fill is the last.
+SELECT {counted_by_state}
 FROM (
     SELECT id, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
     FROM oncegate_keys
     WHERE id > :after
     ORDER BY id
     LIMIT :page_size
+) AS page;
+
+-- name: count_keys [citus]
+-- The same page on Citus, by a range of ids rather than a LIMIT: from the first id past :after,
+-- the next :page_size ids (ids are unique, so at most :page_size rows; fewer where ids were
+-- skipped, and a page that did not fill is not the last: the sweep ends at an empty one). Each
+-- part is one Citus pushes down to every shard whole, each worker reading its own rows of the
+-- range through its primary key and sending back one row of counts. The LIMIT above is not:
+-- each shard sent the coordinator its first :page_size rows past :after, which the coordinator
+-- sorted and cut to one page, so a sweep read and moved (shards x keys) rows: with 4 shards,
+-- the coordinator's CPU for one sweep was 0.35 s at 10^5 keys and 3.8 s at 10^6; by ranges,
+-- 0.05 and 0.4 s, the workers' about halved (docs/operations.md, section 6). Ids are unique but
+-- not dense: each Citus node hands out its own range (a worker's from 2^48 times its group), and
+-- released or purged keys leave gaps, so a page starts at the first id that exists.
+WITH first AS (SELECT min(id) AS id FROM oncegate_keys WHERE id > :after)
+SELECT {counted_by_state}
+FROM (
+    SELECT id, oncegate_key_state(state, lease_expires_at, expires_at) AS state_now
+    FROM oncegate_keys
+    WHERE id >= (SELECT id FROM first) AND id < (SELECT id FROM first) + :page_size
 ) AS page;
 
 -- name: admin_scope
@@ -520,11 +546,31 @@ WHERE ((response_headers IS NOT NULL OR sealed_headers IS NOT NULL)
        AND sealed_with IS DISTINCT FROM :newest)
    OR (request IS NOT NULL AND request_sealed_with IS DISTINCT FROM :newest_request);
 
--- name: total_keys
+-- name: held_keys
 -- How many keys the store holds, expired ones not yet purged included: said once at start-up,
 -- so an operator sees which store a gateway opened (an empty one where keys were expected is a
--- wrong data directory or URL).
-SELECT count(*) AS keys FROM oncegate_keys;
+-- wrong data directory or URL). Counted exactly up to :cap, reading at most :cap rows (an
+-- index-only walk that stops there), so a start costs the same on 10^8 keys as on 10^3;
+-- beyond, `estimated_keys` says about how many. (A `count(*)` of the table read every row at
+-- every `oncegate serve`: at 10^6 keys 107 ms, at 10^8 every row again, from disk where the
+-- table is not cached; this, 0.2 ms.) `SELECT 1`: Citus refuses a subquery of no column.
+SELECT count(*) AS keys FROM (SELECT 1 FROM oncegate_keys LIMIT :cap) AS held;
+
+-- name: estimated_keys [postgres]
+-- About how many rows the key table holds, from its statistics (`reltuples`, kept by VACUUM and
+-- ANALYZE, autovacuum's included): no row read. -1 before the table's first VACUUM or ANALYZE.
+SELECT reltuples::bigint AS keys FROM pg_class WHERE oid = 'oncegate_keys'::regclass;
+
+-- name: estimated_keys [citus]
+-- The same on Citus: the coordinator's table holds no rows, each shard's statistics are on its
+-- worker. A shard whose worker does not answer counts for nothing here; one never analysed
+-- makes the whole -1 (no statistics yet), as on plain PostgreSQL.
+SELECT (CASE WHEN min(result::float8) < 0 THEN -1 ELSE sum(result::float8) END)::bigint AS keys
+FROM run_command_on_shards(
+    'oncegate_keys',
+    $$SELECT reltuples FROM pg_class WHERE oid = '%s'::regclass$$
+)
+WHERE success;
 
 -- name: answers_after_failover
 -- After a failover (postgres/failover.py): of the rows whose answers this gateway stored just

@@ -17,8 +17,10 @@ from oncegate.store.queries import (
 )
 
 # The operations whose work takes another shape on Citus: the claim runs as a function on the
-# worker, and the purge, the operator's delete and rekey find rows on every shard first.
-SHAPED = {"claim", "purge", "admin_delete", "rekey_batch", "rekey_rows"}
+# worker, and the purge, the operator's delete and rekey find rows on every shard first; a page
+# of the key count is a range of ids, and the table's estimated rows are each shard's statistics.
+SHAPED = {"claim", "purge", "admin_delete", "rekey_batch", "rekey_rows", "count_keys",
+          "estimated_keys"}  # fmt: skip
 # The writes by row, which hold the fragment `rows_of_batch`: on Citus it also names the batch's
 # keys and ids (the shard), on plain PostgreSQL the join with the batch alone.
 BY_ROW = {"reclaim_expired", "take_over", "complete", "release", "mark_unknown"}

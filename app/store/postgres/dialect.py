@@ -1,7 +1,8 @@
 """What differs between plain PostgreSQL and a Citus coordinator, chosen once (`for_pools`).
 
-Every statement of queries.sql is written once for both servers but four, which must differ:
-the claim, the purge, the operator's delete and rekey. A `Dialect` is one server's: its
+Every statement of queries.sql is written once for both servers but six, which must differ:
+the claim, the purge, the operator's delete and rekey, a page of the key count and the estimate
+of the table's rows. A `Dialect` is one server's: its
 statements (`queries.DIALECTS`, which refuse a statement the server has no shape of), how the
 request path batches (one batcher per operation, or one per shard), the claim's arguments, and
 the three operator paths that take a different shape of work. The rooms of the store ask their
@@ -10,14 +11,14 @@ dialect and never which server they are on.
 - Plain PostgreSQL: one batcher per operation (claims and completes in statements of their own,
   each on its pool: `requests`); the purge deletes a locked batch in one statement;
   a delete says in the same statement whether the row exists; rekey locks a batch and writes it
-  back in one transaction.
+  back in one transaction; a page of the key count is the next rows by id.
 - Citus (the key table distributed by `key`): claims and completes batched per worker and sent
   to that worker's shard tables directly, fenced against shard moves (`workers`); the other
   request-path statements batched per shard and sent through the coordinator, which sends each
   to its shard alone (`citus.ShardMap`), the claim of a shard whose worker cannot take
   statements itself as the function Citus pushes down to the worker of its `anchor`; the purge,
   the delete and rekey find their rows on every shard first, unlocked, then write each shard's,
-  checked again as they go.
+  checked again as they go; a page of the key count is a range of ids, counted on each shard.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class Dialect(Protocol):
     # fewer). Plain PostgreSQL sends each kind in statements of its own: one statement of both
     # saved its CPU nothing and cost the gateway's (docs/performance.md, "64 connections").
     together: bool
+    # A page of the key count (`count_keys`) that did not fill is the last one: true of plain
+    # PostgreSQL's pages (the next rows by id, up to the page's size); on Citus a page is a
+    # range of ids, which holds fewer rows wherever ids were skipped, and the sweep ends at an
+    # empty one.
+    short_page_is_last: bool
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -185,6 +191,7 @@ class Plain(_Server):
     server: Server = "postgres"
     statements = DIALECTS["postgres"]
     together = False
+    short_page_is_last = True
 
     def batcher(
         self, operation: str, make: Callable[[], Batcher[Keyed, Outcome]]
@@ -251,6 +258,7 @@ class OnCitus(_Server):
     server: Server = "citus"
     statements = DIALECTS["citus"]
     together = True
+    short_page_is_last = False
 
     def __init__(self, shards: ShardMap, workers: Workers) -> None:
         self.shards = shards

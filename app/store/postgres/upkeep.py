@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncpg
 
-from ...model.records import KeyCount, Listed, Replication
+from ...model.records import HeldKeys, KeyCount, Listed, Replication
 from ...settings import StoreOptions
 from ...telemetry import metrics
 from ..errors import Outage, translated
 from .connections import Listener
 from .dialect import Dialect
 from .room import OperatorRoom
+
+# The start-up line's count of keys reads at most this many rows: exact below it, estimated
+# above (queries.sql, `held_keys`). On Citus each shard sends up to this many rows to the
+# coordinator, so it stays small: 32 shards, 32,000 rows of nothing.
+HELD_KEYS_COUNTED = 1000
 
 
 class Upkeep(OperatorRoom):
@@ -46,23 +51,31 @@ class Upkeep(OperatorRoom):
         async with self._pool.acquire(timeout=self._options.acquire_timeout) as connection:
             return await self._dialect.purge(connection, batch_size)
 
-    @translated("total_keys")
-    async def total_keys(self) -> int:
-        """Every row of the key table, expired ones not yet purged included."""
-        keys: int = (await self._fetchrow("total_keys"))["keys"]
-        return keys
+    @translated("held_keys")
+    async def held_keys(self, cap: int = HELD_KEYS_COUNTED) -> HeldKeys:
+        """How many rows the key table holds, expired ones not yet purged included: counted up
+        to `cap` (reading at most that many rows), beyond it estimated from its statistics."""
+        counted: int = (await self._fetchrow("held_keys", cap=cap))["keys"]
+        if counted < cap:
+            return HeldKeys(counted, cap)
+        estimated: int | None = (await self._fetchrow("estimated_keys"))["keys"]
+        if estimated is not None and estimated < 0:  # never analysed: no statistics yet
+            estimated = None
+        return HeldKeys(counted, cap, estimated)
 
     @translated("count_keys")
     async def count_keys(self, after: int, limit: int) -> KeyCount:
         row = await self._fetchrow("count_keys", after=after, page_size=limit)
+        rows: int = row["counted"]
         return KeyCount(
             last_id=row["last_id"],
-            rows=row["counted"],
+            rows=rows,
             counts={
                 "in_progress": row["in_progress"],
                 "completed": row["completed"],
                 "unknown": row["unknown"],
             },
+            last=rows == 0 or (self._dialect.short_page_is_last and rows < limit),
         )
 
     @translated("replication")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import httpx
+import psutil
 import pytest
 
 from oncegate import settings
@@ -377,6 +380,31 @@ async def test_a_head_answer_keeps_the_upstream_s_content_length(gateway: Gatewa
     head_head = rest[length:].partition(b"\r\n\r\n")[0]
     assert head_head.startswith(b"HTTP/1.1 405")
     assert parse_head(head_head)[1]["content-length"] == str(length)
+
+
+def test_a_client_that_shuts_its_side_after_the_request_still_reads_the_answer(
+    gateway: GatewayProcess,
+) -> None:
+    """A client may shut its side of the connection down once its request is sent (`nc -N`,
+    shutdown(SHUT_WR)) and read the answer. The gateway is held stopped while the request and
+    that end arrive, so it reads them one loop turn apart, and a HEAD request without a Host
+    (refused at once, 400) is answered between the two: a head alone, which the protocol holds
+    for a body until the end of the turn (`protocol._JoinedWrites`). It must go out before the
+    client's end closes the socket."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        gateway.process.signal(signal.SIGSTOP)
+        try:
+            stopped = psutil.Process(gateway.process.pid)
+            while stopped.status() != psutil.STATUS_STOPPED:
+                time.sleep(0.01)
+            sock.sendall(b"HEAD /echo/h HTTP/1.1\r\n\r\n")
+            sock.shutdown(socket.SHUT_WR)
+        finally:
+            gateway.process.signal(signal.SIGCONT)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 400"), received
 
 
 def _closed_with_408(sock: socket.socket) -> None:

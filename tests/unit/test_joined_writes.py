@@ -205,3 +205,20 @@ async def test_answers_before_and_after_a_hand_over_leave_in_order() -> None:
     await transport.until(lambda: transport.sent().count(b"{}") == 2)
     first, second = transport.sent().split(b"HTTP/1.1 201")[1:]
     assert first.endswith(b"\r\n\r\n{}") and second.endswith(b"\r\n\r\n{}")
+
+
+@pytest.mark.parametrize("kind", [protocol.HttpProtocol, protocol.IgnoringUpgradesH11])
+async def test_what_is_held_goes_out_before_the_transport_closes_on_the_client_s_end(
+    kind: type,
+) -> None:
+    """A client may shut its side down once its request is sent and read on. Told of that end,
+    the transport calls `eof_received` and then closes itself (asyncio and uvloop alike, as
+    these protocols return nothing). Either loop can run that read between a held write and the
+    end of the turn: what is held must be sent before that close, as it would have been unheld."""
+    server, transport = served(kind, answer)
+    server.transport.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # a HEAD answer: its head alone
+    server.eof_received()
+    transport.close()
+    await asyncio.sleep(0)
+    assert transport.calls == [("write", b"HTTP/1.1 400 Bad Request\r\n\r\n"), ("close", b"")]
+    server.connection_lost(None)

@@ -41,14 +41,15 @@ def made(kind: type) -> object:
 
 
 # Methods protocol.py overrides or calls, by class.
-HTTPTOOLS_METHODS = ["connection_made", "connection_lost", "data_received", "on_message_begin",
-                     "on_headers_complete", "on_body", "on_message_complete",
+HTTPTOOLS_METHODS = ["connection_made", "connection_lost", "data_received", "eof_received",
+                     "on_message_begin", "on_headers_complete", "on_body", "on_message_complete",
                      "on_response_complete", "send_400_response",
                      "_unset_keepalive_if_required"]  # fmt: skip
-H11_METHODS = ["data_received", "connection_lost", "_unsupported_upgrade_warning"]
-# State protocol.py reads on an instance.
-HTTPTOOLS_STATE = ["parser", "pipeline", "connections", "cycle", "loop", "logger"]
-H11_STATE = ["conn", "cycle", "loop"]
+H11_METHODS = ["connection_made", "data_received", "eof_received", "connection_lost",
+               "_unsupported_upgrade_warning"]  # fmt: skip
+# State protocol.py reads on an instance (`transport`: replaced by `_JoinedWrites`).
+HTTPTOOLS_STATE = ["parser", "pipeline", "connections", "cycle", "loop", "logger", "transport"]
+H11_STATE = ["conn", "cycle", "loop", "transport"]
 
 
 @pytest.mark.parametrize(

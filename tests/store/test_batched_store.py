@@ -289,6 +289,41 @@ async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_o
         assert record is not None and record.state == "in_progress"
 
 
+async def test_each_claim_of_a_batch_keeps_its_own_request_byte_for_byte(
+    store: PostgresStore, database_url: str
+) -> None:
+    """The claim takes each kept request from its array by position after the batch's rows are
+    put in key order: claims sent in the reverse of that order each keep their own bytes."""
+    first = new_key()
+    keys = sorted((new_key() for _ in range(4)), reverse=True)
+    requests = {key: SealedRequest(None, bytes([index]) * (1000 + index) + key.encode())
+                for index, key in enumerate(keys)}  # fmt: skip
+    holder = await asyncpg.connect(database_url)
+    try:
+        transaction = await hold(holder, first)
+        held = asyncio.create_task(claim(store, first))
+        await waiting_on_a_lock(holder)
+        before = batches("claim")
+        queued = [asyncio.create_task(store.requests.claim(ROUTE, SCOPE, key, digest("a"), LONG,
+                                                           LONG, requests[key]))
+                  for key in keys]  # fmt: skip
+        await asyncio.sleep(0)
+        await transaction.rollback()
+        assert isinstance(await answered(held), Claim)
+        claims = await answered(asyncio.gather(*queued))
+        assert all(isinstance(claimed, Claim) for claimed in claims)
+        sent, carried = batches("claim")
+        assert (sent - before[0], carried - before[1]) == (1, 4)  # one statement carried them
+        rows = await holder.fetch(
+            "SELECT key, request FROM oncegate_keys WHERE key = ANY($1::text[])", keys
+        )
+        assert {row["key"]: row["request"] for row in rows} == {
+            key: kept.data for key, kept in requests.items()
+        }
+    finally:
+        await holder.close()
+
+
 async def test_a_waiter_that_gives_up_leaves_the_batch_to_the_others_and_claims_nothing(
     store: PostgresStore, database_url: str
 ) -> None:

@@ -433,7 +433,9 @@ _CLAIMS = f"SELECT {FRAGMENTS['citus']['claim_outcome']}"  # queries.sql's, as `
 def _claiming(shards: Sequence[int]) -> str:
     """The claim's parts (`wanted`, a part per shard, `claimed`, `held`): each shard's keys
     inserted into its table (the id from the key table's sequence, as Citus itself takes it on
-    a worker: each node draws from its own range), the rows that already hold the others read."""
+    a worker: each node draws from its own range), the rows that already hold the others read.
+    Each kept request is taken from its array by position as its row is inserted, never
+    carried through `wanted` or the sort (queries.sql's `claim` says why)."""
     inserted = ",\n".join(
         f"""claimed_{shard} AS (
     INSERT INTO oncegate_keys_{shard}
@@ -441,10 +443,8 @@ def _claiming(shards: Sequence[int]) -> str:
          request, request_sealed_with, claimed_by)
     SELECT nextval('oncegate_keys_id_seq'), route, scope, key, fingerprint, 'in_progress', 1,
            oncegate_after(now(), lease), oncegate_after(now(), ttl),
-           request, request_sealed_with, :claimant
-    FROM wanted
-    WHERE shard = {shard}
-    ORDER BY scope, key
+           (:requests::bytea[])[n], request_sealed_with, :claimant
+    FROM (SELECT * FROM wanted WHERE shard = {shard} ORDER BY scope, key OFFSET 0) AS ordered
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, fencing_token, scope, key
 )"""
@@ -464,11 +464,10 @@ def _claiming(shards: Sequence[int]) -> str:
     return f"""wanted AS (
     SELECT *
     FROM unnest(:shards::bigint[], :routes::text[], :scopes::bytea[], :keys::text[],
-                :fingerprints::bytea[], :leases::float8[], :ttls::float8[], :requests::bytea[],
+                :fingerprints::bytea[], :leases::float8[], :ttls::float8[],
                 :requests_sealed_with::text[])
          WITH ORDINALITY
-         AS wanted(shard, route, scope, key, fingerprint, lease, ttl, request,
-                   request_sealed_with, n)
+         AS wanted(shard, route, scope, key, fingerprint, lease, ttl, request_sealed_with, n)
     WHERE (SELECT passed FROM fence)
 ),
 {inserted},

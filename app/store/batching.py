@@ -10,6 +10,12 @@ queued, another statement starts beside the one in flight, so under heavy load s
 of one kind share the pool. And when the statement in flight takes longer than `stall` (a row
 lock, a slow disk), what waited that long is sent beside it rather than stuck behind it.
 
+A heavy operation (weighing `heavy` or more: a claim keeping a request of several MiB) is sent at
+once in a statement of its own, beside whatever is in flight, and nothing ever waits behind it:
+its statement costs PostgreSQL time in proportion to its bytes (about 12 ms a MiB on a quiet
+machine, seconds on a busy one), and the other keys' operations must not pay for it. The light
+ones batch among themselves as if it were not there.
+
 Every operation keeps its own result: `send` gets the queued items in arrival order and returns
 one outcome per item, in the same order (an exception among them is that item's failure
 alone). If `send` fails, every operation of that batch fails
@@ -63,6 +69,7 @@ class Batcher(Generic[Item, Outcome]):
         *,
         weight: Callable[[Item], int] | None = None,
         max_weight: int = 0,
+        heavy: int = 0,
         stall: float = STALL,
         isolate: Callable[[Exception], bool] | None = None,
     ) -> None:
@@ -75,6 +82,7 @@ class Batcher(Generic[Item, Outcome]):
         self._on_abandoned = on_abandoned
         self._weight = weight
         self._max_weight = max_weight
+        self._heavy = heavy if weight is not None else 0
         self._stall = stall
         self._isolate = isolate
         self._queued: list[tuple[Item, asyncio.Future[Outcome]]] = []
@@ -82,6 +90,8 @@ class Batcher(Generic[Item, Outcome]):
         self._in_flight: set[asyncio.Task[None]] = set()
         # The tasks sending a lone operation of their own (`_here`): a statement in flight too.
         self._here: set[asyncio.Task[Any]] = set()
+        # The statements of heavy operations, each alone: in flight, but nothing queues behind.
+        self._aside: set[asyncio.Task[Any]] = set()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
         self._stalls = metrics.STORE_STALLED_BATCHES.labels(operation)
@@ -94,12 +104,20 @@ class Batcher(Generic[Item, Outcome]):
         """Queue `item`, and return its outcome once the statement that carried it returned."""
         if self._closed:
             raise RuntimeError(f"the {self.operation} batcher is closed")
-        if SHIELDED.get() and self.idle():
-            return await self._alone_here(item)
+        heavy = self._heavy > 0 and self._weigh(item) >= self._heavy
+        if SHIELDED.get() and (heavy or self.idle()):
+            return await self._alone_here(item, self._aside if heavy else self._here)
         future: asyncio.Future[Outcome] = self._running_loop().create_future()
-        self._queued.append((item, future))
-        self._queued_weight += self._weigh(item)
-        self._dispatch()
+        if heavy:
+            task = self._running_loop().create_task(
+                self._carry([(item, future)]), name=self._task_name
+            )
+            self._aside.add(task)
+            task.add_done_callback(self._aside.discard)
+        else:
+            self._queued.append((item, future))
+            self._queued_weight += self._weigh(item)
+            self._dispatch()
         try:
             # Not shielded: a caller that stops waiting cancels its own future, and the batch
             # that carries it hands the outcome to `on_abandoned` instead (`_deliver`). A shield
@@ -110,22 +128,28 @@ class Batcher(Generic[Item, Outcome]):
             raise
 
     def idle(self) -> bool:
-        """Whether an operation now would be sent at once, alone."""
+        """Whether an operation now would be sent at once, alone (a heavy one always is: the
+        statements of heavy ones in flight hold nothing up)."""
         return not (self._queued or self._in_flight or self._here)
 
-    async def _alone_here(self, item: Item) -> Outcome:
-        """Send a lone operation in its caller's task, which no client's cancellation reaches
-        (`SHIELDED`): the batch task and the future it spares were about 13 µs of a lone
-        operation's 40 (docs/performance.md). Only the loop's end could cancel it, as it would
-        cancel the forward it is part of."""
+    def unused(self) -> bool:
+        """Whether nothing is queued or in flight, heavy operations' statements included."""
+        return self.idle() and not self._aside
+
+    async def _alone_here(self, item: Item, sending: set[asyncio.Task[Any]]) -> Outcome:
+        """Send a lone (or heavy) operation in its caller's task, which no client's
+        cancellation reaches (`SHIELDED`): the batch task and the future it spares were about
+        13 µs of a lone operation's 40 (docs/performance.md). Only the loop's end could cancel
+        it, as it would cancel the forward it is part of. `sending` is the set it is in flight
+        in: `_here` (light ones queue behind it) or `_aside` (nothing does)."""
         task = asyncio.current_task()
         assert task is not None
-        self._here.add(task)
+        sending.add(task)
         try:
             self._sizes.observe(1)
             outcomes = await self._send([item])
         finally:
-            self._here.discard(task)
+            sending.discard(task)
             if not self._closed:
                 self._dispatch()  # what queued behind it
         if len(outcomes) != 1:
@@ -239,10 +263,10 @@ class Batcher(Generic[Item, Outcome]):
         A close cancelled stops waiting and cancels nothing it waited for (`asyncio.wait`, not
         `gather`): a lone operation's task is its caller's (a keyed request's, out of its
         client's reach), and a batch's outcomes still reach its callers."""
-        while self._queued or self._in_flight or self._here:
+        while not self.unused():
             if self._queued and not (self._in_flight or self._here):
                 self._dispatch()
-            await asyncio.wait({*self._in_flight, *self._here})
+            await asyncio.wait({*self._in_flight, *self._here, *self._aside})
         self._closed = True
         if self._stall_timer is not None:
             self._stall_timer.cancel()
@@ -282,7 +306,7 @@ class PerShard(Generic[Item, Outcome]):
         One still busy is looked at again at the next call; one of a shard or worker named
         again later is made anew by its first operation."""
         for shard, batcher in list(self._batchers.items()):
-            if shard not in current and batcher.idle():
+            if shard not in current and batcher.unused():
                 del self._batchers[shard]
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ from oncegate.model.records import Claim, Record
 from oncegate.service import Gateway, ProxyRequest
 from oncegate.settings import StoreOptions
 from oncegate.store.postgres import PostgresStore
+from oncegate.store.postgres.requests import HEAVY_BYTES
 from tests.e2e.test_store_down import server, start, stop
 from tests.fake_upstream import FakeUpstream, Respond
 from tests.helpers import digest, new_key, stored
@@ -281,7 +282,8 @@ async def test_claims_keeping_large_requests_go_in_statements_of_at_most_4_mib_o
         )
     )
     sent, carried = batches("claim")
-    # The first alone (nothing in flight), then each of the others alone: two would be 6 MiB.
+    # Each alone, at once: a request this large makes its claim heavy (`HEAVY_BYTES`), and two
+    # would be 6 MiB.
     assert (sent - before[0], carried - before[1]) == (3, 3)
     assert all(isinstance(claimed, Claim) for claimed in claims)
     for key in keys:
@@ -320,6 +322,44 @@ async def test_each_claim_of_a_batch_keeps_its_own_request_byte_for_byte(
         assert {row["key"]: row["request"] for row in rows} == {
             key: kept.data for key, kept in requests.items()
         }
+    finally:
+        await holder.close()
+
+
+def stalls(operation: str) -> float:
+    """`oncegate_store_stalled_batches_total` of `operation` so far: statements sent beside one
+    that had not returned within the stall time, carrying what waited behind it."""
+    labels = {"operation": operation}
+    return REGISTRY.get_sample_value("oncegate_store_stalled_batches_total", labels) or 0.0
+
+
+async def test_a_claim_keeping_a_large_request_holds_up_no_other_key(
+    store: PostgresStore, database_url: str
+) -> None:
+    """A claim keeping a large request costs PostgreSQL time in proportion to its bytes (TOAST
+    compression, chunks, WAL: seconds for a few MiB on a machine short of CPU). It goes in a
+    statement of its own, and the other keys' claims never wait behind it: here it is held
+    inside PostgreSQL (an uncommitted row for its key) while small claims come and go, none of
+    them kept back until the stall timer sends it beside."""
+    large, small = SealedRequest(None, b"r" * HEAVY_BYTES), SealedRequest(None, b"s" * 100)
+    held = new_key()
+    holder = await asyncpg.connect(database_url)
+    try:
+        transaction = await hold(holder, held)
+        heavy = asyncio.create_task(
+            store.requests.claim(ROUTE, SCOPE, held, digest("a"), LONG, LONG, large)
+        )
+        await waiting_on_a_lock(holder)
+        before = stalls("claim")
+        for _ in range(3):
+            claimed = await answered(
+                store.requests.claim(ROUTE, SCOPE, new_key(), digest("a"), LONG, LONG, small)
+            )
+            assert isinstance(claimed, Claim)
+        assert not heavy.done()
+        assert stalls("claim") == before  # none waited behind the large claim
+        await transaction.rollback()
+        assert isinstance(await answered(heavy), Claim)
     finally:
         await holder.close()
 

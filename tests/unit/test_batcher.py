@@ -409,6 +409,70 @@ async def test_a_batch_holds_at_most_its_weight_and_a_heavy_operation_goes_alone
     assert recorder.batches == [[1], [3, 3, 3], [20], [3]]
 
 
+class Heavy:
+    """A `send` that holds every statement carrying a heavy item (100 or more) until released,
+    and answers the others at once."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+
+    async def send(self, items: Sequence[int]) -> list[int]:
+        self.batches.append(list(items))
+        if any(item >= 100 for item in items):
+            await self.gate.wait()
+        return [item * 10 for item in items]
+
+
+def heavy_batcher(sender: Heavy) -> Batcher[int, int]:
+    # A stall time no test waits for: only the heavy rule may send anything beside.
+    return Batcher("heavy", sender.send, max_size=8, weight=lambda item: item, max_weight=1000,
+                   heavy=100, stall=3600)  # fmt: skip
+
+
+async def test_nothing_waits_behind_a_heavy_operation_in_flight() -> None:
+    """A heavy operation's statement (a claim keeping a request of several MiB) takes PostgreSQL
+    time in proportion to its bytes: the light ones that come meanwhile go as if it were not
+    there, and another heavy one goes at once beside it."""
+    sender = Heavy()
+    batcher = heavy_batcher(sender)
+    counted = stalls("heavy")
+    first = asyncio.create_task(batcher.run(500))
+    await settle()
+    assert sender.batches == [[500]] and batcher.idle() and not batcher.unused()
+    assert await asyncio.gather(batcher.run(1), batcher.run(2)) == [10, 20]
+    second = asyncio.create_task(batcher.run(300))
+    await settle()
+    assert sender.batches == [[500], [1], [2], [300]]  # each heavy one alone, at once
+    assert not (first.done() or second.done())
+    assert stalls("heavy") == counted  # nothing waited for the stall timer
+    sender.gate.set()
+    assert (await first, await second) == (5000, 3000)
+    assert batcher.unused()
+
+
+async def test_a_heavy_operation_of_a_shielded_task_goes_in_that_task_and_holds_nothing_up() -> (
+    None
+):
+    sender = Heavy()
+    batcher = heavy_batcher(sender)
+
+    async def shielded(item: int) -> int:
+        reach.SHIELDED.set(True)
+        return await batcher.run(item)
+
+    heavy = asyncio.create_task(shielded(500))
+    await settle()
+    assert sender.batches == [[500]] and batcher.idle()
+    assert await shielded(1) == 10  # sent alone in its own task, beside the heavy one
+    closing = asyncio.create_task(batcher.close())
+    await settle()
+    assert not closing.done()  # a close waits for the heavy statement too
+    sender.gate.set()
+    assert await heavy == 5000
+    await closing
+
+
 async def test_an_error_one_operation_causes_fails_only_that_operation() -> None:
     sent: list[list[int]] = []
 

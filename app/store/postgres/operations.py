@@ -121,8 +121,9 @@ def taken_by_rows(
     return outcomes
 
 
-def request_size(claiming: Claiming) -> int:
-    """What a claim weighs in a batch: the request it keeps (up to a route's `max_body`)."""
+def request_size(claiming: Claiming | Reclaiming) -> int:
+    """What a claim (or reclaim) weighs in a batch: the request it keeps (up to a route's
+    `max_body`)."""
     return 0 if claiming.request is None else len(claiming.request.data)
 
 

@@ -84,6 +84,12 @@ Outcome = TypeVar("Outcome")
 # or kept requests (128 on a worker) never make one huge parameter (PostgreSQL refuses a message
 # past 1 GiB, and would fail every operation of the batch with it).
 BATCH_BYTES = 4 * 1024 * 1024
+# An answer or kept request this large is heavy: sent at once in a statement of its own, and no
+# other key's operation waits behind it (`batching.Batcher`). PostgreSQL's time for a claim grows
+# with the request it keeps (about 12 ms a MiB of JSON on a quiet machine: TOAST's compression,
+# its chunks and their WAL, against well under a millisecond for a small claim); at 256 KiB one
+# costs several small batches' round trips, and on a machine short of CPU seconds per MiB.
+HEAVY_BYTES = 256 * 1024
 
 
 class RequestPath:
@@ -125,6 +131,7 @@ class RequestPath:
                 on_abandoned=self._claimed_for_nobody,  # a complete's outcome is no claim
                 weight=_weight,
                 max_weight=2 * BATCH_BYTES,
+                heavy=HEAVY_BYTES,
             )
         else:
             self._claims = self._batcher(
@@ -133,15 +140,22 @@ class RequestPath:
                 on_abandoned=self._claimed_for_nobody,
                 weight=request_size,
                 max_weight=BATCH_BYTES,
+                heavy=HEAVY_BYTES,
             )
             self._completes = self._batcher(
                 "complete",
                 self._complete_batch,
                 weight=answer_size,
                 max_weight=BATCH_BYTES,
+                heavy=HEAVY_BYTES,
             )
         self._reclaims = self._batcher(
-            "reclaim_expired", self._reclaim_batch, on_abandoned=self._claimed_for_nobody
+            "reclaim_expired",
+            self._reclaim_batch,
+            on_abandoned=self._claimed_for_nobody,
+            weight=request_size,  # a reclaim keeps its request as a claim does
+            max_weight=BATCH_BYTES,
+            heavy=HEAVY_BYTES,
         )
         self._take_overs = self._batcher(
             "take_over", self._take_over_batch, on_abandoned=self._taken_for_nobody

@@ -41,9 +41,11 @@ class RequestStore(Protocol):
 
     def claims_idle(self) -> bool:
         """Whether a claim made now would be sent at once, alone: no statement of claims in
-        flight or queued. The flow then claims from the shielded task that forwards, where a
-        lone statement goes without a task of the store's own (`model.reach.SHIELDED`); a claim
-        that would queue waits in its caller's task, where it costs no more."""
+        flight or queued (a claim keeping a large request is sent at once, alone, whatever
+        this says, and its statement in flight makes no other claim wait). The flow then claims
+        from the shielded task that forwards, where a lone statement goes without a task of the
+        store's own (`model.reach.SHIELDED`); a claim that would queue waits in its caller's
+        task, where it costs no more."""
 
     async def get(self, scope: bytes, key: str) -> Record | None: ...
 

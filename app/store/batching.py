@@ -10,11 +10,13 @@ queued, another statement starts beside the one in flight, so under heavy load s
 of one kind share the pool. And when the statement in flight takes longer than `stall` (a row
 lock, a slow disk), what waited that long is sent beside it rather than stuck behind it.
 
-A heavy operation (weighing `heavy` or more: a claim keeping a request of several MiB) is sent at
-once in a statement of its own, beside whatever is in flight, and nothing ever waits behind it:
-its statement costs PostgreSQL time in proportion to its bytes (about 12 ms a MiB on a quiet
-machine, seconds on a busy one), and the other keys' operations must not pay for it. The light
-ones batch among themselves as if it were not there.
+A heavy operation (weighing `heavy` or more: a claim keeping a request of several MiB) goes in a
+statement of its own, beside whatever is in flight, and no light operation ever waits behind
+it: its statement costs PostgreSQL time in proportion to its bytes (about 8 ms a MiB of JSON on
+a quiet machine, seconds on a busy one), and the other keys' operations must not pay for it.
+The light ones batch among themselves as if it were not there. At most `max_heavy` heavy
+statements are in flight at once (the rest wait for one of them, in arrival order), so heavy
+ones never take every connection of the pool from the light ones.
 
 Every operation keeps its own result: `send` gets the queued items in arrival order and returns
 one outcome per item, in the same order (an exception among them is that item's failure
@@ -70,6 +72,7 @@ class Batcher(Generic[Item, Outcome]):
         weight: Callable[[Item], int] | None = None,
         max_weight: int = 0,
         heavy: int = 0,
+        max_heavy: int = 1,
         stall: float = STALL,
         isolate: Callable[[Exception], bool] | None = None,
     ) -> None:
@@ -83,6 +86,7 @@ class Batcher(Generic[Item, Outcome]):
         self._weight = weight
         self._max_weight = max_weight
         self._heavy = heavy if weight is not None else 0
+        self._max_heavy = max(1, max_heavy)
         self._stall = stall
         self._isolate = isolate
         self._queued: list[tuple[Item, asyncio.Future[Outcome]]] = []
@@ -90,8 +94,10 @@ class Batcher(Generic[Item, Outcome]):
         self._in_flight: set[asyncio.Task[None]] = set()
         # The tasks sending a lone operation of their own (`_here`): a statement in flight too.
         self._here: set[asyncio.Task[Any]] = set()
-        # The statements of heavy operations, each alone: in flight, but nothing queues behind.
+        # The statements of heavy operations, each alone: in flight, but nothing light queues
+        # behind them; and the heavy operations waiting for one of them to return.
         self._aside: set[asyncio.Task[Any]] = set()
+        self._heavy_queued: list[tuple[Item, asyncio.Future[Outcome]]] = []
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sizes = metrics.STORE_BATCH_SIZE.labels(operation)
         self._stalls = metrics.STORE_STALLED_BATCHES.labels(operation)
@@ -105,15 +111,12 @@ class Batcher(Generic[Item, Outcome]):
         if self._closed:
             raise RuntimeError(f"the {self.operation} batcher is closed")
         heavy = self._heavy > 0 and self._weigh(item) >= self._heavy
-        if SHIELDED.get() and (heavy or self.idle()):
+        if SHIELDED.get() and (self._room_aside() if heavy else self.idle()):
             return await self._alone_here(item, self._aside if heavy else self._here)
         future: asyncio.Future[Outcome] = self._running_loop().create_future()
         if heavy:
-            task = self._running_loop().create_task(
-                self._carry([(item, future)]), name=self._task_name
-            )
-            self._aside.add(task)
-            task.add_done_callback(self._aside.discard)
+            self._heavy_queued.append((item, future))
+            self._send_aside()
         else:
             self._queued.append((item, future))
             self._queued_weight += self._weigh(item)
@@ -134,7 +137,24 @@ class Batcher(Generic[Item, Outcome]):
 
     def unused(self) -> bool:
         """Whether nothing is queued or in flight, heavy operations' statements included."""
-        return self.idle() and not self._aside
+        return self.idle() and not (self._aside or self._heavy_queued)
+
+    def _room_aside(self) -> bool:
+        """Whether a heavy operation now would be sent at once."""
+        return not self._heavy_queued and len(self._aside) < self._max_heavy
+
+    def _send_aside(self) -> None:
+        """Send the heavy operations waiting, each alone, up to `max_heavy` in flight."""
+        while self._heavy_queued and len(self._aside) < self._max_heavy:
+            batch = [self._heavy_queued.pop(0)]
+            task = self._running_loop().create_task(self._carry(batch), name=self._task_name)
+            self._aside.add(task)
+            task.add_done_callback(self._aside_landed)
+
+    def _aside_landed(self, task: asyncio.Task[None]) -> None:
+        self._aside.discard(task)
+        if not self._closed:
+            self._send_aside()
 
     async def _alone_here(self, item: Item, sending: set[asyncio.Task[Any]]) -> Outcome:
         """Send a lone (or heavy) operation in its caller's task, which no client's
@@ -152,6 +172,7 @@ class Batcher(Generic[Item, Outcome]):
             sending.discard(task)
             if not self._closed:
                 self._dispatch()  # what queued behind it
+                self._send_aside()
         if len(outcomes) != 1:
             raise AssertionError(f"{self.operation}: {len(outcomes)} outcomes for 1 operation")
         outcome = outcomes[0]
@@ -164,6 +185,11 @@ class Batcher(Generic[Item, Outcome]):
             if queued is future:
                 del self._queued[index]  # never sent: as if it never came
                 self._queued_weight -= self._weigh(item)
+                future.cancel()
+                return
+        for index, (_, queued) in enumerate(self._heavy_queued):
+            if queued is future:
+                del self._heavy_queued[index]
                 future.cancel()
                 return
         if future.cancelled():
@@ -266,6 +292,7 @@ class Batcher(Generic[Item, Outcome]):
         while not self.unused():
             if self._queued and not (self._in_flight or self._here):
                 self._dispatch()
+            self._send_aside()
             await asyncio.wait({*self._in_flight, *self._here, *self._aside})
         self._closed = True
         if self._stall_timer is not None:

@@ -427,7 +427,7 @@ class Heavy:
 def heavy_batcher(sender: Heavy) -> Batcher[int, int]:
     # A stall time no test waits for: only the heavy rule may send anything beside.
     return Batcher("heavy", sender.send, max_size=8, weight=lambda item: item, max_weight=1000,
-                   heavy=100, stall=3600)  # fmt: skip
+                   heavy=100, max_heavy=2, stall=3600)  # fmt: skip
 
 
 async def test_nothing_waits_behind_a_heavy_operation_in_flight() -> None:
@@ -448,6 +448,23 @@ async def test_nothing_waits_behind_a_heavy_operation_in_flight() -> None:
     assert stalls("heavy") == counted  # nothing waited for the stall timer
     sender.gate.set()
     assert (await first, await second) == (5000, 3000)
+    assert batcher.unused()
+
+
+async def test_past_max_heavy_a_heavy_operation_waits_for_one_and_the_light_ones_do_not() -> None:
+    sender = Heavy()
+    batcher = heavy_batcher(sender)
+    heavy = [asyncio.create_task(batcher.run(item)) for item in (500, 400, 300, 200)]
+    await settle()
+    assert sender.batches == [[500], [400]]  # two in flight at most; 300 and 200 wait
+    heavy[3].cancel()  # one that gives up before it is sent is never sent
+    assert await batcher.run(1) == 10  # the light ones go as if nothing were in flight
+    assert sender.batches == [[500], [400], [1]]
+    sender.gate.set()
+    assert await asyncio.gather(*heavy[:3]) == [5000, 4000, 3000]
+    assert sender.batches == [[500], [400], [1], [300]]
+    with pytest.raises(asyncio.CancelledError):
+        await heavy[3]
     assert batcher.unused()
 
 

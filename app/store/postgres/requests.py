@@ -115,6 +115,12 @@ class RequestPath:
         self.claimant = claimant()
         self._claims: Batcher[Any, Any] | PerShard[Any, Any]
         self._completes: Batcher[Any, Any] | PerShard[Any, Any]
+        # Heavy statements in flight at once, per kind, so that small claims and settles always
+        # find connections beside them: claims half the request pool (`store_pool_size`),
+        # completes half the answers pool (half as large), reclaims (on the request pool, with
+        # the claims) a quarter of it.
+        heavy_claims = max(1, options.pool_size // 2)
+        heavy_others = max(1, options.pool_size // 4)
         if dialect.together:
             # One batcher, one statement for both where the dialect can (a Citus worker's claims
             # and completes: one fence and one commit for both). It closes with the claims
@@ -132,6 +138,7 @@ class RequestPath:
                 weight=_weight,
                 max_weight=2 * BATCH_BYTES,
                 heavy=HEAVY_BYTES,
+                max_heavy=heavy_claims,
             )
         else:
             self._claims = self._batcher(
@@ -141,6 +148,7 @@ class RequestPath:
                 weight=request_size,
                 max_weight=BATCH_BYTES,
                 heavy=HEAVY_BYTES,
+                max_heavy=heavy_claims,
             )
             self._completes = self._batcher(
                 "complete",
@@ -148,6 +156,7 @@ class RequestPath:
                 weight=answer_size,
                 max_weight=BATCH_BYTES,
                 heavy=HEAVY_BYTES,
+                max_heavy=heavy_others,
             )
         self._reclaims = self._batcher(
             "reclaim_expired",
@@ -156,6 +165,7 @@ class RequestPath:
             weight=request_size,  # a reclaim keeps its request as a claim does
             max_weight=BATCH_BYTES,
             heavy=HEAVY_BYTES,
+            max_heavy=heavy_others,
         )
         self._take_overs = self._batcher(
             "take_over", self._take_over_batch, on_abandoned=self._taken_for_nobody

@@ -39,12 +39,7 @@ def gateway(
         prefix_route("bulk", upstream.url),
         prefix_route("bulkbody", upstream.url, key_from_body="/idempotency_key"),
     ]
-    # Three 8.6 MiB requests at once (`LARGE_BODIES`), each claim keeping its request: on a
-    # machine with both cores busy beside the suite, everything on their path starved, their
-    # claims have taken past the default 10 s a statement and been answered 503
-    # store-unavailable (fail closed, as configured), which is not what these tests are about.
-    env = {"ONCEGATE_STORE_COMMAND_TIMEOUT": "120s"}
-    with GatewayProcess(module_dir, database_url, routes, env=env) as process:
+    with GatewayProcess(module_dir, database_url, routes) as process:
         yield process
 
 

@@ -138,10 +138,10 @@ def task_key(action: str, *, tool_call_id: str | None = None, save_wait: float =
 
 
 def lists(checkpointer: BaseCheckpointSaver[Any], *, sync: bool) -> bool:
-    """Whether the saver can list its checkpoints (LangGraph's base saver's `list` and `alist`
-    raise NotImplementedError: a saver may keep only `get_tuple` and `put`), through the sync
-    API or, `sync` False, either. Asked of the saver's class, as `aread` asks, not by catching
-    what the base raises: a saver's own error reaches the caller as it is."""
+    """Whether the saver can list its checkpoints, through the sync API or, `sync` False, either:
+    a saver may keep only `get_tuple` and `put`, and then LangGraph's base `list` and `alist`
+    refuse to list. Asked of the saver's class, as `aread` asks, not by catching what the base
+    raises: a saver's own error reaches the caller as it is."""
     saver = type(checkpointer)
     if saver.list is not BaseCheckpointSaver.list:
         return True

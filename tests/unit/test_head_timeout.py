@@ -8,7 +8,6 @@ from the connection's start, and a head that comes whole in time is served."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,51 +15,9 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from oncegate.http import protocol
+from tests.transport import REQUEST, Calls
 
 TIMEOUT = 1.0
-BODY = b'{"a":1}'
-REQUEST = (
-    b"POST /emails HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-    b"Content-Length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY
-)
-
-
-class Recorded(asyncio.Transport):
-    """A transport that keeps what is written and whether it was closed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = b""
-        self.closed = False
-        self.changed = asyncio.Event()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += bytes(data)
-        self.changed.set()
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-        self.changed.set()
-
-    async def until(self, done: Callable[[], bool]) -> None:
-        async with asyncio.timeout(10):
-            while not done():
-                self.changed.clear()
-                await self.changed.wait()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 40000)}.get(
-            name, default
-        )
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -71,7 +28,7 @@ async def app(scope: Any, receive: Any, send: Any) -> None:
 
 
 @pytest.fixture
-async def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[protocol.HttpProtocol, Recorded]:
+async def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[protocol.HttpProtocol, Calls]:
     monkeypatch.setattr(protocol, "HEAD_TIMEOUT", TIMEOUT)
     config = Config(app=app, http=protocol.HttpProtocol, log_config=None, lifespan="off")
     config.load()
@@ -79,17 +36,17 @@ async def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[protocol.HttpProt
         config=config, server_state=ServerState(), app_state={},
         _loop=asyncio.get_running_loop(),
     )  # fmt: skip
-    transport = Recorded()
+    transport = Calls()
     server.connection_made(transport)
     return server, transport
 
 
-async def answered(transport: Recorded, count: int) -> None:
-    await transport.until(lambda: transport.written.count(b"HTTP/1.1 201") >= count)
+async def answered(transport: Calls, count: int) -> None:
+    await transport.until(lambda: transport.sent().count(b"HTTP/1.1 201") >= count)
 
 
 async def test_a_later_head_is_timed_from_its_own_first_byte(
-    connection: tuple[protocol.HttpProtocol, Recorded],
+    connection: tuple[protocol.HttpProtocol, Calls],
 ) -> None:
     server, transport = connection
     server.data_received(REQUEST)
@@ -97,27 +54,27 @@ async def test_a_later_head_is_timed_from_its_own_first_byte(
     await asyncio.sleep(0.6 * TIMEOUT)
     server.data_received(REQUEST[:20])  # the next head begins, 0.6 timeouts after the start
     await asyncio.sleep(0.6 * TIMEOUT)  # past the connection's first timeout, not its own
-    assert not transport.closed
+    assert not transport.closing
     server.data_received(REQUEST[20:])
     await answered(transport, 2)
-    assert b"408" not in transport.written
+    assert b"408" not in transport.sent()
     server.connection_lost(None)
 
 
 async def test_a_head_that_stops_coming_is_answered_408_and_closed(
-    connection: tuple[protocol.HttpProtocol, Recorded],
+    connection: tuple[protocol.HttpProtocol, Calls],
 ) -> None:
     server, transport = connection
     server.data_received(REQUEST)
     await answered(transport, 1)
     server.data_received(REQUEST[:20])  # and nothing more
-    await transport.until(lambda: transport.closed)
-    assert transport.written.split(b"HTTP/1.1 ")[-1].startswith(b"408")
+    await transport.until(lambda: transport.closing)
+    assert transport.sent().split(b"HTTP/1.1 ")[-1].startswith(b"408")
     server.connection_lost(None)
 
 
 async def test_an_idle_keep_alive_connection_is_not_answered_408(
-    connection: tuple[protocol.HttpProtocol, Recorded],
+    connection: tuple[protocol.HttpProtocol, Calls],
 ) -> None:
     """Between requests no head is in progress: the keep-alive timeout (uvicorn's, 5 s by
     default) is the one that closes an idle connection, silently."""
@@ -125,5 +82,5 @@ async def test_an_idle_keep_alive_connection_is_not_answered_408(
     server.data_received(REQUEST)
     await answered(transport, 1)
     await asyncio.sleep(1.5 * TIMEOUT)
-    assert b"408" not in transport.written
+    assert b"408" not in transport.sent()
     server.connection_lost(None)

@@ -8,7 +8,6 @@ or a hand-over to another protocol."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -16,69 +15,7 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from oncegate.http import protocol
-
-BODY = b'{"a":1}'
-REQUEST = (
-    b"POST /emails HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-    b"Content-Length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY
-)
-
-
-class Calls(asyncio.Transport):
-    """A transport that keeps every call that sends bytes, one item per call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, bytes]] = []
-        self.closing = False
-        self.changed = asyncio.Event()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        assert not self.closing, "written after the connection closed"
-        self.calls.append(("write", bytes(data)))
-        self.changed.set()
-
-    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
-        assert not self.closing, "written after the connection closed"
-        self.calls.append(("writelines", b"".join(bytes(data) for data in list_of_data)))
-        self.changed.set()
-
-    def close(self) -> None:
-        self.closing = True
-        self.calls.append(("close", b""))
-
-    def abort(self) -> None:
-        self.closing = True
-        self.calls.append(("abort", b""))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 40000)}.get(
-            name, default
-        )
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        pass
-
-    def sent(self) -> bytes:
-        return b"".join(data for _, data in self.calls)
-
-    async def until(self, done: Callable[[], bool]) -> None:
-        async with asyncio.timeout(10):
-            while not done():
-                self.changed.clear()
-                await self.changed.wait()
+from tests.transport import BODY, REQUEST, Calls
 
 
 async def answer(scope: Any, receive: Any, send: Any) -> None:

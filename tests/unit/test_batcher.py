@@ -468,6 +468,36 @@ async def test_past_max_heavy_a_heavy_operation_waits_for_one_and_the_light_ones
     assert batcher.unused()
 
 
+async def test_a_failed_heavy_statement_fails_its_operation_alone_and_frees_its_place() -> None:
+    """The store down while a claim keeping a large request is in flight: that claim fails (the
+    gateway answers 503 and forwards nothing), the heavy one waiting for its place is sent, and
+    the light ones never saw it."""
+    sent: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def send(items: Sequence[int]) -> list[int]:
+        sent.append(list(items))
+        if 500 in items:
+            await gate.wait()
+            raise ConnectionError("the store went away")
+        return [item * 10 for item in items]
+
+    batcher = Batcher("heavy", send, max_size=8, weight=lambda item: item, max_weight=1000,
+                      heavy=100, max_heavy=1, stall=3600)  # fmt: skip
+    failing = asyncio.create_task(batcher.run(500))
+    waiting = asyncio.create_task(batcher.run(300))
+    await settle()
+    assert sent == [[500]]  # one heavy in flight at most: 300 waits
+    assert await batcher.run(1) == 10
+    gate.set()
+    with pytest.raises(ConnectionError):
+        await failing
+    async with asyncio.timeout(10):  # a place never freed would hold it for ever
+        assert await waiting == 3000
+    assert sent == [[500], [1], [300]]
+    assert batcher.unused()
+
+
 async def test_a_heavy_operation_of_a_shielded_task_goes_in_that_task_and_holds_nothing_up() -> (
     None
 ):
